@@ -1,0 +1,342 @@
+"""Typed, nested run configs: YAML files plus `key.sub=value` overrides, validated once, frozen afterwards.
+
+Every stage has one config class (`SFTConfig`, `RMConfig`, ...) built from the shared `TrainConfig` and a
+stage-specific `algo` section. `load_config(cls, path, overrides)` reads the YAML, applies the overrides, checks
+every key and type, then runs each section's `check()`; any problem raises `ConfigError` naming the full key
+(`optim.lr`, `data.train`) before a model is loaded. Each field is documented once, here, where it is declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from rlhfkit.errors import ConfigError
+
+
+# 1. Sections shared by every stage ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False  # train LoRA adapters (peft) instead of the full model
+    r: int = 16  # adapter rank
+    alpha: int = 32  # scaling numerator: the update is scaled by alpha / r
+    dropout: float = 0.05  # dropout on the adapter input
+    target_modules: str | list[str] = "all-linear"  # peft target modules; "all-linear" = every linear but the head
+    merge_on_save: bool = True  # save merged full weights (loadable without peft); False saves the adapter only
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.r < 1:
+            errors.append(("r", f"must be >= 1, got {self.r}"))
+        if not 0.0 <= self.dropout < 1.0:
+            errors.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A local directory, a hub name (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"), a directory or hub repo holding
+    # `gguf_file`, or "tiny" for a tiny random model and tokenizer built offline (tests and *_tiny.yaml configs).
+    name_or_path: str = ""
+    gguf_file: str | None = None  # a .gguf file inside name_or_path (or a path); converted once to safetensors
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # weights dtype on load
+    gradient_checkpointing: bool = False  # trade compute for activation memory
+    trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.name_or_path:
+            return [("name_or_path", "is required (a local directory, a hub name, or 'tiny')")]
+        return []
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # a local .jsonl/.json/.csv/.parquet file or a hub dataset name
+    eval: str | None = None  # same forms as `train`; None = hold out `eval_fraction` of train (or no eval)
+    train_split: str = "train"  # split used when `train` is a hub dataset
+    eval_split: str = "test"  # split used when `eval` is a hub dataset
+    eval_fraction: float = 0.0  # with no `eval`: this fraction of train is held out (seeded) for evaluation
+    max_length: int = 1024  # tokens in prompt + response; longer responses are cut (counted and reported)
+    max_prompt_length: int = 512  # tokens in the prompt; see `truncation`
+    truncation: Literal["truncate", "error"] = "truncate"  # over-long prompt: keep its last tokens, or fail
+    packing: bool = False  # SFT only: concatenate examples into full `max_length` rows (no padding waste)
+    max_samples: int | None = None  # use only the first N records of each split (quick experiments)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.train:
+            errors.append(("train", "is required (a local file or a hub dataset name)"))
+        if not 0.0 <= self.eval_fraction < 1.0:
+            errors.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
+        if self.max_length < 2:
+            errors.append(("max_length", f"must be >= 2, got {self.max_length}"))
+        if not 1 <= self.max_prompt_length < self.max_length:
+            errors.append(("max_prompt_length", f"must be in [1, max_length={self.max_length}), got {self.max_prompt_length}"))
+        if self.max_samples is not None and self.max_samples < 1:
+            errors.append(("max_samples", f"must be >= 1, got {self.max_samples}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5  # peak learning rate (AdamW)
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    scheduler: Literal["constant", "linear", "cosine"] = "linear"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup steps; overrides warmup_ratio when > 0
+    warmup_ratio: float = 0.0  # warmup as a fraction of the total optimizer steps
+    max_grad_norm: float | None = 1.0  # clip the global gradient norm; None = no clipping
+    per_device_batch_size: int = 8  # examples (pairs, for preference data) per micro-batch per process
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.lr < 0:
+            errors.append(("lr", f"must be >= 0, got {self.lr}"))
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            errors.append(("adam_betas", f"must be two numbers in [0, 1), got {self.adam_betas}"))
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            errors.append(("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}"))
+        if self.warmup_steps < 0:
+            errors.append(("warmup_steps", f"must be >= 0, got {self.warmup_steps}"))
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            errors.append(("max_grad_norm", f"must be > 0 or null, got {self.max_grad_norm}"))
+        if self.per_device_batch_size < 1:
+            errors.append(("per_device_batch_size", f"must be >= 1, got {self.per_device_batch_size}"))
+        if self.grad_accum_steps < 1:
+            errors.append(("grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    logging_steps: int = 10  # write metrics every N optimizer steps
+    eval_steps: int = 0  # evaluate every N steps (0 = only at the end of training)
+    save_steps: int = 0  # write a resumable checkpoint every N steps (0 = none before the final save)
+    save_total_limit: int = 2  # keep the N newest checkpoints
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)  # extra metric sinks
+    progress_bar: bool = True  # tqdm bar with the live loss
+    run_name: str | None = None  # name shown in TensorBoard/W&B (default: output_dir's name)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        for name in ("logging_steps", "save_total_limit"):
+            if getattr(self, name) < 1:
+                errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        for name in ("eval_steps", "save_steps"):
+            if getattr(self, name) < 0:
+                errors.append((name, f"must be >= 0, got {getattr(self, name)}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Keys every stage shares."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output_dir: str = ""  # where the model, config.yaml, metrics.jsonl and checkpoints go
+    seed: int = 42  # seeds data order, initialisation of new heads, dropout and sampling
+    max_steps: int = -1  # optimizer steps; -1 = run `num_epochs` over the training set
+    num_epochs: float = 1.0  # passes over the training set when max_steps is -1
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast through accelerate
+    resume: bool = False  # continue from the newest checkpoint in output_dir
+    overwrite: bool = False  # allow writing into an output_dir that holds another run
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.output_dir:
+            errors.append(("output_dir", "is required"))
+        if self.max_steps == 0 or self.max_steps < -1:
+            errors.append(("max_steps", f"must be >= 1 or -1 (use num_epochs), got {self.max_steps}"))
+        if self.max_steps == -1 and self.num_epochs <= 0:
+            errors.append(("num_epochs", f"must be > 0, got {self.num_epochs}"))
+        if self.resume and self.overwrite:
+            errors.append(("resume", "and overwrite=true are contradictory: resume continues the run overwrite would replace"))
+        return errors
+
+
+# 2. Stage configs ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    completion_only: bool = True  # loss on completion (assistant) tokens only; False = on every token
+
+
+@dataclass(frozen=True)
+class SFTConfig(TrainConfig):
+    algo: SFTOptions = field(default_factory=SFTOptions)
+
+
+@dataclass(frozen=True)
+class RMOptions:
+    # Bradley-Terry loss -log σ(r_c - r_r - m): m is the record's "margin" field (Llama 2, arXiv 2307.09288 eq. 2)
+    # when the data has one, times `margin_scale`; 0 turns margins off.
+    margin_scale: float = 1.0
+    # Reward centering (Eisenstein et al. 2023, arXiv 2312.09244): + coef · (r_c + r_r)², keeping scores near 0.
+    center_coef: float = 0.0
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.center_coef < 0:
+            return [("center_coef", f"must be >= 0, got {self.center_coef}")]
+        return []
+
+
+@dataclass(frozen=True)
+class RMConfig(TrainConfig):
+    algo: RMOptions = field(default_factory=RMOptions)
+
+
+# 3. Loading ---------------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError naming `key` and the expected type."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item_tp,) = typing.get_args(tp)
+            return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+            return float(value)  # YAML 1.1 reads `1e-5` (no dot) as a string; users mean the number
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    for name, message in check() if check else []:
+        raise ConfigError(f"config key '{prefix}{name}' {message}")
+    return obj
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["optim.lr=1e-4", "data.train=x.jsonl"]` -> nested dict; values are parsed as YAML scalars/lists."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}': expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # not valid YAML: take the text as a string
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' was already given a value")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file '{path}'{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}': expected a mapping of keys at the top level, got {type(data).__name__}")
+    return data
+
+
+C = typing.TypeVar("C")
+
+
+def load_config(cls: type[C], path: str | None = None, overrides: list[str] | None = None) -> C:
+    """Build a validated, frozen `cls` from a YAML file and `key.sub=value` overrides (overrides win)."""
+    data = read_yaml(path) if path else {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(cls, data)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
