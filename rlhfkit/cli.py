@@ -1,0 +1,85 @@
+"""`rlhfkit <stage> --config FILE [key.sub=value ...]`: one entry point for every stage.
+
+Bad input (a `UserError` anywhere: config, data, model path, output_dir) prints one line and exits with status 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+
+from rlhfkit.errors import UserError
+
+# stage -> (config class, trainer class, what it trains), imported lazily so `--help` is instant.
+STAGES = {
+    "sft": ("rlhfkit.config:SFTConfig", "rlhfkit.trainers.sft:SFTTrainer", "supervised fine-tuning on prompt/completion or chat data"),
+    "rm": ("rlhfkit.config:RMConfig", "rlhfkit.trainers.reward:RewardTrainer", "reward model on chosen/rejected pairs (Bradley-Terry)"),
+}
+
+
+def _load(ref: str):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhfkit", description="Align language models with human preferences.")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, (_, _, help_text) in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=f"rlhfkit {name}: {help_text}")
+        p.add_argument("--config", help="YAML config file (see configs/)")
+        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied after the file")
+    return parser
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rlhfkit: %(message)s"))
+    log = logging.getLogger("rlhfkit")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def run_stage(stage: str, config: str | None, overrides: list[str], print_config: bool = False) -> dict:
+    from rlhfkit.config import config_to_yaml, load_config
+
+    config_ref, trainer_ref, _ = STAGES[stage]
+    cfg = load_config(_load(config_ref), config, overrides)
+    if print_config:
+        print(config_to_yaml(cfg), end="")
+        return {}
+    trainer = _load(trainer_ref)(cfg)
+    t0 = time.time()
+    result = trainer.fit()
+    summary = ", ".join(f"{k}={v:.4g}" for k, v in result.items() if k.startswith(("loss", "eval/", "accuracy")))
+    print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {cfg.output_dir}" + (f" ({summary})" if summary else ""))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging()
+    try:
+        run_stage(args.stage, args.config, args.overrides, args.print_config)
+    except UserError as exc:
+        print(f"rlhfkit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlhfkit: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

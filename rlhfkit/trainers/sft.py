@@ -1,0 +1,45 @@
+"""Supervised fine-tuning: next-token loss on completion tokens (or on everything), optional packing."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.config import SFTConfig
+from rlhfkit.data import collate_sft, pack_sft
+from rlhfkit.losses.aggregate import aggregate
+from rlhfkit.losses.sft import token_nll
+from rlhfkit.models import load_causal_lm
+from rlhfkit.trainers.base import Trainer
+from rlhfkit.types import SFTBatch
+
+
+class SFTTrainer(Trainer):
+    kind = "sft"
+    cfg: SFTConfig
+
+    def load_model(self, tokenizer):
+        return load_causal_lm(self.cfg.model, tokenizer)
+
+    def prepare_train_set(self, examples):
+        return pack_sft(examples, self.cfg.data.max_length) if self.cfg.data.packing else examples
+
+    def collate(self, examples) -> SFTBatch:
+        batch = collate_sft(examples, self.tokenizer.pad_token_id)
+        if not self.cfg.algo.completion_only:
+            batch.labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+        return batch
+
+    def count(self, batch: SFTBatch) -> int:
+        return int((batch.labels[:, 1:] != -100).sum())
+
+    def compute_loss(self, model, batch: SFTBatch, num_items: float):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
+        nll, parts = token_nll(logits, batch.labels)  # (B, T-1)
+        mask = parts["mask"]
+        loss = aggregate(nll, mask, "token-mean", num_tokens=num_items)
+        n = mask.sum().clamp(min=1)
+        return loss, {
+            "loss": (nll.sum() / n).detach(),
+            "mean_token_accuracy": (parts["correct"].sum() / n),
+            "num_tokens": mask.sum(),
+        }
