@@ -268,6 +268,9 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (known: {', '.join(names)})"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    for name in names:  # absent sections are built too, so their checks run (e.g. a missing model.name_or_path)
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], {}, f"{prefix}{name}.")
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     for name, message in check() if check else []:

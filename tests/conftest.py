@@ -1,0 +1,25 @@
+"""Shared test setup: every test runs offline, with the model cache in a per-session temporary directory."""
+
+import os
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Build tiny models into a fresh cache once per session, unless RLHFKIT_CACHE is set by the caller."""
+    if "RLHFKIT_CACHE" not in os.environ:
+        os.environ["RLHFKIT_CACHE"] = str(tmp_path_factory.mktemp("rlhfkit-cache"))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _chdir_root(monkeypatch):
+    """Configs name data files relative to the repository root."""
+    monkeypatch.chdir(ROOT)
