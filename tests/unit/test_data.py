@@ -1,0 +1,384 @@
+"""rlhfkit.data: loading, format detection, validation messages, rendering, masks, truncation, collators.
+
+Everything runs offline on the char-level tiny tokenizer (ChatML template, pad == eos == "<|im_end|>"), so one
+character is one token and expected ids can be written down directly.
+"""
+
+import json
+import logging
+
+import pyarrow
+import pyarrow.parquet
+import pytest
+import torch
+
+from rlhfkit.config import DataConfig
+from rlhfkit.data import (
+    TruncationStats,
+    build_datasets,
+    collate_preference,
+    collate_prompts,
+    collate_sft,
+    collate_unpaired,
+    detect_format,
+    load_records,
+    pack_sft,
+    tokenize_records,
+)
+from rlhfkit.errors import DataError
+from rlhfkit.models import build_tiny_tokenizer
+
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def plain_tok():
+    t = build_tiny_tokenizer()
+    t.chat_template = None
+    return t
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def chat(tok, messages, generation_prompt=False):
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def ids(tok, text, special=False):
+    return tok(text, add_special_tokens=special)["input_ids"]
+
+
+def tokenize(records, kind, tok, source="d.jsonl", **cfg):
+    cfg = DataConfig(train=source, **{"max_length": 256, "max_prompt_length": 128, **cfg})
+    return tokenize_records(records, detect_format(records, kind, source), kind, tok, cfg, source)
+
+
+def labelled(example):
+    return [t for t in example["labels"] if t != -100]
+
+
+# 1. Loading -----------------------------------------------------------------------------------------------------
+
+PC = [{"prompt": "p0", "completion": "c0"}, {"prompt": "p1", "completion": "c1"}, {"prompt": "p2", "completion": "c2"}]
+
+
+def test_load_jsonl_skips_blank_lines_and_keeps_first_n(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(PC[0]) + "\n\n  \n" + json.dumps(PC[1]) + "\n" + json.dumps(PC[2]))
+    assert load_records(str(path)) == PC
+    assert load_records(str(path), max_samples=2) == PC[:2]
+
+
+def test_load_json_list_and_json_lines_in_a_json_file(tmp_path):
+    (tmp_path / "list.json").write_text(json.dumps(PC))
+    (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in PC))
+    assert load_records(str(tmp_path / "list.json")) == PC
+    assert load_records(str(tmp_path / "lines.json")) == PC
+
+
+def test_load_csv_infers_bools_and_numbers(tmp_path):
+    (tmp_path / "d.csv").write_text("prompt,completion,label,margin\nhi,yo,true,1.5\nhey,no,false,\n")
+    assert load_records(str(tmp_path / "d.csv")) == [
+        {"prompt": "hi", "completion": "yo", "label": True, "margin": 1.5},
+        {"prompt": "hey", "completion": "no", "label": False, "margin": None},
+    ]
+
+
+def test_load_parquet_keeps_message_lists(tmp_path):
+    records = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), tmp_path / "d.parquet")
+    assert load_records(str(tmp_path / "d.parquet")) == records
+
+
+def test_hub_names_go_to_datasets_and_failures_name_the_dataset(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(PC))
+    assert load_records("org/name", max_samples=2) == PC[:2]
+
+    def fail(name, split):
+        raise ConnectionError("no network\nmore detail")
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    with pytest.raises(DataError, match=r"^dataset 'org/name' \(split 'test'\) could not be loaded: no network$"):
+        load_records("org/name", split="test")
+
+
+@pytest.mark.parametrize("source", ["x.jsonl", "data/x.txt", "./x", "/nonexistent/dir/file"])
+def test_missing_path_is_not_found(source):
+    with pytest.raises(DataError, match="^data file '" + source + "' not found$"):
+        load_records(source)
+
+
+def test_load_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text("\n".join([json.dumps(PC[0])] * 6) + '\n{"prompt": "a" "completion": "b"}\n')
+    with pytest.raises(DataError, match=r"x\.jsonl line 7: malformed JSON \(Expecting ',' delimiter: col 16\)$"):
+        load_records(str(path))
+    path.write_text(json.dumps(PC[0]) + "\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"x\.jsonl line 2: expected a JSON object \(one record per line\), got list"):
+        load_records(str(path))
+    path.write_text("\n \n")
+    with pytest.raises(DataError, match=r"x\.jsonl: no records \(empty dataset\)$"):
+        load_records(str(path))
+    (tmp_path / "x.json").write_text('[{"prompt": 1},')
+    with pytest.raises(DataError, match=r"x\.json: malformed JSON \(Expecting value: line 1 col 16\)"):
+        load_records(str(tmp_path / "x.json"))
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(DataError, match=r"x\.txt': unsupported extension '\.txt'"):
+        load_records(str(tmp_path / "x.txt"))
+
+
+# 2. Format detection and validation -----------------------------------------------------------------------------
+
+MSGS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+@pytest.mark.parametrize(
+    "kind,record,fmt",
+    [
+        ("sft", {"prompt": "p", "completion": "c"}, "prompt_completion"),
+        ("sft", {"messages": MSGS}, "messages"),
+        ("preference", {"prompt": "p", "chosen": "c", "rejected": "r", "margin": 1}, "pairwise"),
+        ("preference", {"prompt": MSGS[:1], "chosen": MSGS[1:], "rejected": "r"}, "pairwise"),
+        ("preference", {"chosen": "\n\nHuman: q\n\nAssistant: c", "rejected": "\n\nHuman: q\n\nAssistant: r"}, "hh_rlhf"),
+        ("unpaired", {"prompt": "p", "completion": "c", "label": False}, "unpaired"),
+        ("prompt", {"prompt": "p"}, "prompt"),
+        ("prompt", {"messages": MSGS}, "messages"),
+    ],
+)
+def test_detect_format(kind, record, fmt):
+    assert detect_format([record, record], kind, "d.jsonl") == fmt
+
+
+@pytest.mark.parametrize(
+    "kind,records,message",
+    [
+        ("sft", [{"prompt": "p"}], "x.jsonl record 0: missing field 'completion' (expected {prompt, completion} or {messages})"),
+        ("preference", [{"prompt": "p", "chosen": "c", "rejected": "r"}] * 3 + [{"prompt": "p", "chosen": 7, "rejected": "r"}],
+         "x.jsonl record 3: field 'chosen' must be a string or a list of {role, content} messages, got int"),
+        ("sft", [{"prompt": "p", "completion": "c"}, {"prompt": "p"}],
+         "x.jsonl record 1: missing field 'completion' (format 'prompt_completion', detected from record 0)"),
+        ("sft", [{"messages": [{"role": "bot", "content": "x"}]}],
+         "x.jsonl record 0: field 'messages' message 0: role must be one of system, user, assistant, got 'bot'"),
+        ("sft", [{"messages": [{"role": "user", "content": None}]}],
+         "x.jsonl record 0: field 'messages' message 0: content must be a string, got null"),
+        ("sft", [{"messages": [{"role": "user", "content": "q"}]}], "x.jsonl record 0: field 'messages' has no assistant turn"),
+        ("unpaired", [{"prompt": "p", "completion": "c", "label": 1}], "x.jsonl record 0: field 'label' must be a bool"),
+        ("preference", [{"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}],
+         "x.jsonl record 0: field 'margin' must be a finite number, got 'big'"),
+        ("preference", [{"prompt": "p", "chosen": [{"role": "user", "content": "c"}], "rejected": "r"}],
+         "x.jsonl record 0: field 'chosen' must start with an assistant turn (the response), got role 'user'"),
+        ("preference", [{"chosen": "c", "rejected": "r"}], "x.jsonl record 0: fields 'chosen' and 'rejected' share no"),
+    ],
+)
+def test_validation_errors_name_record_and_field(kind, records, message):
+    with pytest.raises(DataError) as err:
+        detect_format(records, kind, "x.jsonl")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# 3. Rendering, masks and EOS ---------------------------------------------------------------------------------------
+
+
+def test_sft_completion_only_mask_is_exact(tok):
+    (ex,), stats = tokenize([{"prompt": "Hi there", "completion": "Hello!"}], "sft", tok)
+    prompt_ids = ids(tok, chat(tok, [{"role": "user", "content": "Hi there"}], True))
+    n = len(prompt_ids)
+    assert ex["input_ids"][:n] == prompt_ids
+    assert ex["labels"][:n] == [-100] * n and -100 not in ex["labels"][n:]
+    assert ex["labels"][n:] == ex["input_ids"][n:]
+    assert tok.decode(labelled(ex)) == "Hello!" + EOS
+    assert stats == TruncationStats(records=1)
+
+
+def test_sft_messages_mask_every_assistant_turn(tok):
+    turns = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    (ex,), _ = tokenize([{"messages": turns}], "sft", tok)
+    # The ids are the whole rendered conversation up to the last EOS; the labelled runs are exactly the two answers.
+    assert tok.decode(ex["input_ids"]) == chat(tok, turns).rstrip("\n")
+    runs, run = [], []
+    for t in ex["labels"] + [-100]:
+        if t == -100 and run:
+            runs.append(tok.decode(run))
+            run = []
+        elif t != -100:
+            run.append(t)
+    assert runs == ["a1" + EOS, "a2" + EOS]
+
+
+def test_preference_responses_end_at_eos(tok):
+    (ex,), _ = tokenize([{"prompt": "Q", "chosen": "good", "rejected": [{"role": "assistant", "content": "bad"}], "margin": 2}],
+                        "preference", tok)
+    assert ex["prompt_ids"] == ids(tok, chat(tok, [{"role": "user", "content": "Q"}], True))
+    assert tok.decode(ex["chosen_ids"]) == "good" + EOS  # ChatML's trailing "\n" is not part of the response
+    assert ex["rejected_ids"][-1] == tok.eos_token_id and tok.decode(ex["rejected_ids"]) == "bad" + EOS
+    assert ex["margin"] == 2.0
+
+
+def test_ultrafeedback_style_responses_drop_the_repeated_prompt(tok):
+    record = {"prompt": "Q", "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "rejected": "B"}
+    (ex,), _ = tokenize([record], "preference", tok)
+    assert tok.decode(ex["chosen_ids"]) == "A" + EOS
+
+
+def test_hh_rlhf_with_chat_template_becomes_messages(tok):
+    shared = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: tell me"
+    record = {"chosen": shared + "\n\nAssistant: sure thing", "rejected": shared + "\n\nAssistant: sure? no"}
+    (ex,), _ = tokenize([record], "preference", tok)
+    prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "tell me"}]
+    assert ex["prompt_ids"] == ids(tok, chat(tok, prompt, True))
+    assert tok.decode(ex["chosen_ids"]) == "sure thing" + EOS
+    assert tok.decode(ex["rejected_ids"]) == "sure? no" + EOS
+
+
+def test_hh_rlhf_without_chat_template_is_raw_text(plain_tok):
+    record = {"chosen": "\n\nHuman: hi\n\nAssistant: yes", "rejected": "\n\nHuman: hi\n\nAssistant: no"}
+    (ex,), _ = tokenize([record], "preference", plain_tok)
+    assert ex["prompt_ids"] == ids(plain_tok, "\n\nHuman: hi\n\nAssistant:", special=True)
+    assert ex["chosen_ids"] == ids(plain_tok, " yes") + [plain_tok.eos_token_id]
+    assert ex["rejected_ids"] == ids(plain_tok, " no") + [plain_tok.eos_token_id]
+
+
+def test_no_chat_template_text_and_messages(plain_tok, caplog):
+    (ex,), _ = tokenize([{"prompt": "Hi", "completion": "Yo"}], "sft", plain_tok)
+    assert ex["input_ids"] == ids(plain_tok, "Hi", special=True) + ids(plain_tok, "Yo") + [plain_tok.eos_token_id]
+    assert labelled(ex) == ids(plain_tok, "Yo") + [plain_tok.eos_token_id]
+    with caplog.at_level(logging.WARNING, logger="rlhfkit"):
+        examples, _ = tokenize([{"messages": MSGS}] * 2, "sft", plain_tok)
+    assert sum("no chat template" in r.message for r in caplog.records) == 1  # warned once
+    assert plain_tok.decode(examples[0]["input_ids"]) == "user: q\nassistant: a\n" + EOS
+    assert plain_tok.decode(labelled(examples[0])) == "a\n" + EOS
+
+
+def test_prompt_kind_drops_a_final_assistant_turn(tok):
+    (ex,), _ = tokenize([{"messages": MSGS}], "prompt", tok)
+    assert ex == {"prompt_ids": ids(tok, chat(tok, MSGS[:1], True))}
+
+
+def test_prefix_unstable_template_is_an_error():
+    t = build_tiny_tokenizer()
+    t.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(DataError, match=r"d\.jsonl record 0: the chat template is not prefix-stable"):
+        tokenize([{"prompt": "p", "completion": "c"}], "sft", t)
+
+
+# 4. Truncation and drops -------------------------------------------------------------------------------------------
+
+
+def test_truncation_keeps_last_prompt_tokens_and_cuts_responses(plain_tok):
+    records = [{"prompt": "abcdefghij", "completion": "xyz"}, {"prompt": "ab", "completion": "0123456789"}]
+    (long_prompt, long_response), stats = tokenize(records, "sft", plain_tok, max_length=6, max_prompt_length=4)
+    assert plain_tok.decode(long_prompt["input_ids"]) == "ghijxy"  # last 4 prompt tokens, response cut to 6 - 4
+    assert plain_tok.decode(long_response["input_ids"]) == "ab0123"
+    assert labelled(long_response) == ids(plain_tok, "0123")
+    assert stats == TruncationStats(records=2, prompts_truncated=1, responses_truncated=2, dropped=0)
+    assert stats.summary("d.jsonl").startswith("d.jsonl: 2 records -> 2 examples; 1 prompts truncated")
+
+
+def test_truncation_error_mode(plain_tok):
+    records = [{"prompt": "ok"}, {"prompt": "abcdefghij"}]
+    with pytest.raises(DataError, match=r"^d\.jsonl record 1: prompt is 10 tokens, longer than data\.max_prompt_length=4 "
+                                        r"\(set data\.truncation=truncate to cut it\)$"):
+        tokenize(records, "prompt", plain_tok, max_length=6, max_prompt_length=4, truncation="error")
+
+
+def test_identical_pairs_are_dropped_and_counted(plain_tok, caplog):
+    records = [{"prompt": "p", "chosen": "same", "rejected": "same"},
+               {"prompt": "p", "chosen": "abcX", "rejected": "abcY"},  # identical once cut to max_length
+               {"prompt": "p", "chosen": "a", "rejected": "b"}]
+    with caplog.at_level(logging.WARNING, logger="rlhfkit"):
+        examples, stats = tokenize(records, "preference", plain_tok, max_length=4, max_prompt_length=1)
+    assert [plain_tok.decode(e["chosen_ids"]) for e in examples] == ["a" + EOS]
+    assert stats.dropped == 2 and stats.responses_truncated == 2
+    assert any("dropped 2 pairs whose chosen and rejected" in r.message for r in caplog.records)
+    with pytest.raises(DataError, match=r"d\.jsonl: every record was dropped"):
+        tokenize(records[:1], "preference", plain_tok)
+
+
+# 5. Collators ------------------------------------------------------------------------------------------------------
+
+
+def test_collate_sft_right_pads():
+    batch = collate_sft([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.labels.tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert batch.input_ids.dtype == torch.long
+
+
+def test_collate_preference_common_length_and_labels():
+    examples = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6], "margin": 0.5},
+                {"prompt_ids": [7], "chosen_ids": [8, 9], "rejected_ids": [10], "margin": 0.0}]
+    b = collate_preference(examples, pad_token_id=0)
+    assert b.chosen_input_ids.shape == b.rejected_input_ids.shape == (2, 5)
+    assert b.chosen_input_ids.tolist() == [[1, 2, 3, 0, 0], [7, 8, 9, 0, 0]]
+    assert b.rejected_input_ids.tolist() == [[1, 2, 4, 5, 6], [7, 10, 0, 0, 0]]
+    assert b.chosen_labels.tolist() == [[-100, -100, 3, -100, -100], [-100, 8, 9, -100, -100]]
+    assert b.rejected_labels.tolist() == [[-100, -100, 4, 5, 6], [-100, 10, -100, -100, -100]]
+    assert b.rejected_attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert b.margin.tolist() == [0.5, 0.0] and b.margin.dtype == torch.float32
+
+
+def test_collate_unpaired_pairs_prompt_i_with_next_completion():
+    examples = [{"prompt_ids": [1], "completion_ids": [11], "desirable": True},
+                {"prompt_ids": [2], "completion_ids": [12, 13], "desirable": False},
+                {"prompt_ids": [3], "completion_ids": [14], "desirable": True}]
+    b = collate_unpaired(examples, pad_token_id=0)
+    assert b.input_ids.tolist() == [[1, 11, 0], [2, 12, 13], [3, 14, 0]]
+    assert b.kl_input_ids.tolist() == [[1, 12, 13], [2, 14, 0], [3, 11, 0]]
+    assert b.kl_labels.tolist() == [[-100, 12, 13], [-100, 14, -100], [-100, 11, -100]]
+    assert b.desirable.tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        collate_unpaired(examples[:1], pad_token_id=0)
+
+
+def test_collate_prompts_left_pads():
+    b = collate_prompts([{"prompt_ids": [1, 2, 3]}, {"prompt_ids": [4]}], pad_token_id=0)
+    assert b.input_ids.tolist() == [[1, 2, 3], [0, 0, 4]]
+    assert b.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_pack_sft_rows_of_max_length_with_labels_aligned():
+    examples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7]}]
+    rows = pack_sft(examples, max_length=3)
+    assert [r["input_ids"] for r in rows] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert [r["labels"] for r in rows] == [[-100, 2, 3], [-100, -100, 6], [7]]
+    assert pack_sft(examples, max_length=7) == [{"input_ids": [1, 2, 3, 4, 5, 6, 7], "labels": [-100, 2, 3, -100, -100, 6, 7]}]
+
+
+# 6. build_datasets -------------------------------------------------------------------------------------------------
+
+
+def test_eval_fraction_split_is_seeded_and_disjoint(tmp_path, tok, caplog):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(10)])
+    cfg = DataConfig(train=train, eval_fraction=0.3, max_length=64, max_prompt_length=32)
+    with caplog.at_level(logging.INFO, logger="rlhfkit"):
+        tr1, ev1 = build_datasets("sft", cfg, tok, seed=1)
+    tr2, ev2 = build_datasets("sft", cfg, tok, seed=1)
+    _, ev3 = build_datasets("sft", cfg, tok, seed=2)
+    assert (tr1, ev1) == (tr2, ev2) and len(ev1) == 3 and len(tr1) == 7
+    key = lambda e: tuple(e["input_ids"])  # noqa: E731
+    assert not {key(e) for e in tr1} & {key(e) for e in ev1}
+    assert {key(e) for e in ev1} != {key(e) for e in ev3}  # the seed matters
+    assert any("10 records -> 10 examples" in r.message and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_build_datasets_eval_file_and_no_eval(tmp_path, tok, caplog):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "abcdefgh"}] * 2)
+    evals = write_jsonl(tmp_path / "e.jsonl", [{"messages": MSGS}])
+    cfg = DataConfig(train=train, eval=evals, max_length=64, max_prompt_length=8)
+    with caplog.at_level(logging.INFO, logger="rlhfkit"):
+        tr, ev = build_datasets("prompt", cfg, tok, seed=0)
+    assert len(tr) == 2 and len(tr[0]["prompt_ids"]) == 8 and len(ev) == 1
+    assert any("2 prompts truncated" in r.message and r.levelno == logging.WARNING for r in caplog.records)
+    assert build_datasets("prompt", DataConfig(train=train, max_length=64, max_prompt_length=32), tok, seed=0)[1] is None
