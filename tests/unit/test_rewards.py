@@ -1,0 +1,133 @@
+"""Reward scores read at the last real token, left/right padding, LoRA wrappers, ensembles."""
+
+import pytest
+import torch
+
+from rlhfkit.config import LoraConfig, ModelConfig
+from rlhfkit.models import build_tiny_model, load_causal_lm, load_reward_model, load_tokenizer, save_model, unwrap_peft
+from rlhfkit.rewards import EnsembleScorer, RewardModelScorer, load_reward_scorer, sequence_scores
+
+# Three sequences of different lengths; the first two end with eos, which is also the pad token (id 2).
+SEQS = [[5, 9, 13, 2], [7, 2], [4, 8, 15, 16, 23, 42]]
+PAD = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rm(tiny_dir):
+    torch.manual_seed(0)
+    return load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False)
+
+
+def _pad(seqs, side):
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), PAD)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
+        ids[i, cols], mask[i, cols] = torch.tensor(s), 1
+    return ids, mask
+
+
+def _manual_scores(model, seqs):
+    """Each sequence alone (no padding): backbone forward, score head, value at its last token."""
+    base = unwrap_peft(model)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            hidden = base.model(input_ids=torch.tensor([s])).last_hidden_state  # (1, T, H)
+            out.append(base.score(hidden)[0, -1, 0])
+    return torch.stack(out)
+
+
+def test_tiny_tokenizer_pad_is_eos(tiny_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=tiny_dir))
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == PAD
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sequence_scores_read_the_last_real_token(rm, side):
+    ids, mask = _pad(SEQS, side)
+    scores = sequence_scores(rm, ids, mask)
+    assert scores.shape == (3,) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores, _manual_scores(rm, SEQS), atol=1e-5, rtol=0)
+
+
+def test_transformers_pooling_is_wrong_when_pad_is_eos(rm):
+    # Why sequence_scores exists: HF pools at the last non-pad id, skipping the final eos of "[5, 9, 13, eos]".
+    ids, mask = _pad(SEQS, "right")
+    with torch.no_grad():
+        hf = rm(input_ids=ids, attention_mask=mask).logits[:, 0]
+    assert not torch.allclose(hf[0], _manual_scores(rm, SEQS)[0], atol=1e-4)
+
+
+def test_sequence_scores_through_a_lora_wrapper_and_gradients_reach_adapters_and_head(tiny_dir):
+    torch.manual_seed(0)
+    rm = load_reward_model(ModelConfig(name_or_path=tiny_dir, lora=LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # make the adapters and the trained head copy differ from the base
+        for p in rm.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    ids, mask = _pad(SEQS, "right")
+    scores = sequence_scores(rm, ids, mask)
+    torch.testing.assert_close(scores.detach(), _manual_scores(rm, SEQS), atol=1e-5, rtol=0)
+    with rm.disable_adapter(), torch.no_grad():  # the adapters and the head copy really are in use
+        assert not torch.allclose(sequence_scores(rm, ids, mask), scores.detach(), atol=1e-4)
+    scores.sum().backward()
+    trainable = {n: p for n, p in rm.named_parameters() if p.requires_grad}
+    assert all(p.grad is not None for p in trainable.values())
+    assert any("score.modules_to_save" in n for n in trainable)
+
+
+def test_sequence_scores_needs_a_score_head(tiny_dir):
+    lm = load_causal_lm(ModelConfig(name_or_path=tiny_dir), trainable=False)
+    ids, mask = _pad(SEQS, "right")
+    with pytest.raises(ValueError, match="no `score` head"):
+        sequence_scores(lm, ids, mask)
+
+
+def test_reward_model_scorer_is_gradient_free(rm):
+    ids, mask = _pad(SEQS, "right")
+    scores = RewardModelScorer(rm)(ids, mask)
+    assert not scores.requires_grad
+    torch.testing.assert_close(scores, _manual_scores(rm, SEQS), atol=1e-5, rtol=0)
+
+
+def _stub(values):
+    return lambda input_ids, attention_mask: torch.tensor(values)
+
+
+def test_ensemble_mean_and_min():
+    scorers = [_stub([1.0, -2.0, 0.5]), _stub([3.0, 0.0, 0.5]), _stub([2.0, -1.0, -1.0])]
+    ids, mask = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long)
+    assert EnsembleScorer(scorers, "mean")(ids, mask).tolist() == [2.0, -1.0, 0.0]
+    assert EnsembleScorer(scorers, "min")(ids, mask).tolist() == [1.0, -2.0, -1.0]
+    with pytest.raises(ValueError, match="reduce"):
+        EnsembleScorer(scorers, "max")
+    with pytest.raises(ValueError, match="at least one"):
+        EnsembleScorer([], "mean")
+
+
+def test_load_reward_scorer_from_saved_dirs(tmp_path, rm, tiny_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=tiny_dir))
+    save_model(rm, tokenizer, str(tmp_path / "rm1"))
+    torch.manual_seed(1)
+    other = load_reward_model(ModelConfig(name_or_path=tiny_dir), tokenizer, trainable=False)
+    save_model(other, tokenizer, str(tmp_path / "rm2"))
+    ids, mask = _pad(SEQS, "right")
+
+    single = load_reward_scorer(str(tmp_path / "rm1"))
+    assert isinstance(single, RewardModelScorer)
+    torch.testing.assert_close(single(ids, mask), _manual_scores(rm, SEQS), atol=1e-5, rtol=0)
+
+    ensemble = load_reward_scorer([str(tmp_path / "rm1"), str(tmp_path / "rm2")], reduce="min")
+    assert isinstance(ensemble, EnsembleScorer)
+    expected = torch.minimum(_manual_scores(rm, SEQS), _manual_scores(other, SEQS))
+    torch.testing.assert_close(ensemble(ids, mask), expected, atol=1e-5, rtol=0)
