@@ -49,6 +49,7 @@ def _setup_logging() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # weight loading/saving bars would bury rlhfkit's own progress
 
 
 def run_stage(stage: str, config: str | None, overrides: list[str], print_config: bool = False) -> dict:

@@ -1,0 +1,114 @@
+"""Every bad input named in the foundation issue: exit status 2, one line naming what is wrong, no traceback,
+and an existing output_dir left exactly as it was — even with overwrite=true, since nothing is written before the
+config, the data and the model have all loaded."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhfkit.cli import main
+
+BASE = ["sft", "--config", "configs/sft_tiny.yaml", "max_steps=1", "data.eval=null"]
+
+
+@pytest.fixture
+def previous_run(tmp_path):
+    """An output_dir holding an earlier run; returns (path, fingerprint function)."""
+    out = tmp_path / "previous"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 1\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (out / "model.safetensors").write_bytes(b"weights")
+
+    def fingerprint():
+        return {p: hashlib.sha256((out / p).read_bytes()).hexdigest() for p in sorted(os.listdir(out))}
+
+    return str(out), fingerprint
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def run_cli(capsys, args):
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("rlhfkit: error:")]
+    return code, errors, err
+
+
+CASES = {
+    "missing file": (lambda t: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl' not found"),
+    "malformed json line": (
+        lambda t: [f"data.train={write(t, 'bad.jsonl', chr(10).join(['{\"prompt\": \"a\", \"completion\": \"b\"}'] * 2 + ['{\"prompt\": \"a\",']))}"],
+        "bad.jsonl line 3: malformed JSON",
+    ),
+    "missing field": (
+        lambda t: [f"data.train={write(t, 'miss.jsonl', '{\"prompt\": \"a\", \"completion\": \"b\"}' + chr(10) + '{\"prompt\": \"a\"}' + chr(10))}"],
+        "miss.jsonl record 1: missing field 'completion'",
+    ),
+    "mistyped field": (
+        lambda t: [f"data.train={write(t, 'typed.jsonl', '{\"prompt\": \"a\", \"completion\": 5}' + chr(10))}"],
+        "typed.jsonl record 0: field 'completion'",
+    ),
+    "empty dataset": (lambda t: [f"data.train={write(t, 'empty.jsonl', '')}"], "empty.jsonl: no records"),
+    "unknown config key": (lambda t: ["optim.learning_rate=0.1"], "unknown config key 'optim.learning_rate'"),
+    "wrong value type": (lambda t: ["optim.per_device_batch_size=big"], "config key 'optim.per_device_batch_size': expected an integer"),
+    "model path not found": (lambda t: ["model.name_or_path=./no_such_model"], "model path './no_such_model' not found"),
+    "prompt too long": (
+        lambda t: ["data.truncation=error", "data.max_prompt_length=8"],
+        "record 0: prompt is",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_with_one_line_and_keeps_output_dir(case, tmp_path, capsys, previous_run):
+    out, fingerprint = previous_run
+    before = fingerprint()
+    extra, expected = CASES[case]
+    code, errors, err = run_cli(capsys, BASE + [f"output_dir={out}", "overwrite=true"] + extra(tmp_path))
+    assert code == 2
+    assert len(errors) == 1, err
+    assert expected in errors[0], errors[0]
+    assert not any("Traceback" in line for line in err)
+    assert fingerprint() == before
+
+
+def test_existing_run_is_not_overwritten_without_overwrite(capsys, previous_run):
+    out, fingerprint = previous_run
+    before = fingerprint()
+    code, errors, _ = run_cli(capsys, BASE + [f"output_dir={out}"])
+    assert code == 2 and "holds another run" in errors[0] and "overwrite=true" in errors[0]
+    assert fingerprint() == before
+
+
+def test_non_run_directory_is_refused_even_with_overwrite(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, errors, _ = run_cli(capsys, BASE + [f"output_dir={tmp_path}", "overwrite=true"])
+    assert code == 2 and "holds no rlhfkit run" in errors[0]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    code, errors, _ = run_cli(capsys, BASE + [f"output_dir={tmp_path / 'new'}", "resume=true"])
+    assert code == 2 and "holds no complete checkpoint" in errors[0]
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    """The installed entry point, in a fresh process: status 2 and a single stderr line."""
+    bad = write(tmp_path, "bad.jsonl", '{"prompt": 1}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhfkit.cli", *BASE, f"data.train={bad}", f"output_dir={tmp_path / 'o'}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("rlhfkit: error:")]
+    assert len(lines) == 1 and "bad.jsonl record 0" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
