@@ -36,7 +36,7 @@ logger = logging.getLogger("rlhfkit")
 
 TINY_NAME = "tiny"
 # Bump the suffix whenever build_tiny_model changes, so stale caches are never reused.
-TINY_CACHE_NAME = "tiny-llama-v1"
+TINY_CACHE_NAME = "tiny-llama-v2"
 PAD_TOKEN = "<|pad|>"  # added only when a tokenizer has neither a pad nor an eos token
 
 # A ChatML template like SmolLM2's, so the tiny tokenizer exercises the same chat-template code paths.
@@ -64,7 +64,7 @@ def build_tiny_tokenizer():
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character, newlines included
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
