@@ -6,7 +6,6 @@ import torch
 
 from rlhfkit.config import SFTConfig
 from rlhfkit.data import collate_sft, pack_sft
-from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.sft import token_nll
 from rlhfkit.models import load_causal_lm
 from rlhfkit.trainers.base import Trainer
@@ -36,7 +35,7 @@ class SFTTrainer(Trainer):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
         nll, parts = token_nll(logits, batch.labels)  # (B, T-1)
         mask = parts["mask"]
-        loss = aggregate(nll, mask, "token-mean", num_tokens=num_items)
+        loss = nll.sum() / num_items  # token mean over the global count of the accumulation window
         n = mask.sum().clamp(min=1)
         return loss, {
             "loss": (nll.sum() / n).detach(),
