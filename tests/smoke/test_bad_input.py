@@ -42,28 +42,19 @@ def run_cli(capsys, args):
     return code, errors, err
 
 
+GOOD = '{"prompt": "a", "completion": "b"}\n'
+
+# case -> (data file to write or None, overrides (with {file} standing for that file), expected message part)
 CASES = {
-    "missing file": (lambda t: ["data.train=no/such/file.jsonl"], "no/such/file.jsonl' not found"),
-    "malformed json line": (
-        lambda t: [f"data.train={write(t, 'bad.jsonl', chr(10).join(['{\"prompt\": \"a\", \"completion\": \"b\"}'] * 2 + ['{\"prompt\": \"a\",']))}"],
-        "bad.jsonl line 3: malformed JSON",
-    ),
-    "missing field": (
-        lambda t: [f"data.train={write(t, 'miss.jsonl', '{\"prompt\": \"a\", \"completion\": \"b\"}' + chr(10) + '{\"prompt\": \"a\"}' + chr(10))}"],
-        "miss.jsonl record 1: missing field 'completion'",
-    ),
-    "mistyped field": (
-        lambda t: [f"data.train={write(t, 'typed.jsonl', '{\"prompt\": \"a\", \"completion\": 5}' + chr(10))}"],
-        "typed.jsonl record 0: field 'completion'",
-    ),
-    "empty dataset": (lambda t: [f"data.train={write(t, 'empty.jsonl', '')}"], "empty.jsonl: no records"),
-    "unknown config key": (lambda t: ["optim.learning_rate=0.1"], "unknown config key 'optim.learning_rate'"),
-    "wrong value type": (lambda t: ["optim.per_device_batch_size=big"], "config key 'optim.per_device_batch_size': expected an integer"),
-    "model path not found": (lambda t: ["model.name_or_path=./no_such_model"], "model path './no_such_model' not found"),
-    "prompt too long": (
-        lambda t: ["data.truncation=error", "data.max_prompt_length=8"],
-        "record 0: prompt is",
-    ),
+    "missing file": (None, ["data.train=no/such/file.jsonl"], "no/such/file.jsonl' not found"),
+    "malformed json line": (GOOD * 2 + '{"prompt": "a",\n', ["data.train={file}"], "line 3: malformed JSON"),
+    "missing field": (GOOD + '{"prompt": "a"}\n', ["data.train={file}"], "record 1: missing field 'completion'"),
+    "mistyped field": ('{"prompt": "a", "completion": 5}\n', ["data.train={file}"], "record 0: field 'completion'"),
+    "empty dataset": ("", ["data.train={file}"], ": no records"),
+    "unknown config key": (None, ["optim.learning_rate=0.1"], "unknown config key 'optim.learning_rate'"),
+    "wrong value type": (None, ["optim.per_device_batch_size=big"], "config key 'optim.per_device_batch_size': expected an integer"),
+    "model path not found": (None, ["model.name_or_path=./no_such_model"], "model path './no_such_model' not found"),
+    "prompt too long": (None, ["data.truncation=error", "data.max_prompt_length=8"], "record 0: prompt is"),
 }
 
 
@@ -71,8 +62,10 @@ CASES = {
 def test_bad_input_exits_2_with_one_line_and_keeps_output_dir(case, tmp_path, capsys, previous_run):
     out, fingerprint = previous_run
     before = fingerprint()
-    extra, expected = CASES[case]
-    code, errors, err = run_cli(capsys, BASE + [f"output_dir={out}", "overwrite=true"] + extra(tmp_path))
+    content, extra, expected = CASES[case]
+    data = write(tmp_path, "data.jsonl", content) if content is not None else ""
+    extra = [e.replace("{file}", data) for e in extra]
+    code, errors, err = run_cli(capsys, BASE + [f"output_dir={out}", "overwrite=true"] + extra)
     assert code == 2
     assert len(errors) == 1, err
     assert expected in errors[0], errors[0]
