@@ -44,7 +44,6 @@ def _setup_logging() -> None:
     log = logging.getLogger("rlhfkit")
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
-    log.propagate = False
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
