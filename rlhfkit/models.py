@@ -309,3 +309,34 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
             shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):
+    """Per-token log-probs of `labels` under `model`, in fp32, shifted so position t scores token t+1.
+
+    The one place a forward turns into log-probs for training (preference methods, online RL): position ids follow
+    the attention mask, so left and right padding give the same values, and `temperature` must equal the sampling
+    temperature where the tokens were sampled.
+
+    Args:
+        input_ids, attention_mask: (B, T).
+        labels: (B, T), -100 where no log-prob is wanted (prompt, padding).
+
+    Returns:
+        logprobs: (B, T-1) fp32, 0 at masked positions.
+        mask: (B, T-1) float, 1 on scored tokens.
+    """
+    from rlhfkit.ops import logprobs_from_logits
+
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+    targets = labels[:, 1:]  # (B, T-1)
+    mask = targets != -100
+    logprobs = logprobs_from_logits(logits, targets.masked_fill(~mask, 0), temperature)  # (B, T-1, V) -> (B, T-1)
+    return logprobs * mask, mask.float()
+
+
+def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):
+    """Summed log-probs of the labelled tokens per sequence and their count: ((B,), (B,))."""
+    logprobs, mask = token_logprobs(model, input_ids, attention_mask, labels, temperature)
+    return logprobs.sum(-1), mask.sum(-1)
