@@ -40,5 +40,4 @@ class SFTTrainer(Trainer):
         return loss, {
             "loss": (nll.sum() / n).detach(),
             "mean_token_accuracy": (parts["correct"].sum() / n),
-            "num_tokens": mask.sum(),
         }
