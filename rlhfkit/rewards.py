@@ -19,17 +19,13 @@ class RewardFn(Protocol):
         ...
 
 
-def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """The score of a sequence-classification model at each sequence's last real token: (B, T), (B, T) -> (B,) fp32.
-
-    The last real token is the last position where `attention_mask` is 1. Transformers' own pooling instead looks
-    for the last token that is not the pad id, which is wrong whenever pad == eos and a response ends with eos
-    (SmolLM2, Llama 3, ...). Position ids follow the mask (cumsum - 1), so left and right padding give the same
-    scores.
+def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The scalar head's output at every position of a sequence-classification model: (B, T), (B, T) -> (B, T).
 
     The model is called through its own forward (so peft, DDP and FSDP wrappers see an ordinary call) and the
     per-token scores (B, T, 1) are read from the `score` head with a forward hook; under a peft SEQ_CLS wrapper
-    that head routes to the trained copy (modules_to_save), so LoRA + head training works.
+    that head routes to the trained copy (modules_to_save), so LoRA + head training works. Position ids follow the
+    mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here.
     """
     base = unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
     head = getattr(base, "score", None)
@@ -46,10 +42,21 @@ def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
-    token_scores = captured[-1][..., 0]  # (B, T, 1) -> (B, T)
+    return captured[-1][..., 0].float()  # (B, T, 1) -> (B, T)
+
+
+def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The score of a sequence-classification model at each sequence's last real token: (B, T), (B, T) -> (B,) fp32.
+
+    The last real token is the last position where `attention_mask` is 1. Transformers' own pooling instead looks
+    for the last token that is not the pad id, which is wrong whenever pad == eos and a response ends with eos
+    (SmolLM2, Llama 3, ...).
+    """
+    scores = token_scores(model, input_ids, attention_mask)  # (B, T)
+    mask = attention_mask.long()
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = (positions * mask).argmax(-1)  # (B,) the rightmost position whose mask is 1
-    return token_scores.gather(1, last.to(token_scores.device).unsqueeze(1)).squeeze(1).float()
+    return scores.gather(1, last.to(scores.device).unsqueeze(1)).squeeze(1)
 
 
 class RewardModelScorer:
