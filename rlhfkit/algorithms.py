@@ -1,0 +1,92 @@
+"""An online RL algorithm is a registered combination: an advantage estimator, the clipped policy loss, whether it
+needs a critic and a reference model, where the KL penalty goes, and how the loss is reduced by default.
+
+The trainer reads an `Algorithm` and never branches on its name: adding one is one `register_algorithm` line (plus
+an estimator in `rlhfkit.advantages` if it needs a new one). Clip ranges, β and the like are config, not algorithm.
+
+KL placement:
+  - kl_in_reward: -β·k1 at every token of the per-token reward (`advantages.per_token_rewards`), the RLHF recipe of
+    Ziegler et al. 2019 (arXiv 1909.08593); PPO, RLOO, REINFORCE++.
+  - kl_in_loss: +β·k3 added to the per-token policy loss (`ops.kl_penalty(..., "k3")`), GRPO's recipe (Shao et al.
+    2024, arXiv 2402.03300, eq. 3-4).
+  - neither: no KL term and no reference model (DAPO, Dr. GRPO).
+
+This module imports only torch (through the core modules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfkit.advantages import ESTIMATORS
+from rlhfkit.losses.aggregate import AGG_MODES
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One online RL method, as the trainer needs to know it.
+
+    Fields:
+        name: registry key, the `algo.name` of a config.
+        advantage: name of the advantage estimator in `rlhfkit.advantages.ESTIMATORS`.
+        needs_value: trains a critic (value head) next to the policy.
+        needs_reference: keeps a frozen reference policy for the KL term.
+        kl_in_reward: k1 KL penalty in the per-token rewards.
+        kl_in_loss: k3 KL term in the per-token loss.
+        default_loss_agg: `aggregate` mode used unless the config overrides it.
+    """
+
+    name: str
+    advantage: str
+    needs_value: bool
+    needs_reference: bool
+    kl_in_reward: bool
+    kl_in_loss: bool
+    default_loss_agg: str
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ESTIMATORS:
+            known = sorted(ESTIMATORS)
+            raise ValueError(f"{self.name}: unknown advantage estimator {self.advantage!r}; known: {known}")
+        if self.default_loss_agg not in AGG_MODES:
+            raise ValueError(f"{self.name}: default_loss_agg must be one of {AGG_MODES}, got {self.default_loss_agg!r}")
+        if self.kl_in_reward and self.kl_in_loss:
+            raise ValueError(f"{self.name}: KL goes in the reward or in the loss, not both (it would count twice)")
+        if (self.kl_in_reward or self.kl_in_loss) != self.needs_reference:
+            raise ValueError(f"{self.name}: a reference model is needed exactly when there is a KL term")
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(algorithm: Algorithm) -> Algorithm:
+    """Add `algorithm` to the registry under its name; a duplicate name raises ValueError."""
+    if algorithm.name in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm.name!r} is already registered")
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm registered under `name`; KeyError naming the known ones otherwise."""
+    if name not in ALGORITHMS:
+        raise KeyError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+# PPO for RLHF (Schulman et al. 2017, arXiv 1707.06347; Ziegler et al. 2019): GAE with a critic, k1 KL in the reward,
+# token-mean over the batch as TRL's PPO trainer.
+register_algorithm(Algorithm("ppo", "gae", True, True, True, False, "token-mean"))
+# RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, the sequence KL in the reward.
+register_algorithm(Algorithm("rloo", "rloo", False, True, True, False, "token-mean"))
+# GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3): group-normalised advantage, k3 KL in the loss, 1/|o_i| per sequence.
+register_algorithm(Algorithm("grpo", "grpo", False, True, False, True, "seq-mean-token-mean"))
+# Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std scaling, no length normalisation, no KL term.
+register_algorithm(Algorithm("dr_grpo", "dr_grpo", False, False, False, False, "seq-mean-token-sum-norm"))
+# DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO's advantage, no KL (§2.3), token-level loss (§3.3). Clip-Higher is the
+# config's clip_eps_high (0.28 in the paper); dynamic sampling is `advantages.zero_variance_groups`.
+register_algorithm(Algorithm("dapo", "grpo", False, False, False, False, "token-mean"))
+# REINFORCE++ (Hu 2025, arXiv 2501.03262): return-to-go of k1-penalised rewards, globally whitened.
+register_algorithm(Algorithm("reinforce_pp", "reinforce_pp", False, True, True, False, "token-mean"))
+# REINFORCE++ with a group-mean baseline on the score (same paper), KL placed as in "reinforce_pp".
+register_algorithm(Algorithm("reinforce_pp_baseline", "reinforce_pp_baseline", False, True, True, False, "token-mean"))

@@ -1,0 +1,116 @@
+"""Policy and value losses of the online RL methods: PPO's clipped surrogate (with DAPO's asymmetric clip and
+dual clip) and the clipped value loss.
+
+Both return `(loss, metrics)`: `loss` is per token, shape (B, R), UNREDUCED — reduce it with
+`rlhfkit.losses.aggregate.aggregate` and global counts; `metrics` holds detached (B, R) tensors. All math is fp32.
+The KL term of GRPO-style methods is `β · rlhfkit.ops.kl_penalty(logprobs, ref_logprobs, "k3")`, added by the caller.
+
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.ops import LOG_RATIO_CLAMP
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate per token: max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high)), ρ = π / π_old.
+
+    Schulman et al. 2017, arXiv 1707.06347, eq. 7 (L^CLIP, negated to a loss), with:
+      - asymmetric clipping ε_high ≠ ε_low ("Clip-Higher", DAPO, Yu et al. 2025, arXiv 2503.14476, §3.1);
+      - dual clip c > 1 (Ye et al. 2020, arXiv 1912.09729, their dual-clip objective): for A < 0 the loss is further
+        capped at -c·A, so a token whose ratio has exploded cannot dominate the update.
+
+    Deliberate deviation: log ρ is clamped to [-20, 20] before exp (see `rlhfkit.ops.LOG_RATIO_CLAMP`); inside that
+    range — every sane rollout — the result equals TRL's.
+
+    Args:
+        logprobs: (B, R) log π_θ of the sampled tokens (requires grad).
+        old_logprobs: (B, R) log π_old of the same tokens, from rollout time.
+        advantages: (B, R) advantage per token.
+        clip_eps_low: ε_low in (0, 1).
+        clip_eps_high: ε_high > 0; None means ε_low (symmetric PPO).
+        dual_clip: c > 1, or None for no dual clip.
+
+    Returns:
+        loss: (B, R) fp32, unreduced, not masked.
+        metrics: detached (B, R) fp32 tensors, masked-mean them for logging:
+          "clipfrac" 1 where the clipped term is the active one (TRL's `pg_losses2 > pg_losses`);
+          "dual_clipfrac" 1 where the dual clip is active (all 0 without dual clip);
+          "approxkl" ½ (log π - log π_old)², the k2 estimate of KL(π_old || π) that TRL logs as policy/approxkl_avg;
+          "ratio" ρ.
+    """
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if not 0 < clip_eps_low < 1:
+        raise ValueError(f"clip_eps_low must be in (0, 1), got {clip_eps_low}")
+    if not clip_eps_high > 0:
+        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+
+    log_ratio = logprobs.float() - old_logprobs.float()  # (B, R)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, R)
+    adv = advantages.float()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -adv * dual_clip  # > 0 where A < 0
+        dual_active = (adv < 0) & (loss > cap)
+        loss = torch.where(dual_active, cap, loss)
+
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": (clipped > unclipped).float(),
+            "dual_clipfrac": dual_active.float(),
+            "approxkl": 0.5 * log_ratio.detach() ** 2,
+            "ratio": ratio.detach(),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    clip_range_value: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss per token: ½ max((V - R)², (clip(V, V_old - c, V_old + c) - R)²).
+
+    Value clipping is not in the PPO paper; it comes from OpenAI baselines' PPO2 and is one of the code-level
+    optimisations studied by Engstrom et al. 2020, arXiv 2005.12729 ("value function clipping"). TRL's PPO trainer
+    uses this form, with the ½.
+
+    Args:
+        values: (B, R) V_θ at each response position (requires grad).
+        old_values: (B, R) V at rollout time.
+        returns: (B, R) regression targets (GAE advantages + old values).
+        clip_range_value: c > 0, or None for the plain ½ (V - R)².
+
+    Returns:
+        loss: (B, R) fp32, unreduced, not masked.
+        metrics: "clipfrac" (B, R) detached, 1 where the clipped term is the larger (TRL's val/clipfrac_avg).
+    """
+    if clip_range_value is not None and not clip_range_value > 0:
+        raise ValueError(f"clip_range_value must be > 0 or None, got {clip_range_value}")
+    v, ret = values.float(), returns.float()
+    unclipped = (v - ret) ** 2
+    if clip_range_value is None:
+        return 0.5 * unclipped, {"clipfrac": torch.zeros_like(unclipped).detach()}
+    old = old_values.float()
+    v_clipped = torch.clamp(v, old - clip_range_value, old + clip_range_value)
+    clipped = (v_clipped - ret) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return loss, {"clipfrac": (clipped > unclipped).float().detach()}

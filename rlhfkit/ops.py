@@ -1,0 +1,151 @@
+"""Tensor operations shared by losses, advantage estimators and trainers: masked statistics, log-probs of labels,
+entropy, and per-token KL estimators.
+
+Everything here is a pure function computed in fp32. Masks are (B, R) or (B, T), bool or 0/1; a masked-out position
+never contributes, even when it holds inf or NaN (we select with `torch.where`, never multiply by the mask).
+
+This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+# exp(20) ≈ 4.9e8 is finite in fp32 (exp overflows above ~88). A per-token log-ratio beyond ±20 means the two
+# policies disagree by a factor of half a billion on one token: a broken rollout or a padding position. Clamping keeps
+# exp() finite so such a position cannot turn a loss or its gradient (0 · inf = NaN) into NaN.
+LOG_RATIO_CLAMP = 20.0
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `x` over positions where `mask` is set, over `dim` (all dimensions when None), in fp32."""
+    selected = torch.where(mask.bool(), x.float(), 0.0)
+    return selected.sum() if dim is None else selected.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is set, over `dim` (all dimensions when None), in fp32.
+
+    A slice with no valid position has mean 0 rather than NaN (its count is clamped to 1), so an empty response in a
+    batch cannot poison a logged metric.
+    """
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over all positions where `mask` is set (a scalar), in fp32.
+
+    unbiased=True applies Bessel's correction n / (n - 1), as TRL's `masked_var`. Raises ValueError when there are too
+    few valid positions (fewer than 2 unbiased, none biased): the variance is undefined there, not zero.
+    """
+    n = mask.bool().sum()
+    if n < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} valid positions, got {int(n)}")
+    mean = masked_mean(x, mask)
+    var = masked_mean((x.float() - mean) ** 2, mask)
+    return var * n / (n - 1) if unbiased else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the valid positions, with the unbiased variance (as TRL's `masked_whiten`).
+
+    shift_mean=False adds the mean back (rescale only), as used to whiten rewards without moving their mean.
+    Masked-out positions are set to 0, so nothing downstream reads a whitened padding value.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x.float() - mean) * torch.rsqrt(var + 1e-8)  # 1e-8: a constant batch gives 0, not a division by 0
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0.0)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[label] per position, in fp32.
+
+    `temperature` must be the sampling temperature: the policy that generated the tokens is softmax(logits / τ), so the
+    old, new and reference log-probs all use the same τ (otherwise the PPO ratio and the KL compare different
+    distributions).
+
+    Memory: we compute label_logit - logsumexp(logits) one sequence at a time rather than `log_softmax` then `gather`
+    over the whole batch. Both are exact in fp32; the row loop holds one (T, V) fp32 copy at a time instead of a
+    (B, T, V) one (the vocabulary dimension dominates), at the cost of a Python loop over B. With autograd on, the fp32
+    rows are still saved for backward; the saving is in peak memory of the forward.
+
+    Args:
+        logits: (B, T, V), any float dtype; upcast to fp32 row by row.
+        labels: (B, T) long, valid vocabulary ids (mask padding positions afterwards, not with -100).
+        temperature: τ > 0.
+
+    Returns:
+        (B, T) fp32 log-probabilities.
+    """
+    _check_temperature(temperature)
+    rows = []
+    for row_logits, row_labels in zip(logits, labels, strict=True):
+        z = row_logits.float() / temperature  # (T, V)
+        picked = z.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)  # (T, V) -> (T,)
+        rows.append(picked - torch.logsumexp(z, dim=-1))
+    return torch.stack(rows)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(logits / temperature) per position, in fp32, one sequence at a time.
+
+    H = logsumexp(z) - Σ_v softmax(z)_v · z_v, which needs no log of a probability that underflowed to 0.
+
+    Args:
+        logits: (B, T, V).
+        temperature: τ > 0, the sampling temperature (same reason as `logprobs_from_logits`).
+
+    Returns:
+        (B, T) fp32 entropies.
+    """
+    _check_temperature(temperature)
+    rows = []
+    for row_logits in logits:
+        z = row_logits.float() / temperature  # (T, V)
+        lse = torch.logsumexp(z, dim=-1)  # (T,)
+        probs = torch.exp(z - lse.unsqueeze(-1))  # (T, V)
+        rows.append(lse - (probs * z).sum(-1))
+    return torch.stack(rows)  # (B, T)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from tokens sampled from π (Schulman 2020, "Approximating KL Divergence").
+
+    With log r = log π_ref(y_t) - log π(y_t):
+      - "k1": -log r = log π - log π_ref. Unbiased, can be negative per token; the RLHF reward penalty (Ziegler et al.
+        2019, arXiv 1909.08593, eq. 2).
+      - "k2": ½ (log r)². Biased, non-negative, low variance.
+      - "k3": (r - 1) - log r. Unbiased, non-negative, low variance; the GRPO loss term (Shao et al. 2024,
+        arXiv 2402.03300, eq. 4). log r is clamped to [-20, 20] before exp (see LOG_RATIO_CLAMP).
+      - "abs": |log π - log π_ref|.
+
+    Args:
+        logprobs: (B, R) log π of the sampled tokens.
+        ref_logprobs: (B, R) log π_ref of the same tokens.
+        kind: one of KL_KINDS.
+
+    Returns:
+        (B, R) fp32, unmasked: mask or aggregate it with the response mask.
+    """
+    log_ratio = logprobs.float() - ref_logprobs.float()  # (B, R) = log π - log π_ref
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        log_r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(log_r) - log_r - 1
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
