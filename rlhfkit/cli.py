@@ -19,6 +19,20 @@ from rlhfkit.errors import UserError
 STAGES = {
     "sft": ("rlhfkit.config:SFTConfig", "rlhfkit.trainers.sft:SFTTrainer", "supervised fine-tuning on prompt/completion or chat data"),
     "rm": ("rlhfkit.config:RMConfig", "rlhfkit.trainers.reward:RewardTrainer", "reward model on chosen/rejected pairs (Bradley-Terry)"),
+    "ppo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "PPO with a critic, GAE and a KL penalty"),
+    "rloo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "RLOO: k samples per prompt, leave-one-out baseline"),
+    "grpo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "GRPO (algo.algorithm=dr_grpo|dapo for the variants)"),
+    "reinforce_pp": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "REINFORCE++ (algo.algorithm=reinforce_pp_baseline for the group baseline)"),
+    "dpo": ("rlhfkit.config:DPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "direct preference optimisation on chosen/rejected pairs (algo.loss_type: sigmoid = DPO/cDPO, ipo, hinge, simpo)"),
+    "orpo": ("rlhfkit.config:ORPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "odds-ratio preference optimisation: SFT + odds-ratio loss on pairs, no reference model"),
+    "kto": ("rlhfkit.config:KTOConfig", "rlhfkit.trainers.kto:KTOTrainer", "Kahneman-Tversky optimisation on unpaired completions labelled desirable or not"),
+}
+
+
+# Online stages fix the algorithm family; the config may pick a variant within it.
+ONLINE_FAMILIES = {
+    "ppo": ("ppo",), "rloo": ("rloo",), "grpo": ("grpo", "dr_grpo", "dapo"),
+    "reinforce_pp": ("reinforce_pp", "reinforce_pp_baseline"),
 }
 
 
@@ -55,7 +69,11 @@ def run_stage(stage: str, config: str | None, overrides: list[str], print_config
     from rlhfkit.config import config_to_yaml, load_config
 
     config_ref, trainer_ref, _ = STAGES[stage]
-    cfg = load_config(_load(config_ref), config, overrides)
+    family = ONLINE_FAMILIES.get(stage)
+    defaults = {"algo": {"algorithm": family[0]}} if family else None
+    cfg = load_config(_load(config_ref), config, overrides, defaults)
+    if family and cfg.algo.algorithm not in family:
+        raise UserError(f"config key 'algo.algorithm': `rlhfkit {stage}` runs one of {', '.join(family)}, got {cfg.algo.algorithm!r}")
     if print_config:
         print(config_to_yaml(cfg), end="")
         return {}

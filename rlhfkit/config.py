@@ -203,6 +203,123 @@ class RMConfig(TrainConfig):
     algo: RMOptions = field(default_factory=RMOptions)
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64  # response length cap; a response cut here has no EOS (see reward.missing_eos_penalty)
+    temperature: float = 1.0  # applied identically to sampling and to old, new and reference log-probs
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    num_samples: int = 1  # responses per prompt: the group size k of RLOO/GRPO (>= 2 there)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.max_new_tokens < 1:
+            errors.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
+        if self.temperature <= 0:
+            errors.append(("temperature", f"must be > 0, got {self.temperature}"))
+        if not 0 < self.top_p <= 1:
+            errors.append(("top_p", f"must be in (0, 1], got {self.top_p}"))
+        if self.num_samples < 1:
+            errors.append(("num_samples", f"must be >= 1, got {self.num_samples}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    model: list[str] = field(default_factory=list)  # reward-model directories; several = an ensemble
+    ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
+    function: str | None = None  # a Python reward "module:function" (prompts, completions) -> list of floats
+    missing_eos_penalty: float | None = None  # added to the score of a response cut at max_new_tokens (e.g. -1.0)
+    normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max
+    clip: float | None = None  # clip scores to [-clip, clip] after normalisation
+
+    def check(self) -> list[tuple[str, str]]:
+        if bool(self.model) == bool(self.function):
+            return [("model", "give exactly one reward source: reward.model (reward-model directories) or reward.function (module:function)")]
+        if self.function and ":" not in self.function:
+            return [("function", f"must be 'module:function', got {self.function!r}")]
+        if self.clip is not None and self.clip <= 0:
+            return [("clip", f"must be > 0 or null, got {self.clip}")]
+        return []
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    controller: Literal["fixed", "adaptive"] = "fixed"  # adaptive: Ziegler et al. 2019 proportional controller
+    coef: float = 0.05  # β (the initial β when adaptive)
+    target: float = 6.0  # adaptive: sequence KL (nats) to steer to
+    horizon: int = 10000  # adaptive: samples over which β moves by at most 20%
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.coef < 0:
+            errors.append(("coef", f"must be >= 0, got {self.coef}"))
+        if self.controller == "adaptive" and (self.coef <= 0 or self.target <= 0 or self.horizon <= 0):
+            errors.append(("controller", "adaptive needs coef, target and horizon > 0"))
+        return errors
+
+
+@dataclass(frozen=True)
+class OnlineOptions:
+    algorithm: str = "ppo"  # a name in rlhfkit.algorithms: ppo, rloo, grpo, dr_grpo, dapo, reinforce_pp, ...
+    rollout_batch_size: int = 16  # prompts sampled per step (per process); samples = prompts × num_samples
+    ppo_epochs: int = 1  # passes over each rollout
+    num_minibatches: int = 1  # optimizer steps per pass (each split into micro-batches of per_device_batch_size)
+    clip_eps: float = 0.2  # ratio clip ε (lower side)
+    clip_eps_high: float | None = None  # upper side (DAPO's clip-higher, 0.28); None = clip_eps
+    dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
+    vf_coef: float = 0.1  # value-loss weight (PPO)
+    clip_range_value: float | None = 0.2  # value clip (PPO); None = off
+    entropy_coef: float = 0.0  # entropy bonus weight
+    gamma: float = 1.0  # discount
+    lam: float = 0.95  # GAE λ
+    whiten_advantages: bool | None = None  # whiten advantages over the rollout; None = only for PPO (GAE)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None  # None = algorithm default
+    target_kl: float | None = None  # stop a rollout's remaining epochs once approx-KL exceeds this
+    dynamic_filtering: bool = False  # DAPO: drop groups whose samples all scored the same (no signal)
+    mask_truncated: bool = False  # DAPO: responses without EOS take no loss
+    value_model: str | None = None  # critic initialisation; None = the first reward model, else the policy
+    max_bad_steps: int = 3  # non-finite rewards/log-probs/loss: skip the update; stop after this many
+    sample_log_steps: int = 10  # write sample generations to samples.jsonl every N steps
+    table_steps: int = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        for name in ("rollout_batch_size", "ppo_epochs", "num_minibatches", "max_bad_steps", "sample_log_steps", "table_steps"):
+            if getattr(self, name) < 1:
+                errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        if not 0 < self.clip_eps < 1:
+            errors.append(("clip_eps", f"must be in (0, 1), got {self.clip_eps}"))
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            errors.append(("dual_clip", f"must be > 1 or null, got {self.dual_clip}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class OnlineConfig(TrainConfig):
+    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    algo: OnlineOptions = field(default_factory=OnlineOptions)
+
+    def check(self) -> list[tuple[str, str]]:
+        from rlhfkit.algorithms import ALGORITHMS
+
+        errors = super().check()
+        if self.algo.algorithm not in ALGORITHMS:
+            errors.append(("algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {self.algo.algorithm!r}"))
+        elif ALGORITHMS[self.algo.algorithm].advantage not in ("gae", "reinforce_pp") and self.generation.num_samples < 2:
+            errors.append(("generation.num_samples", f"{self.algo.algorithm} compares samples of one prompt: needs >= 2, got {self.generation.num_samples}"))
+        samples = self.algo.rollout_batch_size * self.generation.num_samples
+        if samples % self.algo.num_minibatches:
+            errors.append(("algo.num_minibatches", f"must divide the rollout's {samples} samples"))
+        elif (samples // self.algo.num_minibatches) % self.optim.per_device_batch_size:
+            errors.append(("optim.per_device_batch_size", f"must divide the minibatch of {samples // self.algo.num_minibatches} samples"))
+        return errors
+
+
 # 3. Loading ---------------------------------------------------------------------------------------------------
 
 
@@ -330,9 +447,9 @@ def read_yaml(path: str) -> dict:
 C = typing.TypeVar("C")
 
 
-def load_config(cls: type[C], path: str | None = None, overrides: list[str] | None = None) -> C:
-    """Build a validated, frozen `cls` from a YAML file and `key.sub=value` overrides (overrides win)."""
-    data = read_yaml(path) if path else {}
+def load_config(cls: type[C], path: str | None = None, overrides: list[str] | None = None, defaults: dict | None = None) -> C:
+    """Build a validated, frozen `cls` from `defaults`, a YAML file and `key.sub=value` overrides (later wins)."""
+    data = _merge(defaults or {}, read_yaml(path) if path else {})
     data = _merge(data, parse_overrides(overrides or []))
     return _build(cls, data)
 
@@ -343,3 +460,100 @@ def config_to_dict(cfg: Any) -> dict:
 
 def config_to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+# 4. Offline preference stages ------------------------------------------------------------------------------
+
+
+def _check_ref_model(ref_model: str | None) -> list[tuple[str, str]]:
+    if ref_model is not None and not ref_model.strip():
+        return [("ref_model", "must be a model path or hub name, or null (the policy's starting weights)")]
+    return []
+
+
+@dataclass(frozen=True)
+class DPOOptions:
+    # "sigmoid" = DPO (Rafailov et al. 2023, arXiv 2305.18290; cDPO with label_smoothing > 0), "ipo" = IPO (Azar et al.
+    # 2023, arXiv 2310.12036) on length-averaged log-probs as TRL does, "hinge" = SLiC-HF's hinge on the DPO log-ratio,
+    # "simpo" = SimPO (Meng et al. 2024, arXiv 2405.14734): length-normalised and reference-free (no reference model).
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    beta: float = 0.1  # β: KL strength (DPO, hinge), IPO's τ, SimPO's reward scale (the paper uses 2.0-2.5)
+    label_smoothing: float = 0.0  # ε in [0, 0.5): assumed label-flip probability (cDPO; "sigmoid" and "simpo" only)
+    simpo_gamma: float = 0.5  # SimPO's target margin γ in reward units (the paper's γ, TRL's simpo_gamma)
+    # Compute the reference log-probs of the train and eval sets once before training, then drop a separate reference
+    # copy: no reference forward per step and, for full fine-tuning, no second model in memory while training.
+    precompute_ref_logps: bool = False
+    # The reference model; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
+    ref_model: str | None = None
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.beta > 0:
+            errors.append(("beta", f"must be > 0, got {self.beta}"))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            errors.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"))
+        elif self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            errors.append(("label_smoothing", f"applies only to loss_type sigmoid (cDPO) or simpo, got loss_type={self.loss_type}"))
+        if self.simpo_gamma < 0:
+            errors.append(("simpo_gamma", f"must be >= 0, got {self.simpo_gamma}"))
+        if self.loss_type == "simpo" and self.ref_model is not None:
+            errors.append(("ref_model", "must be null with loss_type=simpo: SimPO uses no reference model"))
+        if self.loss_type == "simpo" and self.precompute_ref_logps:
+            errors.append(("precompute_ref_logps", "must be false with loss_type=simpo: SimPO uses no reference model"))
+        return errors + _check_ref_model(self.ref_model)
+
+
+@dataclass(frozen=True)
+class DPOConfig(TrainConfig):
+    algo: DPOOptions = field(default_factory=DPOOptions)
+
+
+@dataclass(frozen=True)
+class ORPOOptions:
+    # ORPO (Hong et al. 2024, arXiv 2403.07691): chosen-response NLL + lam · odds-ratio loss; no reference model.
+    lam: float = 0.1  # λ, the odds-ratio weight (TRL's ORPO `beta`)
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.lam >= 0:
+            return [("lam", f"must be >= 0, got {self.lam}")]
+        return []
+
+
+@dataclass(frozen=True)
+class ORPOConfig(TrainConfig):
+    algo: ORPOOptions = field(default_factory=ORPOOptions)
+
+
+@dataclass(frozen=True)
+class KTOOptions:
+    # KTO (Ethayarajh et al. 2024, arXiv 2402.01306) on unpaired completions labelled desirable or not.
+    beta: float = 0.1  # β, the value function's sharpness
+    desirable_weight: float = 1.0  # λ_D; the paper advises λ_D·n_D / (λ_U·n_U) in [1, 4/3]
+    undesirable_weight: float = 1.0  # λ_U
+    ref_model: str | None = None  # as DPO's algo.ref_model
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.beta > 0:
+            errors.append(("beta", f"must be > 0, got {self.beta}"))
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) < 0:
+                errors.append((name, f"must be >= 0, got {getattr(self, name)}"))
+        if self.desirable_weight == 0 and self.undesirable_weight == 0:
+            errors.append(("desirable_weight", "and undesirable_weight are both 0: nothing would be learned"))
+        return errors + _check_ref_model(self.ref_model)
+
+
+@dataclass(frozen=True)
+class KTOConfig(TrainConfig):
+    algo: KTOOptions = field(default_factory=KTOOptions)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = super().check()
+        if self.optim.per_device_batch_size < 2:
+            errors.append((
+                "optim.per_device_batch_size",
+                f"must be >= 2 for KTO, got {self.optim.per_device_batch_size}: "
+                "KTO's reference point z0 is estimated from mismatched pairs within a batch",
+            ))
+        return errors

@@ -105,3 +105,73 @@ def load_reward_scorer(
         tokenizer = load_tokenizer(cfg)
         scorers.append(RewardModelScorer(load_reward_model(cfg, tokenizer, trainable=False), tokenizer))
     return scorers[0] if len(scorers) == 1 else EnsembleScorer(scorers, reduce)
+
+
+# Python reward functions and score post-processing --------------------------------------------------------------
+
+
+def load_reward_function(ref: str):
+    """Import `module:function` (the current directory is importable, as for `python -m`).
+
+    The function takes `(prompts: list[str], completions: list[str])` and returns one float per completion.
+    """
+    import importlib
+    import os
+    import sys
+
+    from rlhfkit.errors import UserError
+
+    module_name, _, name = ref.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"reward.function '{ref}': cannot import module '{module_name}' ({exc})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"reward.function '{ref}': module '{module_name}' has no function '{name}'")
+    return fn
+
+
+class RunningMoments:
+    """Running mean and variance of all scores seen (Chan et al. parallel update), for `normalize: running`."""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 0
+
+    def update(self, x: Tensor) -> None:
+        n = x.numel()
+        batch_mean, batch_var = x.float().mean().item(), x.float().var(unbiased=False).item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
+
+
+def normalize_scores(
+    scores: Tensor, mode: str, running: RunningMoments | None = None, clip: float | None = None, eps: float = 1e-8
+) -> Tensor:
+    """Normalise then clip a batch of scores (B,).
+
+    Modes: "none"; "batch" z-score over this batch; "running" z-score with moments of every score so far (updated
+    with this batch first); "minmax" to [0, 1] over this batch. `clip` bounds the result to [-clip, clip].
+    """
+    x = scores.float()
+    if mode == "batch":
+        x = (x - x.mean()) / (x.std(unbiased=False) + eps)
+    elif mode == "running":
+        assert running is not None, "running normalisation needs a RunningMoments"
+        running.update(x)
+        x = (x - running.mean) / (running.var**0.5 + eps)
+    elif mode == "minmax":
+        x = (x - x.min()) / (x.max() - x.min() + eps)
+    elif mode != "none":
+        raise ValueError(f"unknown normalisation {mode!r}")
+    return x.clamp(-clip, clip) if clip is not None else x

@@ -76,3 +76,30 @@ class PromptBatch(_TensorBatch):
 
     input_ids: torch.Tensor  # (B, P)
     attention_mask: torch.Tensor  # (B, P)
+
+
+@dataclass
+class Rollout(_TensorBatch):
+    """Sampled responses to left-padded prompts, one row per sample (prompt i's k samples are adjacent).
+
+    Sequence layout: [left padding, prompt | response, right padding]; the full sequence is
+    `torch.cat([prompt_ids, response_ids], 1)` with mask `torch.cat([prompt_mask, response_mask], 1)`.
+    """
+
+    # what was sampled
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P) long
+    response_ids: torch.Tensor  # (B, R) right-padded with pad_token_id after the first EOS
+    response_mask: torch.Tensor  # (B, R) long: tokens up to and including the first EOS
+    group_ids: torch.Tensor  # (B,) long: index of the prompt in the rollout batch
+    has_eos: torch.Tensor  # (B,) bool: the response ended with EOS (not cut at max_new_tokens)
+    # log-probs of the sampled tokens as the sampler saw them (for the sampler/trainer gap metric only)
+    sampler_logprobs: torch.Tensor  # (B, R) fp32, 0 on padding
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.prompt_ids, self.response_ids], 1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.prompt_mask, self.response_mask], 1)

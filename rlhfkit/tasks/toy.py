@@ -62,3 +62,9 @@ def write_splits(out_dir: str, seed: int = 0) -> None:
 
 if __name__ == "__main__":
     write_splits(sys.argv[1] if len(sys.argv) > 1 else "data/tiny")
+
+
+def vowel_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward a random tiny model can learn within seconds: the fraction of the response that is a vowel
+    (the `*_tiny.yaml` online RL configs use it through `reward.function: rlhfkit.tasks.toy:vowel_reward`)."""
+    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]

@@ -1,0 +1,334 @@
+"""Online RL: one loop for PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++.
+
+Each step reads like the algorithm box of a paper:
+  1. sample k responses per prompt (`generation.generate`);
+  2. score them (reward model(s) or a Python function), penalise a missing EOS, normalise and clip;
+  3. old / reference log-probs and critic values in a no-grad training forward (fp32 log-probs);
+  4. per-token rewards with the KL penalty, then advantages from the algorithm's estimator;
+  5. `ppo_epochs` passes of minibatch updates of the clipped surrogate (+ value loss, KL-in-loss, entropy),
+     stopping early when approx-KL passes `algo.target_kl`;
+  6. update the KL controller, log, checkpoint.
+What differs between methods is data in `rlhfkit.algorithms.Algorithm`; this file never branches on a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+
+import torch
+
+from rlhfkit.advantages import AdvantageInput, compute_advantages, per_token_rewards, zero_variance_groups
+from rlhfkit.algorithms import get_algorithm
+from rlhfkit.config import OnlineConfig
+from rlhfkit.data import build_datasets, collate_prompts
+from rlhfkit.errors import UserError
+from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.kl import AdaptiveKLController, FixedKLController
+from rlhfkit.losses.aggregate import aggregate
+from rlhfkit.losses.policy import ppo_policy_loss, value_loss
+from rlhfkit.models import load_causal_lm, load_reward_model, load_tokenizer, save_model, token_logprobs
+from rlhfkit.ops import kl_penalty, masked_mean
+from rlhfkit.rewards import RunningMoments, load_reward_function, load_reward_scorer, normalize_scores, token_scores
+from rlhfkit.trainers.base import (
+    MetricsLogger, Trainer, build_optimizer, build_scheduler, load_checkpoint, load_model_weights, save_checkpoint,
+    set_rng_state,
+)
+from rlhfkit.types import Rollout
+
+logger = logging.getLogger("rlhfkit")
+TABLE = [("Step", "step"), ("Reward", "objective/scores"), ("KL", "objective/kl"), ("ClipFrac", "policy/clipfrac_avg"),
+         ("ValueLoss", "loss/value_avg"), ("PolicyLoss", "loss/policy_avg"), ("LR", "lr")]
+
+
+class OnlineTrainer(Trainer):
+    kind = "prompt"
+    cfg: OnlineConfig
+
+    # 0. Models, data, reward ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg, a = self.cfg, self.cfg.algo
+        self.algo = get_algorithm(a.algorithm)
+        set_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+        self.reward_fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
+        self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
+                                             project_dir=cfg.output_dir)
+        set_seed(cfg.seed)
+        policy = load_causal_lm(cfg.model, self.tokenizer)
+        # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
+        self.ref = None
+        if self.algo.needs_reference and not cfg.model.lora.enabled:
+            self.ref = load_causal_lm(cfg.model, self.tokenizer, trainable=False).to(acc.device)
+        self.scorer = load_reward_scorer(cfg.reward.model, reduce=cfg.reward.ensemble) if cfg.reward.model else None
+        if self.scorer is not None:
+            for m in getattr(self.scorer, "scorers", [self.scorer]):
+                m.model.to(acc.device)
+        value = None
+        if self.algo.needs_value:
+            init = a.value_model or (cfg.reward.model[0] if cfg.reward.model else cfg.model.name_or_path)
+            value = load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer)
+        self.world = acc.num_processes
+        self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / (a.rollout_batch_size * self.world)))
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)
+        modules = torch.nn.ModuleList([policy] + ([value] if value is not None else []))
+        optimizer = build_optimizer(modules, cfg)
+        self.scheduler = build_scheduler(optimizer, cfg, self.total_steps * a.ppo_epochs * a.num_minibatches)
+        if value is not None:
+            self.model, self.value, self.optimizer = acc.prepare(policy, value, optimizer)
+        else:
+            (self.model, self.optimizer), self.value = acc.prepare(policy, optimizer), None
+        k = cfg.kl
+        self.kl_ctl = AdaptiveKLController(k.coef, k.target, k.horizon) if k.controller == "adaptive" else FixedKLController(k.coef)
+        self.moments = RunningMoments()
+        self.params = SamplingParams(**dataclasses.asdict(cfg.generation))
+        self.bad_steps, self.start_step = 0, 0
+        if self.resume_from:
+            state = load_checkpoint(self.resume_from)
+            load_model_weights(acc.unwrap_model(self.model), os.path.join(self.resume_from, "model"))
+            if self.value is not None:
+                load_model_weights(acc.unwrap_model(self.value), os.path.join(self.resume_from, "value_model"))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
+            self.moments.load_state_dict(json.loads(state["reward_moments"]))
+            self.bad_steps = int(state["bad_steps"])
+            set_rng_state(state["rng"])
+            self.start_step = int(state["step"])
+        if acc.is_main_process:
+            self.run_dir.prepare(self.start_step if self.resume_from else None)
+        acc.wait_for_everyone()
+        if cfg.logging.report_to:
+            acc.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
+        self.metrics = MetricsLogger(cfg.output_dir, acc, cfg.logging.report_to)
+
+    # 1-3. Sample, score, no-grad forwards ---------------------------------------------------------------------
+    def prompts_for(self, step: int):
+        """This process's prompts for `step`: a seeded permutation per epoch, so a step's prompts depend on the
+        step alone (resume needs no loader state)."""
+        n, per_step = len(self.train_set), self.cfg.algo.rollout_batch_size * self.world
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+        order = perm.repeat(math.ceil(self.steps_per_epoch * per_step / n))[k * per_step : (k + 1) * per_step]
+        mine = order.view(self.world, -1)[self.accelerator.process_index].tolist()
+        return collate_prompts([self.train_set[i] for i in mine], self.tokenizer.pad_token_id)
+
+    def response_logprobs(self, model, ro: Rollout):
+        """(B, R) fp32 log-probs of the response tokens, in micro-batches (temperature as when sampling)."""
+        labels = torch.cat([torch.full_like(ro.prompt_ids, -100), ro.response_ids.masked_fill(ro.response_mask == 0, -100)], 1)
+        lp, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, labels, self.cfg.generation.temperature)
+        return lp[:, ro.prompt_ids.shape[1] - 1 :]  # position t predicts token t+1: response starts at P-1
+
+    def values_of(self, ro: Rollout):
+        """(B, R) critic values V(s_t) of the state before each response token."""
+        v = token_scores(self.value, ro.input_ids, ro.attention_mask)  # (B, T)
+        return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
+
+    def score(self, ro: Rollout) -> torch.Tensor:
+        if self.scorer is not None:
+            return self.scorer(ro.input_ids, ro.attention_mask)
+        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+        values = self.reward_fn(decode(ro.prompt_ids), decode(ro.response_ids))
+        return torch.tensor([float(v) for v in values], device=ro.response_ids.device)
+
+    def reference_logprobs(self, ro: Rollout):
+        if self.ref is not None:
+            return self.response_logprobs(self.ref, ro)
+        with _adapters_disabled(self.accelerator.unwrap_model(self.model)):
+            return self.response_logprobs(self.model, ro)
+
+    @torch.no_grad()
+    def make_experience(self, step: int) -> dict:
+        cfg, acc, mb = self.cfg, self.accelerator, self.cfg.optim.per_device_batch_size
+        prompts = self.prompts_for(step).to(acc.device)
+        tok = self.tokenizer
+        ro = generate(acc.unwrap_model(self.model), prompts, self.params, tok.eos_token_id, tok.pad_token_id)
+        chunks = [_rows(ro, i, i + mb) for i in range(0, ro.response_ids.shape[0], mb)]
+        cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
+        old_lp = cat(lambda c: self.response_logprobs(self.model, c))
+        ref_lp = cat(self.reference_logprobs) if self.algo.needs_reference else torch.zeros_like(old_lp)
+        values = cat(self.values_of) if self.value is not None else None
+        raw = cat(self.score)
+        scores = raw + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()
+        scores = normalize_scores(scores, cfg.reward.normalize, self.moments, cfg.reward.clip)
+        mask = ro.response_mask.float()
+        kl = kl_penalty(old_lp, ref_lp, "k1") * mask  # (B, R)
+        beta = self.kl_ctl.value
+        rewards = per_token_rewards(scores, kl, mask, beta if self.algo.kl_in_reward else 0.0)
+        loss_mask = mask * ro.has_eos.float().unsqueeze(1) if cfg.algo.mask_truncated else mask
+        if cfg.algo.dynamic_filtering:
+            loss_mask = loss_mask * (~zero_variance_groups(scores, ro.group_ids)).float().unsqueeze(1)
+        whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else self.algo.advantage == "gae"
+        adv, returns = compute_advantages(self.algo.advantage, AdvantageInput(
+            rewards=rewards, scores=scores, response_mask=loss_mask, values=values, group_ids=ro.group_ids,
+            gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten))
+        seq_kl = kl.sum(1)
+        stats = {
+            "objective/scores": raw.mean(), "objective/kl": seq_kl.mean(), "objective/kl_coef": beta,
+            "objective/rlhf_reward": (scores - beta * seq_kl).mean(),
+            "objective/entropy": (-old_lp * mask).sum(1).mean(),
+            "response/length_avg": mask.sum(1).mean(), "response/eos_rate": ro.has_eos.float().mean(),
+            "policy/sampler_logprob_gap": masked_mean((ro.sampler_logprobs - old_lp).abs(), mask),
+        }
+        finite = all(torch.isfinite(t).all() for t in (raw, old_lp, ref_lp, adv))
+        return {"rollout": ro, "old_lp": old_lp, "ref_lp": ref_lp, "values": values, "adv": adv, "returns": returns,
+                "loss_mask": loss_mask, "scores": raw, "stats": stats, "finite": finite, "seq_kl": seq_kl}
+
+    # 5. Updates -----------------------------------------------------------------------------------------------
+    def update(self, exp: dict) -> dict[str, float]:
+        cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
+        ro, lmask = exp["rollout"], exp["loss_mask"]
+        n, width = lmask.shape
+        mb_size, micro = n // a.num_minibatches, cfg.optim.per_device_batch_size
+        agg = a.loss_agg or self.algo.default_loss_agg
+        sums: dict[str, float] = {}
+        early_stopped = 0.0
+        self.model.train()
+        for _epoch in range(a.ppo_epochs):
+            perm = torch.randperm(n, device=lmask.device)
+            for m in range(a.num_minibatches):
+                idx = perm[m * mb_size : (m + 1) * mb_size]
+                counts = acc.reduce(torch.stack([lmask[idx].sum(), torch.tensor(float(len(idx)), device=lmask.device)]), "sum")
+                num_tokens, num_seqs = (counts / self.world).clamp(min=1).tolist()  # DDP averages: per-process share
+                mb_kl = 0.0
+                for i in range(0, len(idx), micro):
+                    j = idx[i : i + micro]
+                    loss, parts = self.micro_loss(exp, j, agg, num_tokens, num_seqs, width)
+                    if not torch.isfinite(loss):
+                        self.optimizer.zero_grad(set_to_none=True)
+                        return {"faults/nonfinite_loss": 1.0}
+                    acc.backward(loss)
+                    w = float(lmask[j].sum())
+                    for k, v in parts.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                    sums["_w"] = sums.get("_w", 0.0) + w
+                    mb_kl += float(parts["policy/approxkl_avg"]) * w
+                if cfg.optim.max_grad_norm is not None:
+                    acc.clip_grad_norm_(self.optimizer_params(), cfg.optim.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if a.target_kl is not None and mb_kl / max(float(lmask[idx].sum()), 1.0) > a.target_kl:
+                    early_stopped = 1.0
+                    break
+            if early_stopped:
+                break
+        w = max(sums.pop("_w", 0.0), 1.0)
+        return {**{k: v / w for k, v in sums.items()}, "policy/early_stopped": early_stopped}
+
+    def optimizer_params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def micro_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
+        """Loss of micro-batch rows `j`, normalised by the minibatch's global counts (see losses.aggregate)."""
+        a, ro = self.cfg.algo, _select(exp["rollout"], j)
+        lmask, adv = exp["loss_mask"][j], exp["adv"][j]
+        new_lp = self.response_logprobs(self.model, ro)
+        pg, m = ppo_policy_loss(new_lp, exp["old_lp"][j], adv, clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps_high,
+                                dual_clip=a.dual_clip)
+        per_token = pg
+        if self.algo.kl_in_loss:
+            per_token = per_token + self.kl_ctl.value * kl_penalty(new_lp, exp["ref_lp"][j], "k3")
+        if a.entropy_coef:
+            per_token = per_token + a.entropy_coef * new_lp  # -H estimate: the sampled token's log-prob
+        loss = aggregate(per_token, lmask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=width)
+        parts = {"loss/policy_avg": masked_mean(pg.detach(), lmask), "policy/approxkl_avg": masked_mean(m["approxkl"], lmask),
+                 "policy/clipfrac_avg": masked_mean(m["clipfrac"], lmask), "val/ratio": masked_mean(m["ratio"], lmask)}
+        if self.value is not None:
+            vl, vm = value_loss(self.values_of(ro), exp["values"][j], exp["returns"][j], clip_range_value=a.clip_range_value)
+            loss = loss + a.vf_coef * aggregate(vl, lmask, "token-mean", num_tokens=num_tokens)
+            parts.update({"loss/value_avg": masked_mean(vl.detach(), lmask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], lmask)})
+        return loss, parts
+
+    # 6. The loop ----------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        self.setup()
+        cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc=f"{a.algorithm}", dynamic_ncols=True,
+                   disable=not (cfg.logging.progress_bar and acc.is_main_process))
+        last: dict[str, float] = {}
+        for step in range(self.start_step, self.total_steps):
+            done = step + 1
+            lr = self.scheduler.get_last_lr()[0]
+            exp = self.make_experience(step)
+            out = self.update(exp) if exp["finite"] else {"faults/nonfinite_rollout": 1.0}
+            if any(k.startswith("faults/") for k in out):
+                self.bad_steps += 1
+                logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out))[7:], self.bad_steps, a.max_bad_steps)
+                if self.bad_steps >= a.max_bad_steps:
+                    raise UserError(f"stopping at step {done}: {self.bad_steps} updates skipped for non-finite rewards, "
+                                    f"log-probs or loss (algo.max_bad_steps={a.max_bad_steps}); the last good checkpoint in '{cfg.output_dir}' is intact")
+            else:
+                self.kl_ctl.update(float(exp["seq_kl"].mean()), exp["seq_kl"].numel() * self.world)
+            last = {**{k: float(v) for k, v in exp["stats"].items()}, **out, "lr": lr, "faults/skipped_total": self.bad_steps,
+                    "episodes": done * exp["seq_kl"].numel() * self.world}
+            bar.update(1)
+            bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
+            if done % cfg.logging.logging_steps == 0 or done == self.total_steps:
+                self.metrics.log(done, last)
+            if acc.is_main_process and (done % a.table_steps == 0 or done == self.total_steps):
+                bar.write(self.table_row(done, last, header=done <= a.table_steps or step == self.start_step))
+            if acc.is_main_process and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
+                self.log_samples(done, exp)
+            if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
+                self.checkpoint(done)
+        bar.close()
+        self.save_final()
+        return last
+
+    def table_row(self, step: int, m: dict, header: bool) -> str:
+        row = " | ".join(f"{(step if key == 'step' else m.get(key, float('nan'))):>10.4g}" if key != "step" else f"{step:>6d}"
+                         for _, key in TABLE)
+        head = " | ".join(f"{name:>10}" if name != "Step" else f"{name:>6}" for name, _ in TABLE)
+        return f"{head}\n{row}" if header else row
+
+    def log_samples(self, step: int, exp: dict, n: int = 4) -> None:
+        ro, tok = exp["rollout"], self.tokenizer
+        with open(os.path.join(self.cfg.output_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+            for i in range(min(n, ro.response_ids.shape[0])):
+                f.write(json.dumps({
+                    "step": step, "prompt": tok.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=True),
+                    "response": tok.decode(ro.response_ids[i][ro.response_mask[i].bool()], skip_special_tokens=True),
+                    "score": float(exp["scores"][i]), "kl": float(exp["seq_kl"][i])}) + "\n")
+
+    def checkpoint(self, step: int) -> None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            policy = acc.unwrap_model(self.model)
+            value = acc.unwrap_model(self.value) if self.value is not None else None
+
+            def save(d: str) -> None:
+                save_model(policy, self.tokenizer, d, merge_lora=False)
+                if value is not None:
+                    save_model(value, self.tokenizer, os.path.join(os.path.dirname(d), "value_model"), merge_lora=False)
+
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "kl_controller": json.dumps(self.kl_ctl.state_dict()), "reward_moments": json.dumps(self.moments.state_dict()),
+                     "bad_steps": self.bad_steps}
+            save_checkpoint(self.cfg.output_dir, step, save, state, self.cfg.logging.save_total_limit)
+        acc.wait_for_everyone()
+
+
+def _adapters_disabled(model):
+    """`disable_adapter()` of a peft model: inside it the model is its frozen base (the LoRA reference)."""
+    if not hasattr(model, "disable_adapter"):
+        raise UserError("a KL reference needs either full fine-tuning (a frozen copy) or LoRA (the base with adapters disabled)")
+    return model.disable_adapter()
+
+
+def _select(ro: Rollout, idx) -> Rollout:
+    return Rollout(**{f.name: getattr(ro, f.name)[idx] for f in dataclasses.fields(ro)})
+
+
+def _rows(ro: Rollout, start: int, end: int) -> Rollout:
+    return Rollout(**{f.name: getattr(ro, f.name)[start:end] for f in dataclasses.fields(ro)})
