@@ -93,3 +93,13 @@ def test_reward_model_ensemble_scores_and_initialises_the_critic(tmp_path):
 def test_stage_fixes_the_algorithm_family(capsys):
     assert main(["ppo", "--config", "configs/grpo_tiny.yaml", "output_dir=x"]) == 2
     assert "`rlhfkit ppo` runs one of ppo" in capsys.readouterr().err
+
+
+def test_dapo_variant_runs_with_filtering_truncation_mask_and_clip_higher(tmp_path):
+    out = tmp_path / "dapo"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "algo.algorithm=dapo", "algo.dynamic_filtering=true",
+                 "algo.mask_truncated=true", "algo.clip_eps_high=0.28", "reward.missing_eos_penalty=-0.1",
+                 "reward.normalize=batch", *FAST]) == 0
+    rows = metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(m["objective/scores"]) for m in rows)
+    assert rows[-1]["objective/kl_coef"] == pytest.approx(0.04)  # DAPO has no KL term; the fixed β is only reported
