@@ -286,10 +286,10 @@ class OnlineTrainer(Trainer):
         return last
 
     def table_row(self, step: int, m: dict, header: bool) -> str:
-        row = " | ".join(f"{(step if key == 'step' else m.get(key, float('nan'))):>10.4g}" if key != "step" else f"{step:>6d}"
-                         for _, key in TABLE)
-        head = " | ".join(f"{name:>10}" if name != "Step" else f"{name:>6}" for name, _ in TABLE)
-        return f"{head}\n{row}" if header else row
+        """One row of the console table (critic-free methods show "-" for the value loss)."""
+        cells = [f"{step:>6d}"] + [f"{m[key]:>10.4g}" if key in m else f"{'-':>10}" for _, key in TABLE[1:]]
+        head = " | ".join([f"{TABLE[0][0]:>6}"] + [f"{name:>10}" for name, _ in TABLE[1:]])
+        return f"{head}\n{' | '.join(cells)}" if header else " | ".join(cells)
 
     def log_samples(self, step: int, exp: dict, n: int = 4) -> None:
         ro, tok = exp["rollout"], self.tokenizer
