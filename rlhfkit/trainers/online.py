@@ -30,7 +30,7 @@ from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss
-from rlhfkit.models import load_causal_lm, load_reward_model, load_tokenizer, save_model, token_logprobs
+from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_reward_model, load_tokenizer, save_model, token_logprobs
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RunningMoments, load_reward_function, load_reward_scorer, normalize_scores, token_scores
 from rlhfkit.trainers.base import (
@@ -72,7 +72,9 @@ class OnlineTrainer(Trainer):
             for m in getattr(self.scorer, "scorers", [self.scorer]):
                 m.model.to(acc.device)
         value = None
-        if self.algo.needs_value:
+        if self.algo.needs_value and cfg.model.lora.enabled and not a.value_model:
+            value = SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
+        elif self.algo.needs_value:
             init = a.value_model or (cfg.reward.model[0] if cfg.reward.model else cfg.model.name_or_path)
             value = load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer)
         self.world = acc.num_processes
@@ -93,8 +95,11 @@ class OnlineTrainer(Trainer):
         if self.resume_from:
             state = load_checkpoint(self.resume_from)
             load_model_weights(acc.unwrap_model(self.model), os.path.join(self.resume_from, "model"))
-            if self.value is not None:
-                load_model_weights(acc.unwrap_model(self.value), os.path.join(self.resume_from, "value_model"))
+            critic = acc.unwrap_model(self.value) if self.value is not None else None
+            if isinstance(critic, SharedBaseCritic):
+                critic.load(os.path.join(self.resume_from, "value_model"))
+            elif critic is not None:
+                load_model_weights(critic, os.path.join(self.resume_from, "value_model"))
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
@@ -128,7 +133,11 @@ class OnlineTrainer(Trainer):
 
     def values_of(self, ro: Rollout):
         """(B, R) critic values V(s_t) of the state before each response token."""
-        v = token_scores(self.value, ro.input_ids, ro.attention_mask)  # (B, T)
+        critic = self.accelerator.unwrap_model(self.value)
+        if isinstance(critic, SharedBaseCritic):
+            v = self.value(ro.input_ids, ro.attention_mask)  # (B, T)
+        else:
+            v = token_scores(self.value, ro.input_ids, ro.attention_mask)  # (B, T)
         return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
 
     def score(self, ro: Rollout) -> torch.Tensor:
@@ -200,11 +209,17 @@ class OnlineTrainer(Trainer):
                 mb_kl = 0.0
                 for i in range(0, len(idx), micro):
                     j = idx[i : i + micro]
-                    loss, parts = self.micro_loss(exp, j, agg, num_tokens, num_seqs, width)
-                    if not torch.isfinite(loss):
-                        self.optimizer.zero_grad(set_to_none=True)
-                        return {"faults/nonfinite_loss": 1.0}
-                    acc.backward(loss)
+                    parts = {}
+                    # Policy and value losses are backpropagated one at a time: with a shared-base critic,
+                    # gradient checkpointing recomputes each forward under the adapter active at backward time.
+                    terms = [self.policy_loss] + ([self.critic_loss] if self.value is not None else [])
+                    for term in terms:
+                        loss, term_parts = term(exp, j, agg, num_tokens, num_seqs, width)
+                        if not torch.isfinite(loss):
+                            self.optimizer.zero_grad(set_to_none=True)
+                            return {"faults/nonfinite_loss": 1.0}
+                        acc.backward(loss)
+                        parts.update(term_parts)
                     w = float(lmask[j].sum())
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -226,26 +241,28 @@ class OnlineTrainer(Trainer):
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def micro_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
-        """Loss of micro-batch rows `j`, normalised by the minibatch's global counts (see losses.aggregate)."""
+    def policy_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
+        """Policy loss of micro-batch rows `j`, normalised by the minibatch's global counts (see losses.aggregate)."""
         a, ro = self.cfg.algo, _select(exp["rollout"], j)
-        lmask, adv = exp["loss_mask"][j], exp["adv"][j]
+        lmask = exp["loss_mask"][j]
         new_lp = self.response_logprobs(self.model, ro)
-        pg, m = ppo_policy_loss(new_lp, exp["old_lp"][j], adv, clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps_high,
-                                dual_clip=a.dual_clip)
+        pg, m = ppo_policy_loss(new_lp, exp["old_lp"][j], exp["adv"][j], clip_eps_low=a.clip_eps,
+                                clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip)
         per_token = pg
         if self.algo.kl_in_loss:
             per_token = per_token + self.kl_ctl.value * kl_penalty(new_lp, exp["ref_lp"][j], "k3")
         if a.entropy_coef:
             per_token = per_token + a.entropy_coef * new_lp  # -H estimate: the sampled token's log-prob
         loss = aggregate(per_token, lmask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=width)
-        parts = {"loss/policy_avg": masked_mean(pg.detach(), lmask), "policy/approxkl_avg": masked_mean(m["approxkl"], lmask),
-                 "policy/clipfrac_avg": masked_mean(m["clipfrac"], lmask), "val/ratio": masked_mean(m["ratio"], lmask)}
-        if self.value is not None:
-            vl, vm = value_loss(self.values_of(ro), exp["values"][j], exp["returns"][j], clip_range_value=a.clip_range_value)
-            loss = loss + a.vf_coef * aggregate(vl, lmask, "token-mean", num_tokens=num_tokens)
-            parts.update({"loss/value_avg": masked_mean(vl.detach(), lmask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], lmask)})
-        return loss, parts
+        return loss, {"loss/policy_avg": masked_mean(pg.detach(), lmask), "policy/approxkl_avg": masked_mean(m["approxkl"], lmask),
+                      "policy/clipfrac_avg": masked_mean(m["clipfrac"], lmask), "val/ratio": masked_mean(m["ratio"], lmask)}
+
+    def critic_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
+        """Clipped value loss of rows `j` (token mean over the minibatch's global token count), times vf_coef."""
+        a, ro, lmask = self.cfg.algo, _select(exp["rollout"], j), exp["loss_mask"][j]
+        vl, vm = value_loss(self.values_of(ro), exp["values"][j], exp["returns"][j], clip_range_value=a.clip_range_value)
+        loss = a.vf_coef * aggregate(vl, lmask, "token-mean", num_tokens=num_tokens)
+        return loss, {"loss/value_avg": masked_mean(vl.detach(), lmask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], lmask)}
 
     # 6. The loop ----------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -309,8 +326,11 @@ class OnlineTrainer(Trainer):
 
             def save(d: str) -> None:
                 save_model(policy, self.tokenizer, d, merge_lora=False)
-                if value is not None:
-                    save_model(value, self.tokenizer, os.path.join(os.path.dirname(d), "value_model"), merge_lora=False)
+                value_dir = os.path.join(os.path.dirname(d), "value_model")
+                if isinstance(value, SharedBaseCritic):
+                    value.save(value_dir)
+                elif value is not None:
+                    save_model(value, self.tokenizer, value_dir, merge_lora=False)
 
             state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "kl_controller": json.dumps(self.kl_ctl.state_dict()), "reward_moments": json.dumps(self.moments.state_dict()),

@@ -31,9 +31,10 @@ def test_lr_zero_first_epoch_has_ratio_one(stage, tmp_path):
     assert metrics(out)[-1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_resume_reproduces_final_metrics(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "model.lora.r=4"]], ids=["full", "lora-shared-critic"])
+def test_resume_reproduces_final_metrics(extra, tmp_path, monkeypatch):
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=4", "logging.save_steps=2", "logging.progress_bar=false",
-            "algo.rollout_batch_size=4", "optim.per_device_batch_size=2"]
+            "algo.rollout_batch_size=4", "optim.per_device_batch_size=2", *extra]
     assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
     original = OnlineTrainer.make_experience
 
