@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML config file (see configs/)")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied after the file")
+    p = sub.add_parser("dashboard", help="draw a run's dashboard.png and write its report.html",
+                       description="rlhfkit dashboard: draw a finished (or running) run's dashboard.png and report.html")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holding config.yaml and metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="where to write them (default: RUN_DIR)")
     return parser
 
 
@@ -85,11 +89,23 @@ def run_stage(stage: str, config: str | None, overrides: list[str], print_config
     return result
 
 
+def run_dashboard(run_dir: str, out: str | None) -> None:
+    from rlhfkit.evaluation.dashboard import write_dashboard
+    from rlhfkit.evaluation.report import write_report
+
+    out = out or run_dir
+    print(write_dashboard(run_dir, os.path.join(out, "dashboard.png")))
+    print(write_report(run_dir, out_path=os.path.join(out, "report.html")))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     try:
-        run_stage(args.stage, args.config, args.overrides, args.print_config)
+        if args.stage == "dashboard":
+            run_dashboard(args.run_dir, args.out)
+        else:
+            run_stage(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:
         print(f"rlhfkit: error: {exc}", file=sys.stderr)
         return 2
