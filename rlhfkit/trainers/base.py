@@ -441,4 +441,8 @@ class Trainer:
         self.save_final()
         if cfg.logging.report_to:
             self.accelerator.end_training()
+        if self.accelerator.is_main_process:
+            from rlhfkit.evaluation.report import write_run_artifacts
+
+            write_run_artifacts(self.cfg.output_dir)  # dashboard.png + report.html; warns, never fails the run
         return last
