@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="rlhfkit dashboard: draw a finished (or running) run's dashboard.png and report.html")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holding config.yaml and metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="where to write them (default: RUN_DIR)")
+    p = sub.add_parser("demo", help="end-to-end RLHF of SmolLM2-135M on a sentiment task: SFT, reward model, PPO/DPO/best-of-n, evaluation",
+                       description="rlhfkit demo: SFT -> reward model -> PPO, DPO and best-of-4 on the built-in reviews task "
+                                   "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
+    p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in about a minute (plumbing only)")
+    p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
     return parser
 
 
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "dashboard":
             run_dashboard(args.run_dir, args.out)
+        elif args.stage == "demo":
+            from rlhfkit.demo import run_demo
+
+            run_demo(args.output_dir, quick=args.quick)
         else:
             run_stage(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:
