@@ -1,0 +1,165 @@
+"""Offline preference optimisation on chosen/rejected pairs: DPO, cDPO, IPO, hinge (SLiC), SimPO and ORPO.
+
+One trainer for all of them: `rlhfkit dpo` (the method is `algo.loss_type`) and `rlhfkit orpo`. Each step runs chosen
+and rejected through the policy in ONE forward ((2B, T), split back into halves). The reference log-probs come from
+a frozen model under no_grad — with LoRA the policy's own base with its adapters disabled (no second copy), else a
+second model (`algo.ref_model`, or the policy's starting weights) — or were computed once before training
+(`algo.precompute_ref_logps`) and ride in the batch. SimPO and ORPO are reference-free: they load no reference model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.config import DPOConfig, ModelConfig, ORPOConfig, ORPOOptions
+from rlhfkit.data import collate_preference
+from rlhfkit.errors import UserError
+from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
+from rlhfkit.models import load_causal_lm, sequence_logprobs
+from rlhfkit.trainers.base import Trainer
+from rlhfkit.types import PreferenceBatch
+
+logger = logging.getLogger("rlhfkit")
+
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+class Reference:
+    """π_ref, frozen: a second model loaded with `trainable=False`, or — LoRA with no `ref_model` — the policy's own
+    base with its adapters disabled, so the reference costs no memory beyond activations."""
+
+    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device):
+        self.model = None
+        if ref_model is None and cfg.lora.enabled:
+            return
+        ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
+        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if vocab != policy.get_input_embeddings().num_embeddings:
+            raise UserError(
+                f"reference model '{ref_model}' has a vocabulary of {vocab} tokens, the policy "
+                f"{policy.get_input_embeddings().num_embeddings}: they must share the tokenizer"
+            )
+
+    def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
+        """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
+        (accelerate-free) policy, used only when the reference is its base."""
+        shared = self.model is None
+        with torch.no_grad(), policy.disable_adapter() if shared else contextlib.nullcontext():
+            logps, _ = sequence_logprobs(policy if shared else self.model, input_ids, attention_mask, labels)
+        return logps
+
+    def release(self) -> None:
+        """Free a second model once its log-probs are precomputed."""
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+@dataclass
+class PairsWithRefs(PreferenceBatch):
+    """A PreferenceBatch with the precomputed reference log-probs of its pairs (None when computed per step)."""
+
+    ref_chosen_logps: torch.Tensor | None = None  # (B,)
+    ref_rejected_logps: torch.Tensor | None = None  # (B,)
+
+
+def concat_pairs(batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chosen rows then rejected rows: (2B, T) input_ids, attention_mask, labels — one forward for both."""
+    return (
+        torch.cat([batch.chosen_input_ids, batch.rejected_input_ids]),
+        torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask]),
+        torch.cat([batch.chosen_labels, batch.rejected_labels]),
+    )
+
+
+class PreferenceTrainer(Trainer):
+    kind = "preference"
+    cfg: DPOConfig | ORPOConfig
+
+    def __init__(self, cfg: DPOConfig | ORPOConfig):
+        super().__init__(cfg)
+        self.method = "orpo" if isinstance(cfg.algo, ORPOOptions) else cfg.algo.loss_type
+        self.reference: Reference | None = None
+
+    def load_model(self, tokenizer):
+        policy = load_causal_lm(self.cfg.model, tokenizer)
+        if self.method not in REFERENCE_FREE:
+            with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
+                self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+        return policy
+
+    def setup(self) -> None:
+        super().setup()
+        if self.reference is not None and self.cfg.algo.precompute_ref_logps:
+            self.precompute_ref_logps()
+
+    @torch.no_grad()
+    def precompute_ref_logps(self) -> None:
+        """Store each pair's reference log-probs in its example dict (the collator carries them into the batch), then
+        free a second reference model. Every process computes every example: simple, and done once."""
+        from tqdm.auto import tqdm
+
+        sets = [self.train_set] + ([self.eval_set] if self.eval_set else [])
+        bs = self.cfg.optim.per_device_batch_size
+        chunks = [examples[i : i + bs] for examples in sets for i in range(0, len(examples), bs)]
+        show = self.cfg.logging.progress_bar and self.accelerator.is_main_process
+        policy = self.accelerator.unwrap_model(self.model)
+        for chunk in tqdm(chunks, desc="reference log-probs", disable=not show, dynamic_ncols=True):
+            batch = collate_preference(chunk, self.tokenizer.pad_token_id).to(self.accelerator.device)
+            with self.accelerator.autocast():
+                ref = self.reference.sequence_logprobs(policy, *concat_pairs(batch))
+            ref_chosen, ref_rejected = ref.float().cpu().chunk(2)
+            for example, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist()):
+                example["ref_chosen_logps"], example["ref_rejected_logps"] = c, r
+        self.reference.release()
+
+    def collate(self, examples) -> PairsWithRefs:
+        batch = collate_preference(examples, self.tokenizer.pad_token_id)
+        refs = {}
+        if "ref_chosen_logps" in examples[0]:
+            refs = {k: torch.tensor([e[k] for e in examples], dtype=torch.float32) for k in ("ref_chosen_logps", "ref_rejected_logps")}
+        return PairsWithRefs(**vars(batch), **refs)
+
+    def count(self, batch: PairsWithRefs) -> int:
+        return batch.chosen_input_ids.shape[0]
+
+    def compute_loss(self, model, batch: PairsWithRefs, num_items: float):
+        algo, method = self.cfg.algo, self.method
+        # 1. Chosen and rejected through the policy in one forward: (2B, T) -> (2B,), split back into halves.
+        input_ids, attention_mask, labels = concat_pairs(batch)
+        logps, lengths = sequence_logprobs(model, input_ids, attention_mask, labels)
+        chosen, rejected = logps.chunk(2)  # (B,) each
+        chosen_len, rejected_len = lengths.chunk(2)  # (B,) response tokens
+        # 2. The loss of the method.
+        if method == "orpo":
+            chosen_nll = -chosen / chosen_len.clamp(min=1)  # per-example mean NLL of the chosen response
+            loss, metrics = orpo_loss(chosen, rejected, chosen_len, rejected_len, chosen_nll, lam=algo.lam)
+        elif method == "simpo":
+            loss, metrics = simpo_loss(
+                chosen, rejected, chosen_len, rejected_len, beta=algo.beta, gamma=algo.simpo_gamma,
+                label_smoothing=algo.label_smoothing,
+            )
+        else:
+            if batch.ref_chosen_logps is not None:
+                ref_chosen, ref_rejected = batch.ref_chosen_logps, batch.ref_rejected_logps
+            else:
+                with self.accelerator.autocast():
+                    ref = self.reference.sequence_logprobs(self.accelerator.unwrap_model(model), input_ids, attention_mask, labels)
+                ref_chosen, ref_rejected = ref.chunk(2)
+            if method == "ipo":  # TRL's IPO: every log-prob averaged over its response tokens (see preference_loss)
+                chosen, rejected = chosen / chosen_len, rejected / rejected_len
+                ref_chosen, ref_rejected = ref_chosen / chosen_len, ref_rejected / rejected_len
+            loss, metrics = preference_loss(
+                chosen, rejected, ref_chosen, ref_rejected, loss_type=method, beta=algo.beta,
+                label_smoothing=algo.label_smoothing,
+            )
+        # 3. Sum over pairs / global pair count; metrics are this micro-batch's means (the base weights them by B).
+        return loss.sum() / num_items, {"loss": loss.mean().detach(), **{k: v.mean() for k, v in metrics.items()}}
