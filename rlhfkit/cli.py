@@ -26,6 +26,7 @@ STAGES = {
     "dpo": ("rlhfkit.config:DPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "direct preference optimisation on chosen/rejected pairs (algo.loss_type: sigmoid = DPO/cDPO, ipo, hinge, simpo)"),
     "orpo": ("rlhfkit.config:ORPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "odds-ratio preference optimisation: SFT + odds-ratio loss on pairs, no reference model"),
     "kto": ("rlhfkit.config:KTOConfig", "rlhfkit.trainers.kto:KTOTrainer", "Kahneman-Tversky optimisation on unpaired completions labelled desirable or not"),
+    "eval": ("rlhfkit.config:EvalConfig", "rlhfkit.evaluation.evaluate:Evaluator", "evaluate a policy against a reference: rewards per judge, KL, win rates, length, diversity, reward-hacking alarms"),
 }
 
 

@@ -320,6 +320,93 @@ class OnlineConfig(TrainConfig):
         return errors
 
 
+# Evaluation (`rlhfkit eval`) ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalDataConfig:
+    eval: str = ""  # held-out prompts ({prompt} or {messages} records): a local file or a hub dataset
+    eval_split: str = "test"  # split used when `eval` is a hub dataset
+    max_prompt_length: int = 512  # tokens in a prompt; see `truncation`
+    max_length: int = 1024  # tokens in prompt + response of a `preference_data` pair (longer responses are cut)
+    truncation: Literal["truncate", "error"] = "truncate"  # over-long prompt: keep its last tokens, or fail
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.eval:
+            errors.append(("eval", "is required (held-out prompts: a local file or a hub dataset name)"))
+        if not 1 <= self.max_prompt_length < self.max_length:
+            errors.append(("max_prompt_length", f"must be in [1, max_length={self.max_length}), got {self.max_prompt_length}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class EvalRewardConfig:
+    # Reward-model directories: each is a judge ("reward_model" when alone, else "reward_model/<directory name>"),
+    # and several are also judged as one `ensemble` ("reward_model/ensemble_<mean|min>"). They must share the
+    # policy's tokenizer (they read the sampled token ids), as in online RL.
+    model: list[str] = field(default_factory=list)
+    ensemble: Literal["mean", "min"] = "mean"  # how the ensemble judge combines its members
+    function: str | None = None  # a Python reward "module:function" (prompts, completions) -> floats; judge named after it
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.function is not None and ":" not in self.function:
+            return [("function", f"must be 'module:function', got {self.function!r}")]
+        return []
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`rlhfkit eval`: sample the policy and the reference on held-out prompts (same seed), score both with every
+    judge, and write `output_dir/eval.json`. Scores are raw (no normalisation, clipping or EOS penalty)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy being evaluated
+    # The reference policy (usually the policy's starting point): a model directory, hub name or "tiny". KL, win rates
+    # and the reference's own figures need it; null evaluates the policy alone. It must share the policy's tokenizer.
+    reference: str | None = None
+    reference_gguf_file: str | None = None  # a .gguf file inside (or beside) `reference`, as model.gguf_file
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    preference_data: str | None = None  # pairwise preference records (a file or hub dataset): each reward model's accuracy
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: EvalRewardConfig = field(default_factory=EvalRewardConfig)
+    judges: list[str] = field(default_factory=list)  # more Python judges, "name=module:function" (e.g. a gold judge)
+    run_dir: str | None = None  # a training run whose metrics.jsonl the reward-hacking alarms also read
+    max_prompts: int | None = None  # evaluate only the first N prompts
+    batch_size: int = 16  # prompts per generation call (each gives generation.num_samples responses)
+    num_examples: int = 16  # side-by-side sample generations kept in eval.json
+    output_dir: str = ""  # where eval.json and eval_config.yaml go (may be the training run's directory)
+    seed: int = 42  # sampling seed: the policy and the reference draw with the same seed per batch
+    overwrite: bool = False  # replace an existing eval.json in output_dir
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if not self.output_dir:
+            errors.append(("output_dir", "is required"))
+        if self.reference is not None and not self.reference.strip():
+            errors.append(("reference", "must be a model path or hub name, or null (evaluate the policy alone)"))
+        if self.reference_gguf_file and self.reference is None:
+            errors.append(("reference_gguf_file", "needs `reference`"))
+        if self.preference_data and not self.reward.model:
+            errors.append(("preference_data", "measures reward-model accuracy: it needs reward.model"))
+        names = []
+        for i, spec in enumerate(self.judges):
+            name, sep, ref = spec.partition("=")
+            if not sep or not name.strip() or ":" not in ref:
+                errors.append((f"judges[{i}]", f"must be 'name=module:function', got {spec!r}"))
+            names.append(name.strip())
+        if self.reward.function:
+            names.append(self.reward.function.rpartition(":")[2])
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            errors.append(("judges", f"judge names must be unique, got {', '.join(duplicates)} twice"))
+        for name in ("batch_size", "num_examples"):
+            if getattr(self, name) < 1:
+                errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        if self.max_prompts is not None and self.max_prompts < 1:
+            errors.append(("max_prompts", f"must be >= 1 or null, got {self.max_prompts}"))
+        return errors
+
+
 # 3. Loading ---------------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,337 @@
+"""Evaluation: sample the policy and the reference on held-out prompts with the same seed, judge both, compare.
+
+`evaluate(...)` is the core, usable from Python on loaded models; `Evaluator` is the `rlhfkit eval` stage around it
+(load models, prompts and judges from an `EvalConfig`, add reward-model accuracy and a run's alarms, write
+`output_dir/eval.json`, print a summary table). Sampling goes through `generation.generate` and log-probs through
+`models.token_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs.
+
+A judge is any `judge(prompts, completions, rollout) -> list[float]`: one score per completion, higher is better.
+`python_judge` wraps a `(prompts, completions)` reward function; `RewardModelJudge` wraps a reward-model scorer,
+which reads the rollout's token ids (so it must share the policy's tokenizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+
+import torch
+
+from rlhfkit.config import DataConfig, EvalConfig, ModelConfig, config_to_yaml
+from rlhfkit.data import build_datasets, collate_preference, collate_prompts
+from rlhfkit.errors import UserError
+from rlhfkit.evaluation.alarms import DISTINCT_KEY, EMPTY_KEY, EOS_KEY, SampleStats, check_alarms
+from rlhfkit.evaluation.metrics import (
+    distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
+)
+from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.models import load_causal_lm, load_tokenizer, token_logprobs
+from rlhfkit.rewards import EnsembleScorer, load_reward_function, load_reward_scorer
+from rlhfkit.trainers.base import atomic_write_text
+from rlhfkit.types import Rollout
+
+logger = logging.getLogger("rlhfkit")
+
+Judge = Callable[[list[str], list[str], Rollout], list[float]]
+
+
+# 1. Judges ---------------------------------------------------------------------------------------------------
+
+
+def python_judge(fn: Callable[[list[str], list[str]], list[float]]) -> Judge:
+    """A `(prompts, completions) -> scores` reward function (e.g. `rlhfkit.tasks.toy:vowel_reward`) as a judge."""
+    return lambda prompts, completions, rollout: fn(prompts, completions)
+
+
+class RewardModelJudge:
+    """A reward-model scorer (`rewards.load_reward_scorer`: one model or an ensemble) as a judge: it scores the
+    rollout's prompt + response token ids in chunks of `batch_size` rows, so it must share the policy's tokenizer."""
+
+    def __init__(self, scorer, batch_size: int = 16):
+        self.scorer = scorer
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], rollout: Rollout) -> list[float]:
+        ids, mask = rollout.input_ids, rollout.attention_mask  # (B, P + R)
+        chunks = [self.scorer(ids[i : i + self.batch_size], mask[i : i + self.batch_size])
+                  for i in range(0, ids.shape[0], self.batch_size)]
+        return torch.cat(chunks).float().tolist()
+
+
+# 2. The core -------------------------------------------------------------------------------------------------
+
+
+def response_logprobs(model, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """(B, R) fp32 log-probs of the response tokens under `model`, at the sampling temperature; 0 on padding."""
+    labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
+                        rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
+    lp, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature)  # (B, P + R - 1)
+    return lp[:, rollout.prompt_ids.shape[1] - 1 :]  # position t predicts token t+1: the response starts at P-1
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Sample under `seed` without disturbing the caller's random state."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+
+def _judge_all(judges: dict[str, Judge], prompts: list[str], completions: list[str], rollout: Rollout) -> dict:
+    """judge name -> one finite score per completion."""
+    out = {}
+    for name, judge in judges.items():
+        scores = [float(s) for s in judge(prompts, completions, rollout)]
+        if len(scores) != len(completions):
+            raise UserError(f"judge '{name}' returned {len(scores)} scores for {len(completions)} completions")
+        if not all(math.isfinite(s) for s in scores):
+            bad = next(s for s in scores if not math.isfinite(s))
+            raise UserError(f"judge '{name}' returned a non-finite score: {bad}")
+        out[name] = scores
+    return out
+
+
+def _sample(model, tokenizer, batch, params: SamplingParams, seed: int, judges: dict[str, Judge]) -> tuple[Rollout, dict]:
+    """One model's responses to `batch` (drawn under `seed`), and their texts, lengths and judge scores."""
+    with _seeded(seed):
+        ro = generate(model, batch, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    prompts = _decode(tokenizer, ro.prompt_ids, ro.prompt_mask)
+    texts = _decode(tokenizer, ro.response_ids, ro.response_mask)
+    return ro, {"prompts": prompts, "texts": texts, "lengths": ro.response_mask.sum(-1).tolist(),
+                "has_eos": ro.has_eos.tolist(), "scores": _judge_all(judges, prompts, texts, ro)}
+
+
+def _merge(parts: list[dict]) -> dict:
+    keys = ("prompts", "texts", "lengths", "has_eos")
+    merged = {k: [x for p in parts for x in p[k]] for k in keys}
+    merged["scores"] = {name: [x for p in parts for x in p["scores"][name]] for name in parts[0]["scores"]}
+    return merged
+
+
+def _summary(s: dict) -> dict:
+    """The figures of one model's samples (eval.json's "policy" / "reference" objects)."""
+    return {
+        "length": mean_std(s["lengths"]),
+        "distinct_1": distinct_n(s["texts"], 1), "distinct_2": distinct_n(s["texts"], 2),
+        "eos_rate": eos_rate(s["has_eos"]), "truncation_rate": truncation_rate(s["has_eos"]),
+        "empty_rate": empty_rate(s["texts"]), "reward": {name: mean_std(v) for name, v in s["scores"].items()},
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    policy, reference, tokenizer, prompts: list[dict], judges: dict[str, Judge], params: SamplingParams,
+    batch_size: int = 16, seed: int = 0, num_examples: int = 16,
+) -> dict:
+    """Sample `policy` and `reference` on `prompts` with the same seed per batch; judge, compare, raise alarms.
+
+    Args:
+        policy, reference: causal LMs sharing `tokenizer`, on one device; `reference` may be None (the policy alone:
+            no KL, win rates or reference figures).
+        prompts: tokenized prompt examples `{"prompt_ids": [...]}` (`data.build_datasets("prompt", ...)`).
+        judges: name -> judge(prompts, completions, rollout) -> scores.
+        params: sampling parameters; `num_samples` responses per prompt (the policy's j-th sample of a prompt is
+            compared with the reference's j-th).
+        batch_size: prompts per `generate` call; batch i is drawn under seed `seed + i` by both models, so a
+            reference identical to the policy gives identical responses (KL 0, every win rate exactly 0.5).
+        num_examples: side-by-side samples kept in the result.
+
+    Returns the eval.json figures: "num_prompts", "num_samples", "policy" and "reference" ({"length": {mean, std},
+    "distinct_1", "distinct_2", "eos_rate", "truncation_rate", "empty_rate", "reward": {judge: {mean, std}}}; reference
+    None without one), "kl" ({mean, std} of the per-sequence KL(policy || reference) in nats on policy samples, or
+    None), "win_rate" ({judge: P(policy beats reference)}), "alarms" ([{name, message, source}]), "samples".
+    """
+    if not prompts:
+        raise UserError("no prompts to evaluate")
+    device = next(policy.parameters()).device
+    pol_parts, ref_parts, kls = [], [], []
+    for i, start in enumerate(range(0, len(prompts), batch_size)):
+        batch = collate_prompts(prompts[start : start + batch_size], tokenizer.pad_token_id).to(device)
+        ro, pol = _sample(policy, tokenizer, batch, params, seed + i, judges)
+        pol_parts.append(pol)
+        if reference is not None:
+            ref_parts.append(_sample(reference, tokenizer, batch, params, seed + i, judges)[1])
+            lp = response_logprobs(policy, ro, params.temperature)  # (B, R)
+            ref_lp = response_logprobs(reference, ro, params.temperature)  # (B, R)
+            kls.extend(sequence_kl(lp, ref_lp, ro.response_mask).tolist())
+    pol, ref = _merge(pol_parts), (_merge(ref_parts) if ref_parts else None)
+    result = {
+        "num_prompts": len(prompts), "num_samples": len(pol["texts"]),
+        "policy": _summary(pol), "reference": _summary(ref) if ref else None,
+        "kl": mean_std(kls) if ref else None,
+        "win_rate": {name: win_rate(pol["scores"][name], ref["scores"][name]) for name in judges} if ref else {},
+    }
+    # Alarms on the samples: the policy's score-length correlation, and reference -> policy as a 2-row history
+    # (diversity collapse, more empty or truncated responses).
+    rows = [] if ref is None else [
+        {"label": label, DISTINCT_KEY: s["distinct_2"], EMPTY_KEY: s["empty_rate"], EOS_KEY: s["eos_rate"]}
+        for label, s in (("reference", result["reference"]), ("policy", result["policy"]))]
+    alarms = check_alarms(rows, SampleStats(pol["lengths"], pol["scores"]))
+    result["alarms"] = [{**dataclasses.asdict(a), "source": "samples"} for a in alarms]
+    result["samples"] = [_example(pol, ref, kls, j) for j in range(min(num_examples, len(pol["texts"])))]
+    return result
+
+
+def _example(pol: dict, ref: dict | None, kls: list[float], j: int) -> dict:
+    def side(s: dict) -> dict:
+        return {"response": s["texts"][j], "scores": {n: v[j] for n, v in s["scores"].items()},
+                "length": s["lengths"][j], "eos": s["has_eos"][j]}
+
+    out = {"prompt": pol["prompts"][j], "policy": side(pol), "reference": side(ref) if ref else None}
+    if kls:
+        out["policy"]["kl"] = kls[j]
+    return out
+
+
+# 3. The stage ------------------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """`rlhfkit eval`: `Evaluator(cfg).fit()` evaluates, writes `output_dir/eval.json` and returns headline figures."""
+
+    def __init__(self, cfg: EvalConfig):
+        self.cfg = cfg
+        self.path = os.path.join(cfg.output_dir, "eval.json")
+
+    def check(self) -> None:
+        """Fail before any model loads: an unusable output_dir, an eval.json to keep, a run_dir without metrics."""
+        cfg = self.cfg
+        if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
+            raise UserError(f"output_dir '{cfg.output_dir}' exists and is not a directory")
+        if os.path.exists(self.path) and not cfg.overwrite:
+            raise UserError(f"'{self.path}' exists; pass overwrite=true to replace it")
+        if cfg.run_dir and not os.path.isfile(os.path.join(cfg.run_dir, "metrics.jsonl")):
+            raise UserError(f"run_dir '{cfg.run_dir}' holds no metrics.jsonl")
+
+    def fit(self) -> dict[str, float]:
+        from accelerate import PartialState
+
+        cfg = self.cfg
+        # 1. Everything that can fail on bad input before the policy loads: paths, data, judges.
+        self.check()
+        device = PartialState().device
+        tokenizer = load_tokenizer(cfg.model)
+        prompts, _ = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer, cfg.seed)
+        pairs = []
+        if cfg.preference_data:
+            pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
+        scorers = self.load_scorers(tokenizer, device)
+        judges: dict[str, Judge] = {name: RewardModelJudge(s, cfg.batch_size) for name, s in scorers.items()}
+        refs = {name.strip(): ref.strip() for name, _, ref in (spec.partition("=") for spec in cfg.judges)}
+        if cfg.reward.function:
+            refs = {cfg.reward.function.rpartition(":")[2]: cfg.reward.function, **refs}
+        judges.update({name: python_judge(load_reward_function(ref)) for name, ref in refs.items()})
+        # 2. The models, then the evaluation itself.
+        policy = load_causal_lm(cfg.model, tokenizer, trainable=False).to(device)
+        reference = None
+        if cfg.reference is not None:
+            ref_cfg = ModelConfig(name_or_path=cfg.reference, gguf_file=cfg.reference_gguf_file, dtype=cfg.model.dtype,
+                                  trust_remote_code=cfg.model.trust_remote_code)
+            _same_tokenizer(load_tokenizer(ref_cfg), tokenizer, f"reference '{cfg.reference}'")
+            reference = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
+        else:
+            logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
+        params = SamplingParams(**dataclasses.asdict(cfg.generation))
+        result = evaluate(policy, reference, tokenizer, prompts, judges, params, cfg.batch_size, cfg.seed,
+                          cfg.num_examples)
+        # 3. Reward-model accuracy and the training run's alarms; write eval.json (samples last) and print the table.
+        accuracy = {name: self.rm_accuracy(scorer, pairs, tokenizer.pad_token_id, device)
+                    for name, scorer in scorers.items()} if pairs else {}
+        if cfg.run_dir:
+            with open(os.path.join(cfg.run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+                history = [json.loads(line) for line in f if line.strip()]
+            result["alarms"] += [{**dataclasses.asdict(a), "source": "run_dir"} for a in check_alarms(history)]
+        samples = result.pop("samples")
+        report = {"policy_model": cfg.model.name_or_path, "reference_model": cfg.reference,
+                  "generation": dataclasses.asdict(cfg.generation), "seed": cfg.seed, **result,
+                  "reward_model_accuracy": accuracy, "samples": samples}
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        atomic_write_text(os.path.join(cfg.output_dir, "eval_config.yaml"), config_to_yaml(cfg))
+        atomic_write_text(self.path, json.dumps(report, indent=2) + "\n")
+        print(summary_table(report))
+        return headline(report)
+
+    def data_config(self, source: str, max_samples: int | None = None) -> DataConfig:
+        """`source` as the train split of a DataConfig: the first split `build_datasets` returns."""
+        d = self.cfg.data
+        return DataConfig(train=source, train_split=d.eval_split, max_length=d.max_length,
+                          max_prompt_length=d.max_prompt_length, truncation=d.truncation, max_samples=max_samples)
+
+    def load_scorers(self, tokenizer, device) -> dict[str, object]:
+        """name -> scorer: each reward model, and their ensemble when there are several."""
+        r = self.cfg.reward
+        members = {}
+        for path in r.model:
+            scorer = load_reward_scorer(path)
+            _same_tokenizer(scorer.tokenizer, tokenizer, f"reward model '{path}'")
+            scorer.model.to(device)
+            base = "reward_model" if len(r.model) == 1 else f"reward_model/{os.path.basename(os.path.normpath(path))}"
+            name = base if base not in members else f"{base}_{len(members)}"  # two directories of the same name
+            members[name] = scorer
+        if len(members) > 1:
+            members[f"reward_model/ensemble_{r.ensemble}"] = EnsembleScorer(list(members.values()), r.ensemble)
+        return members
+
+    @torch.no_grad()
+    def rm_accuracy(self, scorer, pairs: list[dict], pad_token_id: int, device) -> float:
+        """The fraction of preference `pairs` whose chosen response `scorer` scores above the rejected one."""
+        chosen, rejected = [], []
+        for start in range(0, len(pairs), self.cfg.batch_size):
+            b = collate_preference(pairs[start : start + self.cfg.batch_size], pad_token_id).to(device)
+            chosen.append(scorer(b.chosen_input_ids, b.chosen_attention_mask))
+            rejected.append(scorer(b.rejected_input_ids, b.rejected_attention_mask))
+        return reward_model_accuracy(torch.cat(chosen), torch.cat(rejected))
+
+
+def _same_tokenizer(other, tokenizer, what: str) -> None:
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"{what} has a different tokenizer ({len(other)} tokens) from the policy's ({len(tokenizer)}): "
+                        "they must share one, since KL and reward models read the same token ids")
+
+
+# 4. Reporting ------------------------------------------------------------------------------------------------
+
+
+def headline(report: dict) -> dict[str, float]:
+    """The figures `Evaluator.fit()` returns: "kl", and per judge "reward/<judge>" (the policy's mean),
+    "win_rate/<judge>" and "rm_accuracy/<judge>". (No "eval/" prefix: the table printed them already, so the CLI's
+    closing line does not repeat them.)"""
+    out = {"kl": report["kl"]["mean"]} if report["kl"] is not None else {}
+    out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items()})
+    out.update({f"win_rate/{name}": w for name, w in report["win_rate"].items()})
+    out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
+    return out
+
+
+def summary_table(report: dict) -> str:
+    """A compact console table: policy | reference | win rate per figure, then RM accuracy and alarms."""
+    pol, ref = report["policy"], report["reference"]
+
+    def cell(v) -> str:
+        return f"{'-':>12}" if v is None else f"{v:>12.4g}"
+
+    kl = report["kl"] or {}
+    rows = [("KL(policy||ref) nats", kl.get("mean"), None, None), ("  std across samples", kl.get("std"), None, None),
+            ("length, tokens", pol["length"]["mean"], ref and ref["length"]["mean"], None)]
+    rows += [(name, pol[key], ref and ref[key], None) for name, key in (
+        ("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("eos rate", "eos_rate"),
+        ("truncation rate", "truncation_rate"), ("empty rate", "empty_rate"))]
+    rows += [(f"reward: {name}", r["mean"], ref and ref["reward"][name]["mean"], report["win_rate"].get(name))
+             for name, r in pol["reward"].items()]
+    rows += [(f"RM accuracy: {name}", a, None, None) for name, a in report["reward_model_accuracy"].items()]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
+    lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]
+    lines += [f"alarm {a['name']}: {a['message']}" for a in report["alarms"]] or ["alarms: none"]
+    return "\n".join(lines)
