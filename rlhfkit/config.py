@@ -229,6 +229,7 @@ class RewardConfig:
     model: list[str] = field(default_factory=list)  # reward-model directories; several = an ensemble
     ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
     function: str | None = None  # a Python reward "module:function" (prompts, completions) -> list of floats
+    gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
     missing_eos_penalty: float | None = None  # added to the score of a response cut at max_new_tokens (e.g. -1.0)
     normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max
     clip: float | None = None  # clip scores to [-clip, clip] after normalisation
@@ -236,8 +237,9 @@ class RewardConfig:
     def check(self) -> list[tuple[str, str]]:
         if bool(self.model) == bool(self.function):
             return [("model", "give exactly one reward source: reward.model (reward-model directories) or reward.function (module:function)")]
-        if self.function and ":" not in self.function:
-            return [("function", f"must be 'module:function', got {self.function!r}")]
+        for name in ("function", "gold_function"):
+            if getattr(self, name) and ":" not in getattr(self, name):
+                return [(name, f"must be 'module:function', got {getattr(self, name)!r}")]
         if self.clip is not None and self.clip <= 0:
             return [("clip", f"must be > 0 or null, got {self.clip}")]
         return []

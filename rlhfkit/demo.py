@@ -82,11 +82,11 @@ def _config(cls, settings: dict):
     return load_config(cls, None, overrides=[f"{k}={json.dumps(v)}" for k, v in settings.items()])
 
 
-def _train(stage: str, cls_name: str, settings: dict) -> dict:
+def _train(stage: str, settings: dict) -> dict:
+    """Run `rlhfkit <stage>`'s trainer on a config built from `settings`; returns its last metrics."""
     from rlhfkit.cli import STAGES, _load
 
     config_ref, trainer_ref, _ = STAGES[stage]
-    assert config_ref.endswith(cls_name)
     return _load(trainer_ref)(_config(_load(config_ref), settings)).fit()
 
 
@@ -191,7 +191,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     print(f"kept {len(records)} of {len(raw)} base samples as SFT data")
     _write_jsonl(path("sft_data.jsonl"), records)
     del base_policy
-    _train("sft", "SFTConfig", {**base, **lora, **common, "data.train": path("sft_data.jsonl"), "output_dir": path("sft"),
+    _train("sft", {**base, **lora, **common, "data.train": path("sft_data.jsonl"), "output_dir": path("sft"),
                                 "num_epochs": size.sft_epochs, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     done(name, t0)
     sft_model = ModelConfig(name_or_path=path("sft"))
@@ -216,7 +216,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in pairs)
     print(f"{len(pairs)} pairs ({n_eval} held out); annotators went against the gold order on {flips}")
     del sft_policy
-    _train("rm", "RMConfig", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
+    _train("rm", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
                               "data.eval": path("pairs_eval.jsonl"), "output_dir": path("rm"), "num_epochs": size.rm_epochs,
                               "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     rm_figures = _rm_accuracy(load_reward_scorer(path("rm")), sft_model, pairs[:n_eval])
@@ -226,7 +226,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
 
     # 3a. PPO against the reward model ------------------------------------------------------------------------
     name, t0 = stage("ppo", "3a. PPO (LoRA, adaptive KL, shared-base critic) against the reward model")
-    _train("ppo", "OnlineConfig", {
+    _train("ppo", {
         **lora, **common, "model.name_or_path": path("sft"), "data.train": path("prompts_train.jsonl"),
         "output_dir": path("ppo"), "max_steps": size.ppo_steps, "reward.model": [path("rm")],
         "reward.missing_eos_penalty": -1.0, "reward.normalize": "running", "reward.clip": 5.0,
@@ -239,7 +239,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
 
     # 3b. DPO on the same pairs -------------------------------------------------------------------------------
     name, t0 = stage("dpo", "3b. DPO (LoRA) on the same pairs")
-    _train("dpo", "DPOConfig", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
+    _train("dpo", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
                                 "output_dir": path("dpo"), "num_epochs": size.dpo_epochs, "algo.beta": 0.1,
                                 "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     done(name, t0)
@@ -282,18 +282,17 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     # 5. Table, eval.json, plot, report -------------------------------------------------------------------------
     result = {"quick": quick, "output_dir": output_dir, "eval_prompts": len(eval_prompts), "annotator_tau": reviews.ANNOTATOR_TAU,
               "reward_model": rm_figures, "methods": figures, "kl_note": f"best_of_{BEST_OF_N}: analytic log n - (n-1)/n (an upper bound)",
-              "samples": [{"prompt": p, **{m: samples[m][0][i] for m in METHODS}} for i, p in enumerate(eval_prompts)],
-              "timings_s": timings}
-    result["acceptance"] = _acceptance(figures, rm_figures)
-    with open(path("eval.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+              "acceptance": _acceptance(figures, rm_figures), "timings_s": timings}
+    _write_jsonl(path("eval_samples.jsonl"), [
+        {"prompt": p, **{m: samples[m][0][i] for m in METHODS}, **{f"gold_{m}": gold[m][i] for m in METHODS}}
+        for i, p in enumerate(eval_prompts)])
     print("\n" + format_table(figures))
     print("acceptance: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in result["acceptance"].items()))
-    _write_plot_and_report(output_dir, figures, result)
     timings["total"] = time.time() - t_start
-    print("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()) + f"; outputs in {output_dir}")
     with open(path("eval.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
+    write_plot_and_report(output_dir)
+    print("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()) + f"; outputs in {output_dir}")
     return result
 
 
@@ -331,12 +330,22 @@ def format_table(figures: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_plot_and_report(output_dir: str, figures: dict, result: dict) -> None:
-    """The gold-reward vs KL frontier plot and the HTML report, through the evaluation package when it has them."""
-    try:
-        from rlhfkit.evaluation.report import write_frontier_plot, write_report
-    except ImportError:
-        logger.warning("rlhfkit.evaluation.report is not available: no frontier plot or HTML report written")
-        return
-    write_frontier_plot({m: [(f["kl_to_sft"], f["gold_reward"])] for m, f in figures.items()}, os.path.join(output_dir, "frontier.png"))
-    write_report(output_dir, result)
+def write_plot_and_report(output_dir: str) -> list[str]:
+    """From `eval.json` and `eval_samples.jsonl`: the gold-reward vs KL frontier plot (one point per method) and the
+    HTML report with the method table and before (SFT) / after (PPO) samples scored by the gold judge."""
+    from rlhfkit.evaluation.dashboard import write_frontier_plot
+    from rlhfkit.evaluation.report import write_report
+
+    with open(os.path.join(output_dir, "eval.json"), encoding="utf-8") as f:
+        figures = json.load(f)["methods"]
+    with open(os.path.join(output_dir, "eval_samples.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    plot = write_frontier_plot({m: [(v["kl_to_sft"], v["gold_reward"])] for m, v in figures.items()},
+                               os.path.join(output_dir, "frontier.png"))
+    table = [{"method": m, **{k: round(x, 4) for k, x in v.items()}} for m, v in figures.items()]
+    before_after = [{"prompt": r["prompt"], "before": r["sft"], "before_score": r["gold_sft"], "after": r["ppo"],
+                     "after_score": r["gold_ppo"]} for r in rows]
+    report = write_report(output_dir, {"tables": {"Methods vs the SFT model (held-out prompts)": table}, "figures": [plot],
+                                       "samples": before_after})
+    print(f"wrote {plot} and {report}")
+    return [plot, report]

@@ -1,0 +1,60 @@
+"""`rlhfkit demo --quick` through the real CLI: the whole SFT -> RM -> PPO/DPO/best-of-n -> evaluation path on the
+tiny model, checking every artefact (the figures themselves are meaningless on a random model)."""
+
+import json
+import os
+
+import pytest
+
+from rlhfkit.cli import main
+from rlhfkit.demo import METHODS
+
+FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "mean_words"}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("demo") / "run")
+    assert main(["demo", "--quick", "--output-dir", out]) == 0
+    return out
+
+
+def test_eval_json_has_every_figure(demo_run):
+    with open(os.path.join(demo_run, "eval.json")) as f:
+        result = json.load(f)
+    assert result["quick"] is True and result["eval_prompts"] == 8
+    assert set(result["methods"]) == set(METHODS)
+    for method, figures in result["methods"].items():
+        assert set(figures) == FIGURES, method
+        assert 0.0 <= figures["win_rate_gold"] <= 1.0 and 0.0 <= figures["win_rate_rm"] <= 1.0
+        assert 0.0 <= figures["distinct_2"] <= 1.0
+    sft = result["methods"]["sft"]
+    assert sft["kl_to_sft"] == 0.0 and sft["win_rate_gold"] == 0.5 and sft["win_rate_rm"] == 0.5  # the baseline itself
+    assert result["methods"]["best_of_4"]["kl_to_sft"] == pytest.approx(0.6363, abs=1e-4)  # log 4 - 3/4
+    assert {"rm_accuracy_noisy", "rm_accuracy_gold", "rm_eval_pairs", "rm_gold_pairs"} <= set(result["reward_model"])
+    assert set(result["acceptance"]) == {"ppo_win_rate_gold>0.65", "ppo_kl<10", "ppo_distinct_2>=sft/2", "rm_accuracy_gold>0.70"}
+    assert {"prompts", "sft", "rm", "ppo", "dpo", "eval", "total"} <= set(result["timings_s"])
+
+
+def test_every_stage_wrote_its_run(demo_run):
+    for stage in ("sft", "rm", "ppo", "dpo"):
+        stage_dir = os.path.join(demo_run, stage)
+        for name in ("config.json", "config.yaml", "metrics.jsonl"):
+            assert os.path.isfile(os.path.join(stage_dir, name)), (stage, name)
+    for name in ("sft_data.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
+        assert os.path.getsize(os.path.join(demo_run, name)) > 0, name
+    with open(os.path.join(demo_run, "pairs_train.jsonl")) as f:
+        pair = json.loads(f.readline())
+    assert {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"} <= set(pair)
+    with open(os.path.join(demo_run, "eval_samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 8 and set(METHODS) <= set(rows[0])
+
+
+def test_frontier_plot_and_report(demo_run):
+    with open(os.path.join(demo_run, "frontier.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(demo_run, "report.html"), encoding="utf-8") as f:
+        html = f.read()
+    assert "frontier" in html or "data:image/png;base64" in html
+    assert all(m in html for m in METHODS)
