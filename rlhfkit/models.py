@@ -336,6 +336,15 @@ def token_logprobs(model, input_ids, attention_mask, labels, temperature: float 
     return logprobs * mask, mask.float()
 
 
+def rollout_logprobs(model, rollout, temperature: float = 1.0):
+    """(B, R) fp32 log-probs of a `Rollout`'s response tokens under `model`, at the sampling temperature; 0 on
+    padding. Position t predicts token t+1, so the response's log-probs start at position P-1."""
+    labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
+                        rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
+    logprobs, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature)  # (B, P+R-1)
+    return logprobs[:, rollout.prompt_ids.shape[1] - 1 :]
+
+
 def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):
     """Summed log-probs of the labelled tokens per sequence and their count: ((B,), (B,))."""
     logprobs, mask = token_logprobs(model, input_ids, attention_mask, labels, temperature)

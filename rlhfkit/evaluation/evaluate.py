@@ -3,7 +3,7 @@
 `evaluate(...)` is the core, usable from Python on loaded models; `Evaluator` is the `rlhfkit eval` stage around it
 (load models, prompts and judges from an `EvalConfig`, add reward-model accuracy and a run's alarms, write
 `output_dir/eval.json`, print a summary table). Sampling goes through `generation.generate` and log-probs through
-`models.token_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs.
+`models.rollout_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs.
 
 A judge is any `judge(prompts, completions, rollout) -> list[float]`: one score per completion, higher is better.
 `python_judge` wraps a `(prompts, completions)` reward function; `RewardModelJudge` wraps a reward-model scorer,
@@ -30,7 +30,7 @@ from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
 from rlhfkit.generation import SamplingParams, generate
-from rlhfkit.models import load_causal_lm, load_tokenizer, token_logprobs
+from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import EnsembleScorer, load_reward_function, load_reward_scorer
 from rlhfkit.trainers.base import atomic_write_text
 from rlhfkit.types import Rollout
@@ -65,14 +65,6 @@ class RewardModelJudge:
 
 
 # 2. The core -------------------------------------------------------------------------------------------------
-
-
-def response_logprobs(model, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """(B, R) fp32 log-probs of the response tokens under `model`, at the sampling temperature; 0 on padding."""
-    labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
-                        rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
-    lp, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature)  # (B, P + R - 1)
-    return lp[:, rollout.prompt_ids.shape[1] - 1 :]  # position t predicts token t+1: the response starts at P-1
 
 
 @contextlib.contextmanager
@@ -162,8 +154,8 @@ def evaluate(
         pol_parts.append(pol)
         if reference is not None:
             ref_parts.append(_sample(reference, tokenizer, batch, params, seed + i, judges)[1])
-            lp = response_logprobs(policy, ro, params.temperature)  # (B, R)
-            ref_lp = response_logprobs(reference, ro, params.temperature)  # (B, R)
+            lp = rollout_logprobs(policy, ro, params.temperature)  # (B, R)
+            ref_lp = rollout_logprobs(reference, ro, params.temperature)  # (B, R)
             kls.extend(sequence_kl(lp, ref_lp, ro.response_mask).tolist())
     pol, ref = _merge(pol_parts), (_merge(ref_parts) if ref_parts else None)
     result = {

@@ -26,11 +26,13 @@ from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
 from rlhfkit.data import build_datasets, collate_prompts
 from rlhfkit.errors import UserError
+from rlhfkit.evaluation.alarms import check_alarms
+from rlhfkit.evaluation.metrics import distinct_n, pearson
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss
-from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_reward_model, load_tokenizer, save_model, token_logprobs
+from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_reward_model, load_tokenizer, rollout_logprobs, save_model
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RunningMoments, load_reward_function, load_reward_scorer, normalize_scores, token_scores
 from rlhfkit.trainers.base import (
@@ -59,6 +61,7 @@ class OnlineTrainer(Trainer):
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
         self.reward_fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
+        self.gold_fn = load_reward_function(cfg.reward.gold_function) if cfg.reward.gold_function else None
         self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
                                              project_dir=cfg.output_dir)
         set_seed(cfg.seed)
@@ -126,10 +129,8 @@ class OnlineTrainer(Trainer):
         return collate_prompts([self.train_set[i] for i in mine], self.tokenizer.pad_token_id)
 
     def response_logprobs(self, model, ro: Rollout):
-        """(B, R) fp32 log-probs of the response tokens, in micro-batches (temperature as when sampling)."""
-        labels = torch.cat([torch.full_like(ro.prompt_ids, -100), ro.response_ids.masked_fill(ro.response_mask == 0, -100)], 1)
-        lp, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, labels, self.cfg.generation.temperature)
-        return lp[:, ro.prompt_ids.shape[1] - 1 :]  # position t predicts token t+1: response starts at P-1
+        """(B, R) fp32 log-probs of the response tokens (temperature as when sampling)."""
+        return rollout_logprobs(model, ro, self.cfg.generation.temperature)
 
     def values_of(self, ro: Rollout):
         """(B, R) critic values V(s_t) of the state before each response token."""
@@ -143,9 +144,13 @@ class OnlineTrainer(Trainer):
     def score(self, ro: Rollout) -> torch.Tensor:
         if self.scorer is not None:
             return self.scorer(ro.input_ids, ro.attention_mask)
-        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-        values = self.reward_fn(decode(ro.prompt_ids), decode(ro.response_ids))
+        values = self.reward_fn(*self.texts(ro))
         return torch.tensor([float(v) for v in values], device=ro.response_ids.device)
+
+    def texts(self, ro: Rollout) -> tuple[list[str], list[str]]:
+        """Prompts and responses as text (special tokens dropped), for Python reward and gold functions."""
+        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+        return decode(ro.prompt_ids), decode(ro.response_ids)
 
     def reference_logprobs(self, ro: Rollout):
         if self.ref is not None:
@@ -185,7 +190,13 @@ class OnlineTrainer(Trainer):
             "objective/entropy": (-old_lp * mask).sum(1).mean(),
             "response/length_avg": mask.sum(1).mean(), "response/eos_rate": ro.has_eos.float().mean(),
             "policy/sampler_logprob_gap": masked_mean((ro.sampler_logprobs - old_lp).abs(), mask),
+            # Evidence for the reward-hacking alarms (rlhfkit.evaluation.alarms).
+            "response/empty_rate": ((mask.sum(1) - ro.has_eos.float()) <= 0).float().mean(),
+            "response/distinct_2": distinct_n(self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True), 2),
+            "response/score_length_corr": pearson(raw.tolist(), mask.sum(1).tolist()),
         }
+        if self.gold_fn is not None:
+            stats["objective/gold"] = torch.tensor(self.gold_fn(*self.texts(ro)), dtype=torch.float32).mean()
         finite = all(torch.isfinite(t).all() for t in (raw, old_lp, ref_lp, adv))
         return {"rollout": ro, "old_lp": old_lp, "ref_lp": ref_lp, "values": values, "adv": adv, "returns": returns,
                 "loss_mask": loss_mask, "scores": raw, "stats": stats, "finite": finite, "seq_kl": seq_kl}
@@ -273,6 +284,8 @@ class OnlineTrainer(Trainer):
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=f"{a.algorithm}", dynamic_ncols=True,
                    disable=not (cfg.logging.progress_bar and acc.is_main_process))
         last: dict[str, float] = {}
+        history: list[dict] = []  # this process's rows since start (or resume), for the reward-hacking alarms
+        raised: set[str] = set()
         for step in range(self.start_step, self.total_steps):
             done = step + 1
             lr = self.scheduler.get_last_lr()[0]
@@ -292,14 +305,25 @@ class OnlineTrainer(Trainer):
             bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if done % cfg.logging.logging_steps == 0 or done == self.total_steps:
                 self.metrics.log(done, last)
+            history.append({"step": done, **last})
             if acc.is_main_process and (done % a.table_steps == 0 or done == self.total_steps):
                 bar.write(self.table_row(done, last, header=done <= a.table_steps or step == self.start_step))
+                for alarm in check_alarms(history):
+                    if alarm.name not in raised:
+                        raised.add(alarm.name)
+                        logger.warning("alarm %s at step %d: %s", alarm.name, done, alarm.message)
             if acc.is_main_process and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
                 self.log_samples(done, exp)
             if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
                 self.checkpoint(done)
         bar.close()
         self.save_final()
+        if cfg.logging.report_to:
+            acc.end_training()
+        if acc.is_main_process:
+            from rlhfkit.evaluation.report import write_run_artifacts
+
+            write_run_artifacts(self.cfg.output_dir)  # dashboard.png + report.html; warns, never fails the run
         return last
 
     def table_row(self, step: int, m: dict, header: bool) -> str:
