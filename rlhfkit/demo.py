@@ -42,7 +42,7 @@ class DemoSize:
     num_items: int = 400  # invented items; 20% of them are the held-out eval prompts
     sft_prompts: int = 96  # base-model samples (one per prompt) filtered into the SFT data
     sft_epochs: float = 2.0
-    pair_prompts: int = 160  # prompts with two SFT samples each: the preference pairs (15% held out for the RM)
+    pair_prompts: int = 128  # prompts with two SFT samples each: the preference pairs (20% held out for the RM)
     rm_epochs: float = 2.0
     dpo_epochs: float = 1.0
     ppo_steps: int = 12  # rollouts of `ppo_batch` prompts
@@ -121,12 +121,13 @@ class Policy:
         return [t for ro in rollouts for t in self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)]
 
     @torch.no_grad()
-    def response_logprobs(self, ro) -> torch.Tensor:
-        """(B,) summed log-probs of the rollout's responses under this model (temperature 1)."""
-        from rlhfkit.models import sequence_logprobs
+    def sequence_kl(self, rollouts, reference: "Policy") -> torch.Tensor:
+        """(N,) KL(this || reference) in nats per sampled response (k1 summed over tokens, temperature 1)."""
+        from rlhfkit.evaluation.metrics import sequence_kl
+        from rlhfkit.models import rollout_logprobs
 
-        labels = torch.cat([torch.full_like(ro.prompt_ids, -100), ro.response_ids.masked_fill(ro.response_mask == 0, -100)], 1)
-        return sequence_logprobs(self.model, ro.input_ids, ro.attention_mask, labels)[0]
+        return torch.cat([sequence_kl(rollout_logprobs(self.model, ro), rollout_logprobs(reference.model, ro), ro.response_mask)
+                          for ro in rollouts])
 
 
 def _rm_scores(scorer, rollouts) -> torch.Tensor:
@@ -210,7 +211,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
         chosen, rejected = (a, b) if a_wins else (b, a)
         pairs.append({"prompt": p, "chosen": chosen, "rejected": rejected,
                       "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga})
-    n_eval = max(2, round(0.15 * len(pairs)))
+    n_eval = max(2, round(0.2 * len(pairs)))
     _write_jsonl(path("pairs_train.jsonl"), pairs[n_eval:])
     _write_jsonl(path("pairs_eval.jsonl"), pairs[:n_eval])
     flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in pairs)
@@ -261,8 +262,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     for method in ("ppo", "dpo"):
         policy = Policy(ModelConfig(name_or_path=path(method)), path("prompts_eval.jsonl"))
         rollouts = policy.sample(1, size, seed + 3)
-        kl = torch.cat([policy.response_logprobs(ro) - sft.response_logprobs(ro) for ro in rollouts])  # (B,) k1, summed
-        samples[method] = ([t.strip() for t in policy.texts(rollouts)], _rm_scores(scorer, rollouts), kl)
+        samples[method] = ([t.strip() for t in policy.texts(rollouts)], _rm_scores(scorer, rollouts), policy.sequence_kl(rollouts, sft))
         del policy
     gold = {m: reviews.gold_judge(eval_prompts, texts) for m, (texts, _, _) in samples.items()}
     figures = {}
