@@ -193,7 +193,7 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     _write_jsonl(path("sft_data.jsonl"), records)
     del base_policy
     _train("sft", {**base, **lora, **common, "data.train": path("sft_data.jsonl"), "output_dir": path("sft"),
-                                "num_epochs": size.sft_epochs, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
+                   "num_epochs": size.sft_epochs, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     done(name, t0)
     sft_model = ModelConfig(name_or_path=path("sft"))
 
@@ -218,8 +218,8 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     print(f"{len(pairs)} pairs ({n_eval} held out); annotators went against the gold order on {flips}")
     del sft_policy
     _train("rm", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
-                              "data.eval": path("pairs_eval.jsonl"), "output_dir": path("rm"), "num_epochs": size.rm_epochs,
-                              "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
+                  "data.eval": path("pairs_eval.jsonl"), "output_dir": path("rm"), "num_epochs": size.rm_epochs,
+                  "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     rm_figures = _rm_accuracy(load_reward_scorer(path("rm")), sft_model, pairs[:n_eval])
     print(f"reward model, held out: accuracy {rm_figures['rm_accuracy_noisy']:.3f} vs the annotators' labels, "
           f"{rm_figures['rm_accuracy_gold'] or float('nan'):.3f} vs the gold order ({rm_figures['rm_gold_pairs']} pairs without a gold tie)")
@@ -241,8 +241,8 @@ def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) 
     # 3b. DPO on the same pairs -------------------------------------------------------------------------------
     name, t0 = stage("dpo", "3b. DPO (LoRA) on the same pairs")
     _train("dpo", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
-                                "output_dir": path("dpo"), "num_epochs": size.dpo_epochs, "algo.beta": 0.1,
-                                "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
+                   "output_dir": path("dpo"), "num_epochs": size.dpo_epochs, "algo.beta": 0.1,
+                   "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
     done(name, t0)
 
     # 4. Evaluation on held-out prompts (best-of-n is sampled here) ---------------------------------------------
