@@ -27,6 +27,7 @@ STAGES = {
     "orpo": ("rlhfkit.config:ORPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "odds-ratio preference optimisation: SFT + odds-ratio loss on pairs, no reference model"),
     "kto": ("rlhfkit.config:KTOConfig", "rlhfkit.trainers.kto:KTOTrainer", "Kahneman-Tversky optimisation on unpaired completions labelled desirable or not"),
     "eval": ("rlhfkit.config:EvalConfig", "rlhfkit.evaluation.evaluate:Evaluator", "evaluate a policy against a reference: rewards per judge, KL, win rates, length, diversity, reward-hacking alarms"),
+    "rft": ("rlhfkit.config:RFTConfig", "rlhfkit.trainers.rft:RFTTrainer", "best-of-n rejection-sampling fine-tuning: sample n per prompt, keep the best by the reward, SFT on them; iterated"),
 }
 
 

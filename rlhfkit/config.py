@@ -322,6 +322,47 @@ class OnlineConfig(TrainConfig):
         return errors
 
 
+# 2b. Rejection-sampling fine-tuning -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RFTOptions:
+    iterations: int = 1  # sample -> keep the best -> fine-tune rounds; each samples from the policy the last one trained
+    prompts_per_iteration: int | None = None  # a seeded random subset of the train prompts per iteration; None = all
+    min_score: float | None = None  # drop a prompt whose best sample scores below this (None = keep every prompt)
+    sampling_batch_size: int = 16  # prompts per `generate` call (samples per call = this × generation.num_samples)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = []
+        for name in ("iterations", "sampling_batch_size"):
+            if getattr(self, name) < 1:
+                errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
+            errors.append(("prompts_per_iteration", f"must be >= 1 or null (all prompts), got {self.prompts_per_iteration}"))
+        return errors
+
+
+@dataclass(frozen=True)
+class RFTConfig(TrainConfig):
+    """Best-of-n / rejection-sampling fine-tuning, iterated. `generation.num_samples` is n. `max_steps` and
+    `num_epochs` size the SFT of *each iteration* (optimizer steps, or passes over the kept samples); with
+    `logging.save_steps` > 0 a resumable checkpoint is written after every iteration but the last."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: RFTOptions = field(default_factory=RFTOptions)
+
+    def check(self) -> list[tuple[str, str]]:
+        errors = super().check()
+        # Selection and min_score read the raw scores (plus reward.missing_eos_penalty): normalising would change
+        # min_score's units and clipping would create ties, while neither can improve which sample is best.
+        if self.reward.normalize != "none":
+            errors.append(("reward.normalize", f"must be 'none' for rft (the best sample is chosen on raw scores), got {self.reward.normalize!r}"))
+        if self.reward.clip is not None:
+            errors.append(("reward.clip", "must be null for rft (clipping only creates ties among the best samples)"))
+        return errors
+
+
 # Evaluation (`rlhfkit eval`) ---------------------------------------------------------------------------------
 
 

@@ -1,0 +1,229 @@
+"""Best-of-n / rejection-sampling fine-tuning (`rlhfkit rft`), iterated for iterative RLHF.
+
+Each iteration is the loop of RAFT (Dong et al. 2023, arXiv 2304.06767) and of ReST's Grow/Improve steps
+(Gulcehre et al. 2023, arXiv 2308.08998), with best-of-n as the filter:
+  1. sample n = `generation.num_samples` responses per prompt from the current policy (`generation.generate`);
+  2. score them (reward model(s) or a Python function, as the online stages do) and keep the best per prompt,
+     dropping prompts whose best scores below `algo.min_score`;
+  3. write the kept rows to `rft_iter{i}.jsonl`, log the scores and the analytic KL of best-of-n sampling to
+     the policy sampled, log n − (n − 1)/n (Stiennon et al. 2020, arXiv 2009.01325; an upper bound, Beirami
+     et al. 2024, arXiv 2401.01879);
+  4. fine-tune on the kept rows with the SFT loss on completion tokens (the offline loop's `train_step`).
+The next iteration samples from the fine-tuned policy. Scores include `reward.missing_eos_penalty`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+
+from rlhfkit.config import RFTConfig
+from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
+from rlhfkit.evaluation.metrics import best_of_n_kl
+from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.models import load_causal_lm, load_tokenizer, save_model
+from rlhfkit.rewards import load_reward_function, load_reward_scorer
+from rlhfkit.trainers.base import (
+    MetricsLogger, Trainer, atomic_write_text, build_optimizer, build_scheduler, load_checkpoint, load_model_weights,
+    save_checkpoint, set_rng_state,
+)
+from rlhfkit.trainers.sft import SFTTrainer
+from rlhfkit.types import Rollout
+
+logger = logging.getLogger("rlhfkit")
+
+
+def select_best(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Index of the best-scoring sample of each group: scores (B,), group_ids (B,) in 0..G-1 -> (G,) long.
+
+    Ties go to the lowest index; a NaN score counts as -inf, so it is chosen only when its whole group is NaN.
+    Every group id in 0..G-1 must occur.
+    """
+    scores = torch.where(torch.isnan(scores), -math.inf, scores.float())  # (B,)
+    num_groups = int(group_ids.max()) + 1
+    best = torch.full((num_groups,), -math.inf, device=scores.device).scatter_reduce(0, group_ids, scores, "amax")  # (G,)
+    index = torch.arange(len(scores), device=scores.device)  # (B,)
+    candidates = torch.where(scores == best[group_ids], index, len(scores))  # (B,) non-best samples out of range
+    return torch.full((num_groups,), len(scores), device=scores.device).scatter_reduce(0, group_ids, candidates, "amin")
+
+
+class RFTTrainer(Trainer):
+    kind = "prompt"
+    cfg: RFTConfig
+
+    # The SFT stage's loss on completion tokens, shared without a second level of inheritance.
+    count = SFTTrainer.count
+    compute_loss = SFTTrainer.compute_loss
+
+    def collate(self, examples):
+        return collate_sft(examples, self.tokenizer.pad_token_id)
+
+    def texts(self, ro: Rollout) -> tuple[list[str], list[str]]:
+        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+        return decode(ro.prompt_ids), decode(ro.response_ids)
+
+    def score(self, ro: Rollout) -> torch.Tensor:
+        """(B,) scores as the online stages compute them: reward model(s) on the ids, or the Python function."""
+        if self.scorer is not None:
+            return self.scorer(ro.input_ids, ro.attention_mask)
+        return torch.tensor([float(v) for v in self.reward_fn(*self.texts(ro))], device=ro.response_ids.device)
+
+    # 0. Models, data, reward ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        set_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+        self.reward_fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
+        self.gold_fn = load_reward_function(cfg.reward.gold_function) if cfg.reward.gold_function else None
+        self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
+                                             project_dir=cfg.output_dir)
+        set_seed(cfg.seed)
+        policy = load_causal_lm(cfg.model, self.tokenizer)
+        self.scorer = load_reward_scorer(cfg.reward.model, reduce=cfg.reward.ensemble) if cfg.reward.model else None
+        for m in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
+            m.model.to(acc.device)
+        self.world = acc.num_processes
+        self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
+        # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
+        self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)
+        optimizer = build_optimizer(policy, cfg)
+        self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
+        self.model, self.optimizer = acc.prepare(policy, optimizer)
+        self.params = SamplingParams(**dataclasses.asdict(cfg.generation))
+        self.start_step, self.start_iteration = 0, 0
+        if self.resume_from:
+            state = load_checkpoint(self.resume_from)
+            load_model_weights(acc.unwrap_model(self.model), os.path.join(self.resume_from, "model"))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            self.start_step, self.start_iteration = int(state["step"]), int(state["iteration"])
+            logger.info("resuming from %s (iteration %d, step %d)", self.resume_from, self.start_iteration + 1, self.start_step)
+        if acc.is_main_process:
+            self.run_dir.prepare(self.start_step if self.resume_from else None)
+            if self.resume_from:
+                # The next iteration's row was logged at the checkpoint's own step, which `prepare` keeps.
+                path = os.path.join(cfg.output_dir, "metrics.jsonl")
+                with open(path, encoding="utf-8") as f:
+                    rows = [line for line in f if json.loads(line).get("rft/iteration", 0) <= self.start_iteration]
+                atomic_write_text(path, "".join(rows))
+        acc.wait_for_everyone()
+        if cfg.logging.report_to:
+            acc.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
+        self.metrics = MetricsLogger(cfg.output_dir, acc, cfg.logging.report_to)
+
+    def sft_steps(self, num_examples: int) -> int:
+        """Optimizer steps of one iteration's SFT on `num_examples`: max_steps, or num_epochs passes over them.
+        Sets `steps_per_epoch`, which the offline loop's `micro_batches` reads."""
+        o = self.cfg.optim
+        self.steps_per_epoch = max(1, math.ceil(num_examples / (o.per_device_batch_size * self.world * o.grad_accum_steps)))
+        return self.cfg.max_steps if self.cfg.max_steps > 0 else math.ceil(self.cfg.num_epochs * self.steps_per_epoch)
+
+    # 1-3. Sample, score, keep the best ------------------------------------------------------------------------
+    @torch.no_grad()
+    def best_of_n(self, iteration: int) -> tuple[list[dict], dict[str, float]]:
+        """The SFT examples of every process (the same list on each) and the iteration's metrics; writes the
+        kept rows to rft_iter{iteration + 1}.jsonl."""
+        from accelerate.utils import gather_object
+
+        cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
+        g = torch.Generator().manual_seed(cfg.seed * 100003 + iteration)  # a fresh subset each iteration
+        chosen = torch.randperm(len(self.prompts), generator=g)[: self.per_iteration].tolist()
+        mine = chosen[acc.process_index :: self.world]
+        policy = acc.unwrap_model(self.model)
+        kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
+        for start in range(0, len(mine), a.sampling_batch_size):
+            prompts = collate_prompts([self.prompts[i] for i in mine[start : start + a.sampling_batch_size]], tok.pad_token_id)
+            ro = generate(policy, prompts.to(acc.device), self.params, tok.eos_token_id, tok.pad_token_id)
+            scores = self.score(ro) + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()  # (B,)
+            best = select_best(scores, ro.group_ids)  # (G,)
+            finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
+            if not finite.all():
+                logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
+            gold = sum(float(v) for v in self.gold_fn(*self.texts(ro))) if self.gold_fn is not None else 0.0
+            sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
+                                  float(top.isfinite().sum()), 0.0, gold], device=sums.device)
+            for i in best.tolist():
+                s = float(scores[i])
+                if not math.isfinite(s) or (a.min_score is not None and s < a.min_score):
+                    continue
+                prompt = ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()
+                response = ro.response_ids[i][ro.response_mask[i].bool()].tolist()
+                kept.append({"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response,
+                             "prompt": tok.decode(prompt, skip_special_tokens=True),
+                             "completion": tok.decode(response, skip_special_tokens=True), "score": s})
+        sums[4] = len(kept)
+        sums = acc.reduce(sums, reduction="sum")
+        kept = gather_object(kept)
+        if acc.is_main_process:
+            rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
+            atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
+        stats = {"rft/iteration": iteration + 1, "rft/mean_score_all": float(sums[0] / sums[1].clamp(min=1)),
+                 "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
+                 "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
+                 "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1)}
+        if self.gold_fn is not None:
+            stats["objective/gold"] = float(sums[5]) / (self.per_iteration * cfg.generation.num_samples)  # all samples
+        return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats
+
+    # 4. Fine-tune, log, checkpoint ----------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        self.setup()
+        cfg, acc = self.cfg, self.accelerator
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="rft", dynamic_ncols=True,
+                   disable=not (cfg.logging.progress_bar and acc.is_main_process))
+        step, last, t0 = self.start_step, {}, time.time()
+        for iteration in range(self.start_iteration, cfg.algo.iterations):
+            # 1-3. Sample n per prompt, keep the best.
+            self.train_set, stats = self.best_of_n(iteration)
+            self.metrics.log(step, stats)
+            last.update(stats)
+            summary = ", ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration")
+            bar.write(f"iteration {iteration + 1}: {summary}")
+            if not self.train_set:
+                logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune on",
+                               iteration + 1, cfg.algo.min_score)
+                continue
+            # 4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0).
+            n_steps, window = self.sft_steps(len(self.train_set)), []
+            for k in range(n_steps):
+                window.append(self.train_step(k))
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{window[-1]['loss']:.4f}")
+                if step % cfg.logging.logging_steps == 0 or k == n_steps - 1:
+                    last.update({key: sum(m[key] for m in window) / len(window) for key in window[0]})
+                    self.metrics.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,
+                                            "elapsed_s": time.time() - t0})
+                    window = []
+            if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
+                self.checkpoint(step, iteration + 1)
+        bar.close()
+        self.save_final()
+        if cfg.logging.report_to:
+            acc.end_training()
+        return last
+
+    def checkpoint(self, step: int, iterations_done: int) -> None:
+        """A checkpoint between iterations: resuming continues with the next iteration's sampling."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            model = acc.unwrap_model(self.model)
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "iteration": iterations_done}
+            save_checkpoint(self.cfg.output_dir, step, lambda d: save_model(model, self.tokenizer, d, merge_lora=False),
+                            state, self.cfg.logging.save_total_limit)
+        acc.wait_for_everyone()

@@ -1,0 +1,48 @@
+"""Best-of-n pieces by hand: the analytic KL of best-of-n sampling and the per-group selection."""
+
+import math
+
+import pytest
+import torch
+
+from rlhfkit.evaluation.metrics import best_of_n_kl
+from rlhfkit.trainers.rft import select_best
+
+
+def test_best_of_n_kl_hand_values():
+    assert best_of_n_kl(1) == 0.0  # best of one sample is the policy itself
+    assert best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5, abs=1e-12)  # 0.19315
+    assert best_of_n_kl(4) == pytest.approx(math.log(4) - 0.75, abs=1e-12)  # 0.63629
+    assert best_of_n_kl(4) == pytest.approx(0.6362943611, abs=1e-9)
+
+
+def test_best_of_n_kl_grows_like_log_n_and_rejects_n_below_one():
+    values = [best_of_n_kl(n) for n in range(1, 65)]
+    assert all(b > a for a, b in zip(values, values[1:]))
+    assert best_of_n_kl(64) < math.log(64)
+    with pytest.raises(ValueError):
+        best_of_n_kl(0)
+
+
+def test_select_best_per_group():
+    scores = torch.tensor([0.1, 0.7, 0.3, -1.0, -2.0, -0.5, 5.0, 4.0])
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    assert select_best(scores, group_ids).tolist() == [1, 5, 6]
+
+
+def test_select_best_ties_go_to_the_lowest_index():
+    scores = torch.tensor([2.0, 3.0, 3.0, 1.0, 1.0, 1.0])
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert select_best(scores, group_ids).tolist() == [1, 3]
+
+
+def test_select_best_groups_need_not_be_adjacent_and_nan_never_wins():
+    scores = torch.tensor([float("nan"), 0.0, -3.0, float("nan"), float("nan"), -1.0])
+    group_ids = torch.tensor([0, 1, 0, 1, 2, 2])
+    assert select_best(scores, group_ids).tolist() == [2, 1, 5]
+    # A group of NaNs only: its lowest index, which the trainer then drops as non-finite.
+    assert select_best(torch.tensor([float("nan"), float("nan")]), torch.tensor([0, 0])).tolist() == [0]
+
+
+def test_select_best_with_one_sample_per_group_is_the_identity():
+    assert select_best(torch.tensor([0.3, -0.2, 0.9]), torch.tensor([0, 1, 2])).tolist() == [0, 1, 2]
