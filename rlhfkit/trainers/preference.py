@@ -35,8 +35,9 @@ class Reference:
     base with its adapters disabled, so the reference costs no memory beyond activations."""
 
     def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device):
+        self.shared = ref_model is None and cfg.lora.enabled
         self.model = None
-        if ref_model is None and cfg.lora.enabled:
+        if self.shared:
             return
         ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
         self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
@@ -50,9 +51,10 @@ class Reference:
     def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
         """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
         (accelerate-free) policy, used only when the reference is its base."""
-        shared = self.model is None
-        with torch.no_grad(), policy.disable_adapter() if shared else contextlib.nullcontext():
-            logps, _ = sequence_logprobs(policy if shared else self.model, input_ids, attention_mask, labels)
+        if not self.shared and self.model is None:
+            raise RuntimeError("the reference model was released after its log-probs were precomputed")
+        with torch.no_grad(), policy.disable_adapter() if self.shared else contextlib.nullcontext():
+            logps, _ = sequence_logprobs(policy if self.shared else self.model, input_ids, attention_mask, labels)
         return logps
 
     def release(self) -> None:

@@ -55,16 +55,34 @@ def test_left_and_right_padding_give_the_same_logprobs(dpo):
     torch.testing.assert_close(left.sum(-1), right.sum(-1), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true"]], ids=["full", "lora"])
-def test_step0_policy_equals_reference_so_loss_is_log2_and_rewards_0(tmp_path, extra):
-    trainer = make_trainer(tmp_path, extra)
+def tiny_dir():
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.models import resolve_model_path
+
+    return resolve_model_path(ModelConfig(name_or_path="tiny"))
+
+
+STEP0 = {  # overrides -> the loss at h = 0, and whether a second model is loaded
+    "dpo": ([], math.log(2), True),
+    "dpo lora": (["model.lora.enabled=true"], math.log(2), False),
+    "dpo ref_model": (["algo.ref_model={tiny}"], math.log(2), True),
+    "cdpo": (["algo.label_smoothing=0.1"], math.log(2), True),
+    "ipo": (["algo.loss_type=ipo", "algo.beta=0.5"], 1.0, True),  # (0 - 1/(2β))²
+    "hinge": (["algo.loss_type=hinge"], 1.0, True),  # relu(1 - 0)
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEP0))
+def test_step0_policy_equals_reference_so_rewards_are_0(tmp_path, case):
+    extra, expected, copy = STEP0[case]
+    trainer = make_trainer(tmp_path, [e.replace("{tiny}", tiny_dir()) for e in extra])
     batch = first_batch(trainer, 16)
     trainer.model.train()
     loss, metrics = trainer.compute_loss(trainer.model, batch, num_items=16)
-    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert metrics[name].item() == 0.0, name
-    assert (trainer.reference.model is None) == bool(extra)  # LoRA: no second copy
+    assert (trainer.reference.model is not None) == copy  # LoRA: the base with adapters disabled, no second copy
 
 
 def test_precomputed_reference_equals_on_the_fly(tmp_path, dpo):
