@@ -175,3 +175,37 @@ def normalize_scores(
     elif mode != "none":
         raise ValueError(f"unknown normalisation {mode!r}")
     return x.clamp(-clip, clip) if clip is not None else x
+
+
+class RewardSource:
+    """The reward of the sampling stages (online RL, rejection sampling): reward model(s) scoring a rollout's token
+    ids, or a Python function of its text; plus an optional gold judge that is only logged.
+
+    Python functions load first, so a bad `module:function` fails before any reward model loads.
+    """
+
+    def __init__(self, cfg, tokenizer, device):
+        self.tokenizer = tokenizer
+        self.function = load_reward_function(cfg.function) if cfg.function else None
+        self.gold_function = load_reward_function(cfg.gold_function) if cfg.gold_function else None
+        self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble) if cfg.model else None
+        for member in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
+            member.model.to(device)
+
+    def texts(self, rollout) -> tuple[list[str], list[str]]:
+        """Prompts and responses as text (special tokens dropped)."""
+        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+        return decode(rollout.prompt_ids), decode(rollout.response_ids)
+
+    def __call__(self, rollout) -> Tensor:
+        """(B,) scores of a `Rollout`."""
+        if self.scorer is not None:
+            return self.scorer(rollout.input_ids, rollout.attention_mask)
+        values = self.function(*self.texts(rollout))
+        return torch.tensor([float(v) for v in values], device=rollout.response_ids.device)
+
+    def gold(self, rollout) -> Tensor | None:
+        """(B,) gold-judge scores, or None without a gold function."""
+        if self.gold_function is None:
+            return None
+        return torch.tensor([float(v) for v in self.gold_function(*self.texts(rollout))], dtype=torch.float32)

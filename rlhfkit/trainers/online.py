@@ -34,7 +34,7 @@ from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss
 from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_reward_model, load_tokenizer, rollout_logprobs, save_model
 from rlhfkit.ops import kl_penalty, masked_mean
-from rlhfkit.rewards import RunningMoments, load_reward_function, load_reward_scorer, normalize_scores, token_scores
+from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
 from rlhfkit.trainers.base import (
     MetricsLogger, Trainer, build_optimizer, build_scheduler, load_checkpoint, load_model_weights, save_checkpoint,
     set_rng_state,
@@ -60,8 +60,6 @@ class OnlineTrainer(Trainer):
         set_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
-        self.reward_fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-        self.gold_fn = load_reward_function(cfg.reward.gold_function) if cfg.reward.gold_function else None
         self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
                                              project_dir=cfg.output_dir)
         set_seed(cfg.seed)
@@ -70,10 +68,7 @@ class OnlineTrainer(Trainer):
         self.ref = None
         if self.algo.needs_reference and not cfg.model.lora.enabled:
             self.ref = load_causal_lm(cfg.model, self.tokenizer, trainable=False).to(acc.device)
-        self.scorer = load_reward_scorer(cfg.reward.model, reduce=cfg.reward.ensemble) if cfg.reward.model else None
-        if self.scorer is not None:
-            for m in getattr(self.scorer, "scorers", [self.scorer]):
-                m.model.to(acc.device)
+        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device)
         value = None
         if self.algo.needs_value and cfg.model.lora.enabled and not a.value_model:
             value = SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
@@ -141,17 +136,6 @@ class OnlineTrainer(Trainer):
             v = token_scores(self.value, ro.input_ids, ro.attention_mask)  # (B, T)
         return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
 
-    def score(self, ro: Rollout) -> torch.Tensor:
-        if self.scorer is not None:
-            return self.scorer(ro.input_ids, ro.attention_mask)
-        values = self.reward_fn(*self.texts(ro))
-        return torch.tensor([float(v) for v in values], device=ro.response_ids.device)
-
-    def texts(self, ro: Rollout) -> tuple[list[str], list[str]]:
-        """Prompts and responses as text (special tokens dropped), for Python reward and gold functions."""
-        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-        return decode(ro.prompt_ids), decode(ro.response_ids)
-
     def reference_logprobs(self, ro: Rollout):
         if self.ref is not None:
             return self.response_logprobs(self.ref, ro)
@@ -169,7 +153,7 @@ class OnlineTrainer(Trainer):
         old_lp = cat(lambda c: self.response_logprobs(self.model, c))
         ref_lp = cat(self.reference_logprobs) if self.algo.needs_reference else torch.zeros_like(old_lp)
         values = cat(self.values_of) if self.value is not None else None
-        raw = cat(self.score)
+        raw = cat(self.reward)
         scores = raw + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()
         scores = normalize_scores(scores, cfg.reward.normalize, self.moments, cfg.reward.clip)
         mask = ro.response_mask.float()
@@ -195,8 +179,9 @@ class OnlineTrainer(Trainer):
             "response/distinct_2": distinct_n(self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True), 2),
             "response/score_length_corr": pearson(raw.tolist(), mask.sum(1).tolist()),
         }
-        if self.gold_fn is not None:
-            stats["objective/gold"] = torch.tensor(self.gold_fn(*self.texts(ro)), dtype=torch.float32).mean()
+        gold = self.reward.gold(ro)
+        if gold is not None:
+            stats["objective/gold"] = gold.mean()
         finite = all(torch.isfinite(t).all() for t in (raw, old_lp, ref_lp, adv))
         return {"rollout": ro, "old_lp": old_lp, "ref_lp": ref_lp, "values": values, "adv": adv, "returns": returns,
                 "loss_mask": loss_mask, "scores": raw, "stats": stats, "finite": finite, "seq_kl": seq_kl}
@@ -204,7 +189,7 @@ class OnlineTrainer(Trainer):
     # 5. Updates -----------------------------------------------------------------------------------------------
     def update(self, exp: dict) -> dict[str, float]:
         cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
-        ro, lmask = exp["rollout"], exp["loss_mask"]
+        lmask = exp["loss_mask"]
         n, width = lmask.shape
         mb_size, micro = n // a.num_minibatches, cfg.optim.per_device_batch_size
         agg = a.loss_agg or self.algo.default_loss_agg

@@ -28,13 +28,12 @@ from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_
 from rlhfkit.evaluation.metrics import best_of_n_kl
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.models import load_causal_lm, load_tokenizer, save_model
-from rlhfkit.rewards import load_reward_function, load_reward_scorer
+from rlhfkit.rewards import RewardSource
 from rlhfkit.trainers.base import (
     MetricsLogger, Trainer, atomic_write_text, build_optimizer, build_scheduler, load_checkpoint, load_model_weights,
     save_checkpoint, set_rng_state,
 )
 from rlhfkit.trainers.sft import SFTTrainer
-from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
 
@@ -64,16 +63,6 @@ class RFTTrainer(Trainer):
     def collate(self, examples):
         return collate_sft(examples, self.tokenizer.pad_token_id)
 
-    def texts(self, ro: Rollout) -> tuple[list[str], list[str]]:
-        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-        return decode(ro.prompt_ids), decode(ro.response_ids)
-
-    def score(self, ro: Rollout) -> torch.Tensor:
-        """(B,) scores as the online stages compute them: reward model(s) on the ids, or the Python function."""
-        if self.scorer is not None:
-            return self.scorer(ro.input_ids, ro.attention_mask)
-        return torch.tensor([float(v) for v in self.reward_fn(*self.texts(ro))], device=ro.response_ids.device)
-
     # 0. Models, data, reward ----------------------------------------------------------------------------------
     def setup(self) -> None:
         from accelerate import Accelerator
@@ -83,15 +72,11 @@ class RFTTrainer(Trainer):
         set_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
-        self.reward_fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-        self.gold_fn = load_reward_function(cfg.reward.gold_function) if cfg.reward.gold_function else None
         self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
                                              project_dir=cfg.output_dir)
         set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer)
-        self.scorer = load_reward_scorer(cfg.reward.model, reduce=cfg.reward.ensemble) if cfg.reward.model else None
-        for m in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
-            m.model.to(acc.device)
+        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device)
         self.world = acc.num_processes
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
@@ -145,12 +130,13 @@ class RFTTrainer(Trainer):
         for start in range(0, len(mine), a.sampling_batch_size):
             prompts = collate_prompts([self.prompts[i] for i in mine[start : start + a.sampling_batch_size]], tok.pad_token_id)
             ro = generate(policy, prompts.to(acc.device), self.params, tok.eos_token_id, tok.pad_token_id)
-            scores = self.score(ro) + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()  # (B,)
+            scores = self.reward(ro) + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()  # (B,)
             best = select_best(scores, ro.group_ids)  # (G,)
             finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
             if not finite.all():
                 logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
-            gold = sum(float(v) for v in self.gold_fn(*self.texts(ro))) if self.gold_fn is not None else 0.0
+            gold_scores = self.reward.gold(ro)
+            gold = float(gold_scores.sum()) if gold_scores is not None else 0.0
             sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
                                   float(top.isfinite().sum()), 0.0, gold], device=sums.device)
             for i in best.tolist():
@@ -172,7 +158,7 @@ class RFTTrainer(Trainer):
                  "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
                  "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
                  "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1)}
-        if self.gold_fn is not None:
+        if self.reward.gold_function is not None:
             stats["objective/gold"] = float(sums[5]) / (self.per_iteration * cfg.generation.num_samples)  # all samples
         return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats
 

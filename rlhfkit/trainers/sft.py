@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from rlhfkit.config import SFTConfig
 from rlhfkit.data import collate_sft, pack_sft
