@@ -52,22 +52,10 @@ from rlhfkit.advantages import AdvantageInput, compute_advantages, per_token_rew
 from rlhfkit.losses.aggregate import aggregate  # noqa: E402
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss  # noqa: E402
 from rlhfkit.ops import kl_penalty, masked_mean, masked_sum, masked_whiten  # noqa: E402
+from parity_helpers import TOL, assert_loss_and_grads_match, leaf
 
 B, R = 8, 10
-TOL = dict(rtol=0, atol=1e-5)
 INVALID_LOGPROB = 1.0  # TRL PPO's fill value for padding log-probs
-
-
-def leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().clone().requires_grad_(True)
-
-
-def assert_loss_and_grads_match(ours: torch.Tensor, theirs: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(ours, theirs, **TOL)
-    ours_grads = torch.autograd.grad(ours, inputs, retain_graph=True)
-    theirs_grads = torch.autograd.grad(theirs, inputs)
-    for mine, ref in zip(ours_grads, theirs_grads, strict=True):
-        torch.testing.assert_close(mine, ref, **TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

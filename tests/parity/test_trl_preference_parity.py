@@ -40,9 +40,9 @@ from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 
 from rlhfkit.losses.kto import kto_loss  # noqa: E402
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss  # noqa: E402
+from parity_helpers import TOL, assert_loss_and_grads_match, leaf
 
 B = 8
-TOL = dict(rtol=0, atol=1e-5)
 
 
 def random_logps(seed: int, n: int = 4) -> list[torch.Tensor]:
@@ -53,18 +53,6 @@ def random_logps(seed: int, n: int = 4) -> list[torch.Tensor]:
 def random_lengths(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 1000)
     return torch.randint(1, 31, (B,), generator=g), torch.randint(1, 31, (B,), generator=g)
-
-
-def leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().clone().requires_grad_(True)
-
-
-def assert_loss_and_grads_match(ours: torch.Tensor, theirs: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(ours, theirs, **TOL)
-    ours_grads = torch.autograd.grad(ours, inputs, retain_graph=True)
-    theirs_grads = torch.autograd.grad(theirs, inputs)
-    for mine, ref in zip(ours_grads, theirs_grads, strict=True):
-        torch.testing.assert_close(mine, ref, **TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

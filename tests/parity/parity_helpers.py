@@ -1,0 +1,17 @@
+"""Shared by the TRL parity tests: fresh leaf tensors, and a loss-and-gradient comparison at 1e-5."""
+
+import torch
+
+TOL = dict(rtol=0, atol=1e-5)
+
+
+def leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def assert_loss_and_grads_match(ours: torch.Tensor, theirs: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ours_grads = torch.autograd.grad(ours, inputs, retain_graph=True)
+    theirs_grads = torch.autograd.grad(theirs, inputs)
+    for mine, ref in zip(ours_grads, theirs_grads, strict=True):
+        torch.testing.assert_close(mine, ref, **TOL)
