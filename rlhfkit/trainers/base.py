@@ -265,7 +265,6 @@ class Trainer:
     # -- shared -----------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Tokenizer, data, model, accelerate — in that order, so bad data fails before a model loads."""
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         from rlhfkit.data import build_datasets
@@ -276,11 +275,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model)
         train_set, self.eval_set = build_datasets(self.kind, cfg.data, self.tokenizer, cfg.seed)
         self.train_set = self.prepare_train_set(train_set)
-        self.accelerator = Accelerator(
-            mixed_precision=cfg.mixed_precision,
-            log_with=cfg.logging.report_to or None,
-            project_dir=cfg.output_dir,
-        )
+        self.accelerator = self.make_accelerator()
         set_seed(cfg.seed)  # the same initial weights (new heads, LoRA) whatever the data loading consumed
         model = self.load_model(self.tokenizer)
         self.world = self.accelerator.num_processes
@@ -306,6 +301,14 @@ class Trainer:
         if cfg.logging.report_to:
             self.accelerator.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
         self.metrics = MetricsLogger(cfg.output_dir, self.accelerator, cfg.logging.report_to)
+
+    def make_accelerator(self):
+        """accelerate with the run's mixed precision and metric sinks (every stage's setup starts with one)."""
+        from accelerate import Accelerator
+
+        cfg = self.cfg
+        return Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
+                           project_dir=cfg.output_dir)
 
     def micro_batches(self, step: int) -> list:
         """This process's micro-batches for optimizer step `step`.

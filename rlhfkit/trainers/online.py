@@ -52,7 +52,6 @@ class OnlineTrainer(Trainer):
 
     # 0. Models, data, reward ----------------------------------------------------------------------------------
     def setup(self) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         cfg, a = self.cfg, self.cfg.algo
@@ -60,8 +59,7 @@ class OnlineTrainer(Trainer):
         set_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
-        self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
-                                             project_dir=cfg.output_dir)
+        self.accelerator = acc = self.make_accelerator()
         set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.

@@ -65,15 +65,13 @@ class RFTTrainer(Trainer):
 
     # 0. Models, data, reward ----------------------------------------------------------------------------------
     def setup(self) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         cfg = self.cfg
         set_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
-        self.accelerator = acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
-                                             project_dir=cfg.output_dir)
+        self.accelerator = acc = self.make_accelerator()
         set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer)
         self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device)
