@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
     p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in about a minute (plumbing only)")
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
+    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "dpo", "eval"],
+                   help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
     return parser
 
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "demo":
             from rlhfkit.demo import run_demo
 
-            run_demo(args.output_dir, quick=args.quick)
+            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage)
         else:
             run_stage(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:

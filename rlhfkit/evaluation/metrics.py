@@ -93,6 +93,26 @@ def reward_model_accuracy(chosen_scores: Numbers, rejected_scores: Numbers) -> f
     return float((c > r).double().mean())
 
 
+def within_group_accuracy(proxy: Numbers, gold: Numbers, group_size: int) -> tuple[float | None, int]:
+    """How often a proxy (a reward model) orders two responses to the same prompt as the gold judge does.
+
+    Scores come in consecutive groups of `group_size` (the samples of one prompt); every pair inside a group whose
+    gold scores differ counts once, a proxy tie half. Returns (accuracy, number of pairs); accuracy is None when no
+    pair has distinct gold scores.
+    """
+    p, g = _vector(proxy, "proxy"), _vector(gold, "gold")
+    if p.shape != g.shape or p.numel() % group_size:
+        raise ValueError(f"within_group_accuracy needs paired scores in groups of {group_size}, got {p.numel()} and {g.numel()}")
+    p, g = p.view(-1, group_size), g.view(-1, group_size)
+    i, j = torch.triu_indices(group_size, group_size, offset=1)
+    dp, dg = p[:, i] - p[:, j], g[:, i] - g[:, j]  # (G, pairs)
+    untied = dg != 0
+    if not untied.any():
+        return None, 0
+    agree = ((dp * dg) > 0).double() + 0.5 * (dp == 0).double()
+    return float(agree[untied].mean()), int(untied.sum())
+
+
 def pearson(x: Numbers, y: Numbers) -> float:
     """Pearson correlation of two paired samples; 0.0 when either is constant (no linear relation can show)."""
     a, b = _vector(x, "x"), _vector(y, "y")

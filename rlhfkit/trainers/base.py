@@ -414,7 +414,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         self.setup()
-        cfg, log = self.cfg, self.cfg.logging
+        log = self.cfg.logging
         bar = tqdm(
             total=self.total_steps, initial=self.start_step, desc=f"{self.kind} training", dynamic_ncols=True,
             disable=not (log.progress_bar and self.accelerator.is_main_process),
@@ -441,11 +441,15 @@ class Trainer:
             if log.save_steps and done % log.save_steps == 0 and done < self.total_steps:
                 self.checkpoint(done)
         bar.close()
+        self.finish()
+        return last
+
+    def finish(self) -> None:
+        """The end of every run: the final model, the trackers closed, then dashboard.png and report.html."""
         self.save_final()
-        if cfg.logging.report_to:
+        if self.cfg.logging.report_to:
             self.accelerator.end_training()
         if self.accelerator.is_main_process:
             from rlhfkit.evaluation.report import write_run_artifacts
 
-            write_run_artifacts(self.cfg.output_dir)  # dashboard.png + report.html; warns, never fails the run
-        return last
+            write_run_artifacts(self.cfg.output_dir)  # warns, never fails the run

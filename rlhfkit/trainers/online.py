@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import torch
 
@@ -145,7 +146,9 @@ class OnlineTrainer(Trainer):
         cfg, acc, mb = self.cfg, self.accelerator, self.cfg.optim.per_device_batch_size
         prompts = self.prompts_for(step).to(acc.device)
         tok = self.tokenizer
+        t0 = time.perf_counter()
         ro = generate(acc.unwrap_model(self.model), prompts, self.params, tok.eos_token_id, tok.pad_token_id)
+        t_generate = time.perf_counter() - t0
         chunks = [_rows(ro, i, i + mb) for i in range(0, ro.response_ids.shape[0], mb)]
         cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
         old_lp = cat(lambda c: self.response_logprobs(self.model, c))
@@ -176,6 +179,7 @@ class OnlineTrainer(Trainer):
             "response/empty_rate": ((mask.sum(1) - ro.has_eos.float()) <= 0).float().mean(),
             "response/distinct_2": distinct_n(self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True), 2),
             "response/score_length_corr": pearson(raw.tolist(), mask.sum(1).tolist()),
+            "time/generate_s": t_generate,
         }
         gold = self.reward.gold(ro)
         if gold is not None:
@@ -272,8 +276,11 @@ class OnlineTrainer(Trainer):
         for step in range(self.start_step, self.total_steps):
             done = step + 1
             lr = self.scheduler.get_last_lr()[0]
+            t0 = time.perf_counter()
             exp = self.make_experience(step)
+            t1 = time.perf_counter()
             out = self.update(exp) if exp["finite"] else {"faults/nonfinite_rollout": 1.0}
+            timing = {"time/rollout_s": t1 - t0, "time/update_s": time.perf_counter() - t1}
             if any(k.startswith("faults/") for k in out):
                 self.bad_steps += 1
                 logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out))[7:], self.bad_steps, a.max_bad_steps)
@@ -283,7 +290,7 @@ class OnlineTrainer(Trainer):
             else:
                 self.kl_ctl.update(float(exp["seq_kl"].mean()), exp["seq_kl"].numel() * self.world)
             last = {**{k: float(v) for k, v in exp["stats"].items()}, **out, "lr": lr, "faults/skipped_total": self.bad_steps,
-                    "episodes": done * exp["seq_kl"].numel() * self.world}
+                    "episodes": done * exp["seq_kl"].numel() * self.world, **timing}
             bar.update(1)
             bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if done % cfg.logging.logging_steps == 0 or done == self.total_steps:
@@ -300,13 +307,7 @@ class OnlineTrainer(Trainer):
             if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
                 self.checkpoint(done)
         bar.close()
-        self.save_final()
-        if cfg.logging.report_to:
-            acc.end_training()
-        if acc.is_main_process:
-            from rlhfkit.evaluation.report import write_run_artifacts
-
-            write_run_artifacts(self.cfg.output_dir)  # dashboard.png + report.html; warns, never fails the run
+        self.finish()
         return last
 
     def table_row(self, step: int, m: dict, header: bool) -> str:

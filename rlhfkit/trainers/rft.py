@@ -195,9 +195,7 @@ class RFTTrainer(Trainer):
             if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
                 self.checkpoint(step, iteration + 1)
         bar.close()
-        self.save_final()
-        if cfg.logging.report_to:
-            acc.end_training()
+        self.finish()
         return last
 
     def checkpoint(self, step: int, iterations_done: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rlhfkit.config import SFTConfig
 from rlhfkit.data import collate_sft, pack_sft
 from rlhfkit.losses.sft import token_nll
-from rlhfkit.models import load_causal_lm
+from rlhfkit.models import load_causal_lm, scored_logits
 from rlhfkit.trainers.base import Trainer
 from rlhfkit.types import SFTBatch
 
@@ -31,8 +31,8 @@ class SFTTrainer(Trainer):
         return int((batch.labels[:, 1:] != -100).sum())
 
     def compute_loss(self, model, batch: SFTBatch, num_items: float):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
-        nll, parts = token_nll(logits, batch.labels)  # (B, T-1)
+        logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
+        nll, parts = token_nll(logits, batch.labels[:, first:])  # (B, T-1-first)
         mask = parts["mask"]
         loss = nll.sum() / num_items  # token mean over the global count of the accumulation window
         n = mask.sum().clamp(min=1)

@@ -51,7 +51,7 @@ def test_resume_reproduces_final_metrics(extra, tmp_path, monkeypatch):
     assert len(cut) == len(full) == 4
     for a, b in zip(full, cut):
         assert a.keys() == b.keys()
-        for k in a:
+        for k in (k for k in a if not k.startswith("time/")):  # wall times differ
             assert a[k] == pytest.approx(b[k], abs=1e-6), k
 
 

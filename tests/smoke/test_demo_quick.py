@@ -9,7 +9,7 @@ import pytest
 from rlhfkit.cli import main
 from rlhfkit.demo import METHODS
 
-FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "mean_words"}
+FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "eos_rate", "mean_words"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def test_eval_json_has_every_figure(demo_run):
     sft = result["methods"]["sft"]
     assert sft["kl_to_sft"] == 0.0 and sft["win_rate_gold"] == 0.5 and sft["win_rate_rm"] == 0.5  # the baseline itself
     assert result["methods"]["best_of_4"]["kl_to_sft"] == pytest.approx(0.6363, abs=1e-4)  # log 4 - 3/4
-    assert {"rm_accuracy_noisy", "rm_accuracy_gold", "rm_eval_pairs", "rm_gold_pairs"} <= set(result["reward_model"])
+    assert {"rm_accuracy_noisy", "rm_accuracy_gold", "rm_eval_pairs", "rm_gold_pairs", "rm_accuracy_gold_eval_prompts",
+            "rm_gold_pairs_eval_prompts"} <= set(result["reward_model"])
+    assert result["reward_model"]["rm_gold_pairs_eval_prompts"] <= 8 * 10  # 5 samples per prompt: at most 10 pairs each
     assert set(result["acceptance"]) == {"ppo_win_rate_gold>0.65", "ppo_kl<10", "ppo_distinct_2>=sft/2", "rm_accuracy_gold>0.70"}
     assert {"prompts", "sft", "rm", "ppo", "dpo", "eval", "total"} <= set(result["timings_s"])
 
@@ -58,3 +60,26 @@ def test_frontier_plot_and_report(demo_run):
         html = f.read()
     assert "frontier" in html or "data:image/png;base64" in html
     assert all(m in html for m in METHODS)
+
+
+def test_from_stage_reruns_the_evaluation_only(demo_run, tmp_path, capsys):
+    import shutil
+
+    rerun = str(tmp_path / "rerun")
+    shutil.copytree(demo_run, rerun)
+    ppo_weights = os.path.join(rerun, "ppo", "model.safetensors")
+    before = os.path.getmtime(ppo_weights)
+    assert main(["demo", "--quick", "--output-dir", rerun, "--from-stage", "eval"]) == 0
+    with open(os.path.join(rerun, "eval.json")) as f:
+        result = json.load(f)
+    assert result["from_stage"] == "eval" and set(result["timings_s"]) == {"eval", "total"}
+    assert os.path.getmtime(ppo_weights) == before  # the trained policies were reused, not retrained
+    with open(os.path.join(demo_run, "eval.json")) as f:
+        original = json.load(f)
+    assert result["methods"]["sft"] == original["methods"]["sft"]  # same seeds, same samples
+
+    empty = str(tmp_path / "empty")
+    capsys.readouterr()
+    assert main(["demo", "--quick", "--output-dir", empty, "--from-stage", "ppo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run the earlier stages first" in err[0]

@@ -63,6 +63,16 @@ def test_final_model_reloads(run):
     assert (run / "config.yaml").exists()
 
 
+def test_dashboard_and_report_are_written(run):
+    from PIL import Image
+
+    with Image.open(run / "dashboard.png") as im:
+        assert im.format == "PNG" and im.width > 100
+    page = (run / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 1  # the dashboard, embedded
+    assert "rft/mean_score_best" in page and "iterations: 2" in page  # final metrics and the resolved config
+
+
 def test_resume_after_an_iteration_reproduces_the_run(run, tmp_path):
     """Resuming from the checkpoint written after iteration 1 logs iteration 2 exactly as the whole run did."""
     resumed = tmp_path / "resumed"

@@ -7,7 +7,7 @@ import torch
 
 from rlhfkit.evaluation.metrics import (
     best_of_n_kl, distinct_n, empty_rate, eos_rate, mean_length, mean_std, pearson, reward_model_accuracy,
-    sequence_kl, truncation_rate, win_rate,
+    sequence_kl, truncation_rate, win_rate, within_group_accuracy,
 )
 
 
@@ -50,6 +50,20 @@ def test_rates_and_lengths():
 
 def test_reward_model_accuracy_counts_ties_wrong():
     assert reward_model_accuracy([1, 2, 3, 0], [0, 2, 1, 1]) == 0.5
+
+
+def test_within_group_accuracy_by_hand():
+    # Group 1 (3 samples): gold 0.1 < 0.5 < 0.9; the proxy orders (0,1) right, (0,2) right, (1,2) wrong -> 2 of 3.
+    # Group 2: gold 0.2 = 0.2 (tie: not counted), 0.2 < 0.7 twice; proxy ties on (0,2) (half), right on (1,2).
+    proxy = [1.0, 3.0, 2.0, 5.0, 4.0, 5.0]
+    gold = [0.1, 0.5, 0.9, 0.2, 0.2, 0.7]
+    acc, pairs = within_group_accuracy(proxy, gold, 3)
+    assert pairs == 5
+    assert acc == pytest.approx((1 + 1 + 0 + 0.5 + 1) / 5)
+    assert within_group_accuracy([1.0, 2.0], [0.3, 0.3], 2) == (None, 0)
+    assert within_group_accuracy([2.0, 1.0], [0.0, 1.0], 2) == (0.0, 1)
+    with pytest.raises(ValueError, match="groups of 3"):
+        within_group_accuracy([1.0, 2.0], [1.0, 2.0], 3)
 
 
 def test_pearson():

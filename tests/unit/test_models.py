@@ -285,3 +285,68 @@ def test_gguf_converts_once_and_loads(tmp_path, monkeypatch, caplog):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits).all()
+
+
+# 4. Log-probs of the scored positions only -----------------------------------------------------------------------
+
+
+class _NoKeepLM(torch.nn.Module):
+    """A causal LM whose forward has no `logits_to_keep` (older architectures): scored_logits must slice instead."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["logits_to_keep", "full-logits"])
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "peft"])
+def test_token_logprobs_match_the_full_log_softmax(tiny_dir, wrap, lora):
+    """token_logprobs computes logits only from the first scored position: it must equal log_softmax over the full
+    logits at every scored position, 0 elsewhere, for left-padded prompts with responses of different lengths."""
+    from rlhfkit.models import scored_logits, token_logprobs
+
+    if lora:
+        model, _ = _trained_lora(tiny_dir, lambda c, t: load_causal_lm(c, t))
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model = _NoKeepLM(model) if wrap else model
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 60, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding of a shorter prompt
+    labels = torch.full_like(ids, -100)
+    labels[0, 6:10] = ids[0, 6:10]  # the earliest scored token is at 6: logits from position 5 on
+    labels[1, 8:] = ids[1, 8:]
+    labels[2, 7:11] = ids[2, 7:11]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        expected = torch.log_softmax(full[:, :-1].float(), -1).gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        expected = expected * (labels[:, 1:] != -100)
+        got, got_mask = token_logprobs(model, ids, mask, labels)
+        logits, first = scored_logits(model, ids, mask, labels, position_ids)
+    assert first == 5 and logits.shape[1] == 12 - 5
+    assert torch.equal(got_mask.bool(), labels[:, 1:] != -100)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got[:, :5] == 0).all()
+
+
+def test_sft_loss_is_unchanged_by_skipping_prompt_logits(tiny_dir):
+    from rlhfkit.losses.sft import token_nll
+    from rlhfkit.models import scored_logits
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :4], labels[1, :6] = -100, -100
+    with torch.no_grad():
+        full_nll, _ = token_nll(model(input_ids=ids).logits, labels)
+        logits, first = scored_logits(model, ids, torch.ones_like(ids), labels)
+        nll, _ = token_nll(logits, labels[:, first:])
+    assert first == 3
+    torch.testing.assert_close(nll.sum(), full_nll.sum(), atol=1e-5, rtol=1e-6)
