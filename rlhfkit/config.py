@@ -53,11 +53,16 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # weights dtype on load
     gradient_checkpointing: bool = False  # trade compute for activation memory
     trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
+    # Keep only the first N transformer layers (None = all): a smaller, faster model from the bottom of a larger
+    # one, e.g. a reward or value model initialised from the SFT model at a fraction of its cost.
+    num_layers: int | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def check(self) -> list[tuple[str, str]]:
         if not self.name_or_path:
             return [("name_or_path", "is required (a local directory, a hub name, or 'tiny')")]
+        if self.num_layers is not None and self.num_layers < 1:
+            return [("num_layers", f"must be >= 1 (or null for all layers), got {self.num_layers}")]
         return []
 
 

@@ -5,10 +5,10 @@ its own stage trainer with a config built here; the gold judge is VADER sentimen
 simulated Bradley-Terry annotators:
   0. prompts: a few hundred invented films, books and products; train and held-out eval prompts;
   1. SFT (LoRA): sample the base model on train prompts, keep 1-2 sentence answers, fine-tune on them (the format);
-  2. reward model (LoRA, from the SFT model): two SFT samples per prompt, labelled by the annotators; held-out
-     accuracy against the noisy labels and against the noiseless gold order;
-  3. policies: PPO (adaptive KL, LoRA, shared-base critic) against the reward model; DPO on the same pairs;
-     best-of-4 sampling from the SFT model, scored by the reward model;
+  2. reward model (LoRA, from the SFT model's first layers): four SFT samples per prompt, every pair labelled by the
+     annotators; held-out accuracy against the noisy labels and against the noiseless gold order;
+  3. policies: PPO (adaptive KL, LoRA, critic initialised from the reward model) against the reward model; DPO on
+     the same pairs; best-of-4 sampling from the SFT model, scored by the reward model;
   4. evaluation on held-out prompts against the SFT model: gold reward, sequence KL (nats), win rates by the gold
      judge and by the reward model, distinct-2, EOS rate; the reward model's accuracy against the gold order on
      every pair of SFT samples to the same held-out prompt; a table, `eval.json`, the frontier plot and the report.
@@ -24,6 +24,7 @@ system turn instead of SmolLM2's default one, which makes every sequence about 1
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import yaml
 
 from rlhfkit.errors import UserError
 from rlhfkit.tasks import reviews
@@ -52,10 +54,12 @@ class DemoSize:
     num_items: int = 400  # invented items; 20% of them are the held-out eval prompts
     sft_prompts: int = 64  # base-model samples (one per prompt) filtered into the SFT data
     sft_epochs: float = 2.0
-    pair_prompts: int = 96  # prompts with two SFT samples each: the preference pairs (20% held out for the RM)
-    rm_epochs: float = 2.0
+    pair_prompts: int = 64  # prompts with `rm_samples` SFT samples each; 20% of them held out for the RM
+    rm_samples: int = 4  # every pair of them is labelled (6 pairs per prompt); DPO takes two disjoint pairs per prompt
+    rm_layers: int = 10  # the reward model is the SFT model's first 10 of 30 layers plus a score head: 3x cheaper
+    rm_epochs: float = 1.0
     dpo_epochs: float = 1.0
-    ppo_steps: int = 10  # rollouts of `ppo_batch` prompts
+    ppo_steps: int = 8  # rollouts of `ppo_batch` prompts
     ppo_batch: int = 16
     ppo_lr: float = 3e-4
     eval_prompts: int = 48
@@ -63,7 +67,7 @@ class DemoSize:
     sample_batch: int = 64  # sequences per `generate` call
 
 
-QUICK = DemoSize(num_items=40, sft_prompts=16, sft_epochs=1.0, pair_prompts=16, rm_epochs=1.0, dpo_epochs=1.0,
+QUICK = DemoSize(num_items=40, sft_prompts=16, sft_epochs=1.0, pair_prompts=8, rm_layers=1, rm_epochs=1.0, dpo_epochs=1.0,
                  ppo_steps=2, ppo_batch=8, eval_prompts=8, max_new_tokens=16, sample_batch=32)
 
 
@@ -191,14 +195,18 @@ class Demo:
         if from_stage not in STAGES:
             raise UserError(f"--from-stage must be one of {', '.join(STAGES)}, got '{from_stage}'")
         os.makedirs(self.output_dir, exist_ok=True)
+        with open(self.path("config.yaml"), "w", encoding="utf-8") as f:  # read by the report
+            yaml.safe_dump({"demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage,
+                                     "system_prompt": SYSTEM_PROMPT, "best_of_n": BEST_OF_N, **dataclasses.asdict(self.size)},
+                            "model": self.base, "lora": self.lora, "common": self.common}, f, sort_keys=False)
         t_start = time.time()
         result: dict = {}
         titles = {
             "prompts": "0. prompts: invented films, books and products",
             "sft": "1. SFT (LoRA): the format, from the base model's own 1-2 sentence answers",
             "rm": f"2. reward model (LoRA): SFT pairs labelled by Bradley-Terry annotators (tau={reviews.ANNOTATOR_TAU})",
-            "ppo": "3a. PPO (LoRA, adaptive KL, shared-base critic) against the reward model",
-            "dpo": "3b. DPO (LoRA) on the same pairs",
+            "ppo": "3a. PPO (LoRA, adaptive KL, critic from the reward model) against the reward model",
+            "dpo": "3b. DPO (LoRA) on the same pairs (two disjoint pairs per prompt)",
             "eval": f"4. evaluation on {self.size.eval_prompts} held-out prompts (best-of-{BEST_OF_N} sampled here)",
         }
         for name in STAGES[STAGES.index(from_stage):]:
@@ -261,35 +269,44 @@ class Demo:
         from rlhfkit.rewards import load_reward_scorer
 
         self.need("prompts_pairs.jsonl", "sft")
-        rng = random.Random(self.seed + 1)
+        size, rng = self.size, random.Random(self.seed + 1)
         prompts = _read_jsonl(self.path("prompts_pairs.jsonl"))
         sft = Policy(ModelConfig(name_or_path=self.path("sft")), self.path("prompts_pairs.jsonl"))
-        texts = sft.texts(sft.sample(2, self.size, self.seed + 1))
+        k = size.rm_samples
+        texts = sft.texts(sft.sample(k, size, self.seed + 1))
         del sft
-        pairs = []
-        for i, r in enumerate(prompts):
-            a, b = texts[2 * i], texts[2 * i + 1]
-            if not a or not b or a == b:
-                continue
-            ga, gb = reviews.gold_score(a), reviews.gold_score(b)
-            a_wins = reviews.annotate(ga, gb, rng)
-            chosen, rejected = (a, b) if a_wins else (b, a)
-            pairs.append({"prompt": r["prompt"], "chosen": chosen, "rejected": rejected,
-                          "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga})
-        n_eval = max(2, round(0.2 * len(pairs)))
-        _write_jsonl(self.path("pairs_train.jsonl"), pairs[n_eval:])
-        _write_jsonl(self.path("pairs_eval.jsonl"), pairs[:n_eval])
-        flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in pairs)
-        print(f"{len(pairs)} pairs ({n_eval} held out); annotators went against the gold order on {flips}")
-        _train("rm", {**self.lora, **self.common, "model.name_or_path": self.path("sft"),
+        n_eval = max(1, round(0.2 * len(prompts)))  # held-out prompts: all their pairs go to the eval split
+        splits: dict[str, list[dict]] = {"eval": [], "train": [], "dpo": []}
+        for g, r in enumerate(prompts):
+            group = texts[g * k : (g + 1) * k]
+            for i in range(k):
+                for j in range(i + 1, k):
+                    a, b = group[i], group[j]
+                    if not a or not b or a == b:
+                        continue
+                    ga, gb = reviews.gold_score(a), reviews.gold_score(b)
+                    a_wins = reviews.annotate(ga, gb, rng)
+                    chosen, rejected = (a, b) if a_wins else (b, a)
+                    pair = {"prompt": r["prompt"], "chosen": chosen, "rejected": rejected,
+                            "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga}
+                    splits["eval" if g < n_eval else "train"].append(pair)
+                    if g >= n_eval and i % 2 == 0 and j == i + 1:  # (0, 1), (2, 3): disjoint pairs for DPO
+                        splits["dpo"].append(pair)
+        for name, pairs in splits.items():
+            _write_jsonl(self.path(f"pairs_{name}.jsonl"), pairs)
+        every = splits["eval"] + splits["train"]
+        flips = sum(r["gold_chosen"] < r["gold_rejected"] for r in every)
+        print(f"{len(every)} labelled pairs from {len(prompts)} prompts x {k} samples ({len(splits['eval'])} from "
+              f"{n_eval} held-out prompts); the annotators went against the gold order on {flips}")
+        _train("rm", {**self.lora, **self.common, "model.name_or_path": self.path("sft"), "model.num_layers": size.rm_layers,
                       "data.train": self.path("pairs_train.jsonl"), "data.eval": self.path("pairs_eval.jsonl"),
-                      "output_dir": self.path("rm"), "num_epochs": self.size.rm_epochs, "optim.lr": 3e-4,
+                      "output_dir": self.path("rm"), "num_epochs": size.rm_epochs, "optim.lr": 3e-4,
                       "optim.per_device_batch_size": 8})
-        figures = _rm_accuracy(load_reward_scorer(self.path("rm")), ModelConfig(name_or_path=self.path("sft")), pairs[:n_eval])
+        figures = _rm_accuracy(load_reward_scorer(self.path("rm")), ModelConfig(name_or_path=self.path("sft")), splits["eval"])
         with open(self.path("rm_eval.json"), "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=2)
-        print(f"reward model, {n_eval} held-out pairs: accuracy {figures['rm_accuracy_noisy']:.3f} vs the annotators' "
-              f"labels, {_fmt(figures['rm_accuracy_gold'])} vs the gold order ({figures['rm_gold_pairs']} pairs without a gold tie)")
+        print(f"reward model, {len(splits['eval'])} held-out pairs: accuracy {figures['rm_accuracy_noisy']:.3f} vs the "
+              f"annotators' labels, {_fmt(figures['rm_accuracy_gold'])} vs the gold order ({figures['rm_gold_pairs']} pairs without a gold tie)")
 
     # 3a. PPO against the reward model --------------------------------------------------------------------------
     def stage_ppo(self) -> None:
@@ -298,6 +315,7 @@ class Demo:
         _train("ppo", {
             **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("prompts_train.jsonl"),
             "output_dir": self.path("ppo"), "max_steps": size.ppo_steps, "reward.model": [self.path("rm")],
+            "algo.value_model": self.path("rm"),  # the critic starts from the (small) reward model, as in InstructGPT
             "reward.missing_eos_penalty": -1.0, "reward.normalize": "running", "reward.clip": 5.0,
             "reward.gold_function": "rlhfkit.tasks.reviews:gold_judge",
             "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
@@ -308,9 +326,9 @@ class Demo:
 
     # 3b. DPO on the same pairs ---------------------------------------------------------------------------------
     def stage_dpo(self) -> None:
-        self.need("pairs_train.jsonl", "sft")
+        self.need("pairs_dpo.jsonl", "sft")
         _train("dpo", {**self.lora, **self.common, "model.name_or_path": self.path("sft"),
-                       "data.train": self.path("pairs_train.jsonl"), "output_dir": self.path("dpo"),
+                       "data.train": self.path("pairs_dpo.jsonl"), "output_dir": self.path("dpo"),
                        "num_epochs": self.size.dpo_epochs, "algo.beta": 0.1, "optim.lr": 2e-4,
                        "optim.per_device_batch_size": 8})
 

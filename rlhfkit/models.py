@@ -247,8 +247,17 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
     return model
 
 
-def _load_kwargs(cfg: ModelConfig) -> dict:
-    return dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
+def _load_kwargs(cfg: ModelConfig, path: str) -> dict:
+    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
+    if cfg.num_layers is not None:
+        config = _from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        have = getattr(config, "num_hidden_layers", None)
+        if have is None:
+            raise UserError(f"config key 'model.num_layers': model '{cfg.name_or_path}' has no num_hidden_layers to cut")
+        if cfg.num_layers > have:  # transformers would add randomly initialised layers
+            raise UserError(f"config key 'model.num_layers': model '{cfg.name_or_path}' has {have} layers, got {cfg.num_layers}")
+        kwargs["num_hidden_layers"] = cfg.num_layers
+    return kwargs
 
 
 def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
@@ -258,7 +267,8 @@ def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
     The train/eval mode of a trainable model is left to the caller (from_pretrained returns it in eval mode).
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    model = _from_pretrained(AutoModelForCausalLM, resolve_model_path(cfg), **_load_kwargs(cfg))
+    path = resolve_model_path(cfg)
+    model = _from_pretrained(AutoModelForCausalLM, path, **_load_kwargs(cfg, path))
     return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
 
 
@@ -270,8 +280,8 @@ def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = Tru
     the adapters (peft's modules_to_save). Read scores with `rlhfkit.rewards.sequence_scores`, not `model(...)`.
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    kwargs = _load_kwargs(cfg)
-    model = _from_pretrained(AutoModelForSequenceClassification, resolve_model_path(cfg), num_labels=num_labels, **kwargs)
+    path = resolve_model_path(cfg)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, **_load_kwargs(cfg, path))
     return _prepare(model, cfg, tokenizer, trainable, "SEQ_CLS")
 
 

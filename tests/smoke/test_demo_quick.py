@@ -43,11 +43,13 @@ def test_every_stage_wrote_its_run(demo_run):
         stage_dir = os.path.join(demo_run, stage)
         for name in ("config.json", "config.yaml", "metrics.jsonl"):
             assert os.path.isfile(os.path.join(stage_dir, name)), (stage, name)
-    for name in ("sft_data.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
+    for name in ("sft_data.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "pairs_dpo.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
         assert os.path.getsize(os.path.join(demo_run, name)) > 0, name
     with open(os.path.join(demo_run, "pairs_train.jsonl")) as f:
         pair = json.loads(f.readline())
     assert {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"} <= set(pair)
+    with open(os.path.join(demo_run, "rm", "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 1  # the reward model keeps the SFT model's first layer(s) only
     with open(os.path.join(demo_run, "eval_samples.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == 8 and set(METHODS) <= set(rows[0])
@@ -60,6 +62,7 @@ def test_frontier_plot_and_report(demo_run):
         html = f.read()
     assert "frontier" in html or "data:image/png;base64" in html
     assert all(m in html for m in METHODS)
+    assert "best_of_n: 4" in html and "ppo_steps: 2" in html  # the demo's own config, in the report
 
 
 def test_from_stage_reruns_the_evaluation_only(demo_run, tmp_path, capsys):

@@ -158,6 +158,21 @@ def test_tokenizer_without_pad_or_eos_gets_a_new_pad_and_models_grow(tmp_path, t
 # 4. Loading: frozen, LoRA, checkpointing ---------------------------------------------------------------------
 
 
+def test_num_layers_keeps_the_first_layers_and_refuses_more_than_there_are(tmp_path, tiny_dir):
+    full = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    n = full.config.num_hidden_layers
+    assert n >= 2
+    cfg = ModelConfig(name_or_path=tiny_dir, num_layers=1, lora=LORA)
+    rm = load_reward_model(cfg, load_tokenizer(cfg))
+    layers = rm.get_base_model().model.layers
+    assert len(layers) == 1 and rm.config.num_hidden_layers == 1
+    torch.testing.assert_close(layers[0].mlp.up_proj.base_layer.weight, full.model.layers[0].mlp.up_proj.weight)
+    save_model(rm, load_tokenizer(cfg), str(tmp_path / "rm"))
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").config.num_hidden_layers == 1
+    with pytest.raises(UserError, match=f"model.num_layers.*has {n} layers, got {n + 1}"):
+        load_causal_lm(ModelConfig(name_or_path=tiny_dir, num_layers=n + 1))
+
+
 def test_frozen_reference_has_no_grads_and_no_lora(tiny_dir):
     ref = load_causal_lm(ModelConfig(name_or_path=tiny_dir, lora=LORA), trainable=False)
     assert unwrap_peft(ref) is ref and not ref.training
