@@ -196,6 +196,14 @@ class RMOptions:
     margin_scale: float = 1.0
     # Reward centering (Eisenstein et al. 2023, arXiv 2312.09244): + coef · (r_c + r_r)², keeping scores near 0.
     center_coef: float = 0.0
+    # Where a sequence's score is read: "last" = at its last real token (the EOS; the usual reward model), "mean" =
+    # the mean of the head over the response tokens (a linear head on mean-pooled states). Saved with the model
+    # (config.json `rlhfkit_pooling`), so every later scorer reads it the same way. Mean pooling learns lexical
+    # properties (sentiment, keywords) from far fewer pairs when the EOS state of a small model carries little.
+    pooling: Literal["last", "mean"] = "last"
+    # Train the score head only, on the frozen model (a linear probe): each step costs a forward, and a few hundred
+    # pairs cannot overfit it the way they overfit LoRA or full fine-tuning. model.lora is then ignored.
+    head_only: bool = False
 
     def check(self) -> list[tuple[str, str]]:
         if self.center_coef < 0:

@@ -14,9 +14,22 @@ from rlhfkit.config import ModelConfig
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_peft
 
 
+POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
+
+
 class RewardFn(Protocol):
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # (B, T), (B, T) -> (B,)
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
+        """(B, T), (B, T), optional (B, T) 1 on the response tokens -> (B,)."""
         ...
+
+
+def _unwrapped(model):
+    return unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
+
+
+def pooling_of(model) -> str:
+    """How `model`'s sequence score is read: "last" (its last real token) or "mean" (over the response tokens)."""
+    return getattr(_unwrapped(model).config, POOLING_ATTR, None) or "last"
 
 
 def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -27,7 +40,7 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     that head routes to the trained copy (modules_to_save), so LoRA + head training works. Position ids follow the
     mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here.
     """
-    base = unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
+    base = _unwrapped(model)
     head = getattr(base, "score", None)
     if not isinstance(head, torch.nn.Module):
         raise ValueError(
@@ -45,14 +58,20 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     return captured[-1][..., 0].float()  # (B, T, 1) -> (B, T)
 
 
-def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """The score of a sequence-classification model at each sequence's last real token: (B, T), (B, T) -> (B,) fp32.
+def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
+    """The score of a sequence-classification model per sequence: (B, T), (B, T) -> (B,) fp32.
 
-    The last real token is the last position where `attention_mask` is 1. Transformers' own pooling instead looks
-    for the last token that is not the pad id, which is wrong whenever pad == eos and a response ends with eos
-    (SmolLM2, Llama 3, ...).
+    By default (pooling "last") the head is read at the last real token, the last position where `attention_mask`
+    is 1. Transformers' own pooling instead looks for the last token that is not the pad id, which is wrong whenever
+    pad == eos and a response ends with eos (SmolLM2, Llama 3, ...). A reward model trained with pooling "mean"
+    (its config says so) scores the mean of the head over `response_mask` (B, T), which it then needs.
     """
     scores = token_scores(model, input_ids, attention_mask)  # (B, T)
+    if pooling_of(model) == "mean":
+        if response_mask is None:
+            raise ValueError("this reward model pools over the response tokens (rlhfkit_pooling = mean): pass response_mask")
+        weights = (response_mask * attention_mask).to(scores.dtype)
+        return (scores * weights).sum(-1) / weights.sum(-1).clamp(min=1)
     mask = attention_mask.long()
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = (positions * mask).argmax(-1)  # (B,) the rightmost position whose mask is 1
@@ -67,8 +86,8 @@ class RewardModelScorer:
         self.tokenizer = tokenizer
 
     @torch.no_grad()
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return sequence_scores(self.model, input_ids, attention_mask)
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
+        return sequence_scores(self.model, input_ids, attention_mask, response_mask)
 
 
 class EnsembleScorer:
@@ -87,8 +106,9 @@ class EnsembleScorer:
         self.scorers = list(scorers)
         self.reduce = reduce
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        scores = torch.stack([s(input_ids, attention_mask) for s in self.scorers])  # (K, B)
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
+        args = (input_ids, attention_mask) if response_mask is None else (input_ids, attention_mask, response_mask)
+        scores = torch.stack([s(*args) for s in self.scorers])  # (K, B)
         return scores.mean(0) if self.reduce == "mean" else scores.min(0).values
 
 
@@ -200,7 +220,7 @@ class RewardSource:
     def __call__(self, rollout) -> Tensor:
         """(B,) scores of a `Rollout`."""
         if self.scorer is not None:
-            return self.scorer(rollout.input_ids, rollout.attention_mask)
+            return self.scorer(rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask)
         values = self.function(*self.texts(rollout))
         return torch.tensor([float(v) for v in values], device=rollout.response_ids.device)
 

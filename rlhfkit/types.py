@@ -103,3 +103,7 @@ class Rollout(_TensorBatch):
     @property
     def attention_mask(self) -> torch.Tensor:  # (B, P + R)
         return torch.cat([self.prompt_mask, self.response_mask], 1)
+
+    @property
+    def sequence_response_mask(self) -> torch.Tensor:  # (B, P + R): 1 on the response tokens of `input_ids`
+        return torch.cat([torch.zeros_like(self.prompt_mask), self.response_mask], 1)

@@ -58,8 +58,8 @@ class RewardModelJudge:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str], rollout: Rollout) -> list[float]:
-        ids, mask = rollout.input_ids, rollout.attention_mask  # (B, P + R)
-        chunks = [self.scorer(ids[i : i + self.batch_size], mask[i : i + self.batch_size])
+        ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
+        chunks = [self.scorer(ids[i : i + self.batch_size], mask[i : i + self.batch_size], resp[i : i + self.batch_size])
                   for i in range(0, ids.shape[0], self.batch_size)]
         return torch.cat(chunks).float().tolist()
 
@@ -281,8 +281,8 @@ class Evaluator:
         chosen, rejected = [], []
         for start in range(0, len(pairs), self.cfg.batch_size):
             b = collate_preference(pairs[start : start + self.cfg.batch_size], pad_token_id).to(device)
-            chosen.append(scorer(b.chosen_input_ids, b.chosen_attention_mask))
-            rejected.append(scorer(b.rejected_input_ids, b.rejected_attention_mask))
+            chosen.append(scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100))
+            rejected.append(scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
         return reward_model_accuracy(torch.cat(chosen), torch.cat(rejected))
 
 

@@ -131,3 +131,74 @@ def test_load_reward_scorer_from_saved_dirs(tmp_path, rm, tiny_dir):
     assert isinstance(ensemble, EnsembleScorer)
     expected = torch.minimum(_manual_scores(rm, SEQS), _manual_scores(other, SEQS))
     torch.testing.assert_close(ensemble(ids, mask), expected, atol=1e-5, rtol=0)
+
+
+# Mean pooling over the response (RMOptions.pooling = "mean") -----------------------------------------------------
+
+
+def _manual_mean_scores(model, seqs, prompt_lens):
+    """Each sequence alone: the score head at every response position, averaged."""
+    base = unwrap_peft(model)
+    with torch.no_grad():
+        out = [base.score(base.model(input_ids=torch.tensor([s])).last_hidden_state)[0, p:, 0].mean()
+               for s, p in zip(seqs, prompt_lens)]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_mean_pooling_averages_the_head_over_the_response(tiny_dir, side):
+    torch.manual_seed(0)
+    model = load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False)
+    model.config.rlhfkit_pooling = "mean"
+    prompt_lens = [2, 1, 4]  # response = the tokens after them
+    ids, mask = _pad(SEQS, side)
+    response = torch.zeros_like(mask)
+    for i, (s, p) in enumerate(zip(SEQS, prompt_lens)):
+        start = 0 if side == "right" else ids.shape[1] - len(s)
+        response[i, start + p : start + len(s)] = 1
+    scores = RewardModelScorer(model)(ids, mask, response)
+    expected = _manual_mean_scores(model, SEQS, prompt_lens)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(scores, _manual_scores(model, SEQS), atol=1e-3)  # not the last-token score
+    with pytest.raises(ValueError, match="pass response_mask"):
+        sequence_scores(model, ids, mask)
+
+
+def test_rm_stage_saves_its_pooling_and_scorers_follow_it(tmp_path):
+    """`rlhfkit rm algo.pooling=mean`: the saved config says so, and a reloaded scorer reproduces the mean."""
+    from rlhfkit.cli import main
+
+    out = tmp_path / "rm"
+    assert main(["rm", "--config", "configs/rm_tiny.yaml", f"output_dir={out}", "max_steps=3", "algo.pooling=mean",
+                 "logging.progress_bar=false"]) == 0
+    scorer = load_reward_scorer(str(out))
+    assert scorer.model.config.rlhfkit_pooling == "mean"
+    ids, mask = _pad(SEQS, "right")
+    response = mask.clone()
+    response[:, :1] = 0
+    torch.testing.assert_close(scorer(ids, mask, response), _manual_mean_scores(scorer.model, SEQS, [1, 1, 1]), atol=1e-5, rtol=0)
+    default = tmp_path / "rm_last"
+    assert main(["rm", "--config", "configs/rm_tiny.yaml", f"output_dir={default}", "max_steps=1", "logging.progress_bar=false"]) == 0
+    assert load_reward_scorer(str(default)).model.config.rlhfkit_pooling == "last"
+
+
+def test_head_only_trains_the_score_head_alone(tmp_path):
+    """`algo.head_only`: a linear probe. The saved body equals the initial model's; the head moved and learned."""
+    from safetensors.torch import load_file
+
+    from rlhfkit.cli import main
+    from rlhfkit.models import resolve_model_path
+
+    out = tmp_path / "probe"
+    assert main(["rm", "--config", "configs/rm_tiny.yaml", f"output_dir={out}", "max_steps=20", "algo.head_only=true",
+                 "model.lora.enabled=true", "optim.lr=1e-2", "logging.progress_bar=false"]) == 0
+    saved = load_file(str(out / "model.safetensors"))
+    init = load_file(str(resolve_model_path(ModelConfig(name_or_path="tiny"))) + "/model.safetensors")
+    body = [k for k in saved if not k.startswith("score.")]
+    assert body and all(torch.equal(saved[k], init[k]) for k in body)  # LoRA ignored, nothing merged in
+    assert "score.weight" in saved
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert train[-1]["loss"] < train[0]["loss"]
