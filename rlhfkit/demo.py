@@ -54,10 +54,12 @@ class DemoSize:
     num_items: int = 400  # invented items; 20% of them are the held-out eval prompts
     sft_prompts: int = 64  # base-model samples (one per prompt) filtered into the SFT data
     sft_epochs: float = 2.0
-    pair_prompts: int = 128  # prompts with `rm_samples` SFT samples each; 20% of them held out for the RM
-    rm_samples: int = 4  # every pair of them is labelled (6 pairs per prompt); DPO takes one pair per prompt
+    # Measured on 2 cores: 64 x 4 samples gave RM gold accuracy 0.70 and a PPO gold win rate of 77% in 22 minutes; 128 x 4
+    # (one RM epoch, DPO on one pair per prompt) gave 0.67 and 62% in 27: these bars sit within the run-to-run spread.
+    pair_prompts: int = 64  # prompts with `rm_samples` SFT samples each; 20% of them held out for the RM
+    rm_samples: int = 4  # every pair of them is labelled (6 pairs per prompt); DPO takes two disjoint pairs per prompt
     rm_layers: int = 10  # the reward model is the SFT model's first 10 of 30 layers plus a score head: 3x cheaper
-    rm_epochs: float = 1.0
+    rm_epochs: float = 2.0
     dpo_epochs: float = 1.0
     ppo_steps: int = 8  # rollouts of `ppo_batch` prompts
     ppo_batch: int = 16
@@ -206,7 +208,7 @@ class Demo:
             "sft": "1. SFT (LoRA): the format, from the base model's own 1-2 sentence answers",
             "rm": f"2. reward model (linear probe on the SFT model): SFT pairs labelled by Bradley-Terry annotators (tau={reviews.ANNOTATOR_TAU})",
             "ppo": "3a. PPO (LoRA, adaptive KL, critic from the reward model) against the reward model",
-            "dpo": "3b. DPO (LoRA) on the same pairs (one per prompt)",
+            "dpo": "3b. DPO (LoRA) on the same pairs (two disjoint pairs per prompt)",
             "eval": f"4. evaluation on {self.size.eval_prompts} held-out prompts (best-of-{BEST_OF_N} sampled here)",
         }
         for name in STAGES[STAGES.index(from_stage):]:
@@ -290,7 +292,7 @@ class Demo:
                     pair = {"prompt": r["prompt"], "chosen": chosen, "rejected": rejected,
                             "gold_chosen": ga if a_wins else gb, "gold_rejected": gb if a_wins else ga}
                     splits["eval" if g < n_eval else "train"].append(pair)
-                    if g >= n_eval and (i, j) == (0, 1):  # one pair per prompt for DPO (its steps cost 3x the RM's)
+                    if g >= n_eval and i % 2 == 0 and j == i + 1:  # (0, 1), (2, 3): disjoint pairs for DPO
                         splits["dpo"].append(pair)
         for name, pairs in splits.items():
             _write_jsonl(self.path(f"pairs_{name}.jsonl"), pairs)
