@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end RLHF of SmolLM2-135M on a sentiment task: SFT, reward model, PPO/DPO/best-of-n, evaluation",
                        description="rlhfkit demo: SFT -> reward model -> PPO, DPO and best-of-4 on the built-in reviews task "
                                    "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
-    p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in about a minute (plumbing only)")
+    p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in under 20 seconds (plumbing only)")
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
     p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "dpo", "eval"],
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")

@@ -12,7 +12,7 @@ simulated Bradley-Terry annotators:
   4. evaluation on held-out prompts against the SFT model: gold reward, sequence KL (nats), win rates by the gold
      judge and by the reward model, distinct-2, EOS rate; the reward model's accuracy against the gold order on
      every pair of SFT samples to the same held-out prompt; a table, `eval.json`, the frontier plot and the report.
-`--quick` runs the same path on the tiny random model in about a minute (the figures are then meaningless).
+`--quick` runs the same path on the tiny random model in under 20 seconds (the figures are then meaningless).
 
 Every stage prints its wall time and reads its inputs from `output_dir`, where the earlier stages wrote them, so
 `--from-stage` can rerun the later stages of a finished or interrupted run.
