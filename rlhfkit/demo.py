@@ -38,6 +38,7 @@ import yaml
 
 from rlhfkit.errors import UserError
 from rlhfkit.tasks import reviews
+from rlhfkit.trainers.base import atomic_write_text
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,10 +91,7 @@ def chat(prompt: str) -> list[dict]:
 
 
 def _write_jsonl(path: str, records: list[dict]) -> str:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
@@ -197,10 +195,10 @@ class Demo:
         if from_stage not in STAGES:
             raise UserError(f"--from-stage must be one of {', '.join(STAGES)}, got '{from_stage}'")
         os.makedirs(self.output_dir, exist_ok=True)
-        with open(self.path("config.yaml"), "w", encoding="utf-8") as f:  # read by the report
-            yaml.safe_dump({"demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage,
-                                     "system_prompt": SYSTEM_PROMPT, "best_of_n": BEST_OF_N, **dataclasses.asdict(self.size)},
-                            "model": self.base, "lora": self.lora, "common": self.common}, f, sort_keys=False)
+        atomic_write_text(self.path("config.yaml"), yaml.safe_dump(  # read by the report
+            {"demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage, "system_prompt": SYSTEM_PROMPT,
+                      "best_of_n": BEST_OF_N, **dataclasses.asdict(self.size)},
+             "model": self.base, "lora": self.lora, "common": self.common}, sort_keys=False))
         t_start = time.time()
         result: dict = {}
         titles = {
@@ -223,9 +221,7 @@ class Demo:
         result["timings_s"] = self.timings
         if from_stage != "prompts":
             result["from_stage"] = from_stage
-        with open(self.path("eval.json.tmp"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        os.replace(self.path("eval.json.tmp"), self.path("eval.json"))
+        atomic_write_text(self.path("eval.json"), json.dumps(result, indent=2))
         write_plot_and_report(self.output_dir)
         print("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; outputs in {self.output_dir}")
         return result
@@ -308,8 +304,7 @@ class Demo:
                       "output_dir": self.path("rm"), "num_epochs": size.rm_epochs, "optim.lr": 1e-2,
                       "optim.per_device_batch_size": 8})
         figures = _rm_accuracy(load_reward_scorer(self.path("rm")), ModelConfig(name_or_path=self.path("sft")), splits["eval"])
-        with open(self.path("rm_eval.json"), "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=2)
+        atomic_write_text(self.path("rm_eval.json"), json.dumps(figures, indent=2))
         print(f"reward model, {len(splits['eval'])} held-out pairs: accuracy {figures['rm_accuracy_noisy']:.3f} vs the "
               f"annotators' labels, {_fmt(figures['rm_accuracy_gold'])} vs the gold order ({figures['rm_gold_pairs']} pairs without a gold tie)")
 

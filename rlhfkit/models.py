@@ -8,7 +8,9 @@ directory. Every loader takes a `ModelConfig`; `resolve_model_path` is the one p
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -293,6 +295,11 @@ def unwrap_peft(model):
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
+def unwrap_model(model):
+    """The transformers model under DDP and/or a peft wrapper (LoRA layers stay injected)."""
+    return unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
+
+
 def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> None:
     """Save `model` (and `tokenizer`, when given) as a plain Hugging Face directory, atomically.
 
@@ -361,25 +368,16 @@ def scored_logits(model, input_ids, attention_mask, labels, position_ids=None) -
     scored = (labels[:, 1:] != -100).any(0)
     first = int(scored.float().argmax()) if bool(scored.any()) else labels.shape[1] - 1
     keep = labels.shape[1] - first  # >= 1 (0 would mean "all" to transformers)
-    base = getattr(model, "module", model)  # under DDP
-    if isinstance(base, PeftModel):
-        base = base.get_base_model()
-    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(base)) else {}
+    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(unwrap_model(model))) else {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
     return logits[:, logits.shape[1] - keep :], first
 
 
-_KEEP_CACHE: dict[type, bool] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _accepts_logits_to_keep(cls: type) -> bool:
-    if cls not in _KEEP_CACHE:
-        import inspect
-
-        _KEEP_CACHE[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
-    return _KEEP_CACHE[cls]
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def rollout_logprobs(model, rollout, temperature: float = 1.0):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from rlhfkit.config import ModelConfig
-from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_peft
+from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
@@ -23,13 +23,9 @@ class RewardFn(Protocol):
         ...
 
 
-def _unwrapped(model):
-    return unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
-
-
 def pooling_of(model) -> str:
     """How `model`'s sequence score is read: "last" (its last real token) or "mean" (over the response tokens)."""
-    return getattr(_unwrapped(model).config, POOLING_ATTR, None) or "last"
+    return getattr(unwrap_model(model).config, POOLING_ATTR, None) or "last"
 
 
 def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -40,7 +36,7 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     that head routes to the trained copy (modules_to_save), so LoRA + head training works. Position ids follow the
     mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here.
     """
-    base = _unwrapped(model)
+    base = unwrap_model(model)
     head = getattr(base, "score", None)
     if not isinstance(head, torch.nn.Module):
         raise ValueError(
