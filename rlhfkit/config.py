@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -38,6 +39,8 @@ class LoraConfig:
         errors = []
         if self.r < 1:
             errors.append(("r", f"must be >= 1, got {self.r}"))
+        if self.alpha < 1:
+            errors.append(("alpha", f"must be >= 1, got {self.alpha}"))
         if not 0.0 <= self.dropout < 1.0:
             errors.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
         return errors
@@ -111,6 +114,10 @@ class OptimConfig:
         errors = []
         if self.lr < 0:
             errors.append(("lr", f"must be >= 0, got {self.lr}"))
+        if self.weight_decay < 0:
+            errors.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
+        if self.adam_eps <= 0:
+            errors.append(("adam_eps", f"must be > 0, got {self.adam_eps}"))
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             errors.append(("adam_betas", f"must be two numbers in [0, 1), got {self.adam_betas}"))
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -147,6 +154,13 @@ class LoggingConfig:
         return errors
 
 
+def _check_seed(seed: int) -> list[tuple[str, str]]:
+    # numpy (seeded by accelerate's set_seed) takes seeds in [0, 2**32); torch would take a negative one silently.
+    if not 0 <= seed < 2**32:
+        return [("seed", f"must be in [0, 2**32), got {seed}")]
+    return []
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Keys every stage shares."""
@@ -167,6 +181,7 @@ class TrainConfig:
         errors = []
         if not self.output_dir:
             errors.append(("output_dir", "is required"))
+        errors += _check_seed(self.seed)
         if self.max_steps == 0 or self.max_steps < -1:
             errors.append(("max_steps", f"must be >= 1 or -1 (use num_epochs), got {self.max_steps}"))
         if self.max_steps == -1 and self.num_epochs <= 0:
@@ -206,9 +221,12 @@ class RMOptions:
     head_only: bool = False
 
     def check(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.margin_scale < 0:
+            errors.append(("margin_scale", f"must be >= 0, got {self.margin_scale}"))
         if self.center_coef < 0:
-            return [("center_coef", f"must be >= 0, got {self.center_coef}")]
-        return []
+            errors.append(("center_coef", f"must be >= 0, got {self.center_coef}"))
+        return errors
 
 
 @dataclass(frozen=True)
@@ -230,6 +248,8 @@ class GenerationConfig:
             errors.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
         if self.temperature <= 0:
             errors.append(("temperature", f"must be > 0, got {self.temperature}"))
+        if self.top_k < 0:
+            errors.append(("top_k", f"must be >= 0 (0 = off), got {self.top_k}"))
         if not 0 < self.top_p <= 1:
             errors.append(("top_p", f"must be in (0, 1], got {self.top_p}"))
         if self.num_samples < 1:
@@ -307,6 +327,14 @@ class OnlineOptions:
             errors.append(("clip_eps", f"must be in (0, 1), got {self.clip_eps}"))
         if self.dual_clip is not None and self.dual_clip <= 1:
             errors.append(("dual_clip", f"must be > 1 or null, got {self.dual_clip}"))
+        for name in ("clip_eps_high", "clip_range_value", "target_kl"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                errors.append((name, f"must be > 0 or null, got {getattr(self, name)}"))
+        if self.vf_coef < 0:
+            errors.append(("vf_coef", f"must be >= 0, got {self.vf_coef}"))
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                errors.append((name, f"must be in [0, 1], got {getattr(self, name)}"))
         return errors
 
 
@@ -460,7 +488,7 @@ class EvalConfig:
                 errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
         if self.max_prompts is not None and self.max_prompts < 1:
             errors.append(("max_prompts", f"must be >= 1 or null, got {self.max_prompts}"))
-        return errors
+        return errors + _check_seed(self.seed)
 
 
 # 3. Loading ---------------------------------------------------------------------------------------------------
@@ -479,8 +507,16 @@ def _type_name(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+class _NotFinite(ConfigError):
+    """A NaN or infinite number: reported as such even inside a union (`float | None`), not as a type mismatch."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Return `value` as type `tp`, or raise ConfigError naming `key` and the expected type."""
+    """Return `value` as type `tp`, or raise ConfigError naming `key` and the expected type.
+
+    Float fields take finite numbers only: YAML's `.nan` and `.inf` (or `1e999`) would otherwise train on NaN
+    (`optim.lr`, `optim.max_grad_norm`) or never stop (`num_epochs`), and no range check can catch NaN.
+    """
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -490,6 +526,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
+            except _NotFinite:
+                raise
             except ConfigError:
                 continue
     elif origin is Literal:
@@ -509,10 +547,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
-            return float(value)  # YAML 1.1 reads `1e-5` (no dot) as a string; users mean the number
+            number = float(value)
+        elif isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+            number = float(value)  # YAML 1.1 reads `1e-5` (no dot) as a string; users mean the number
+        if number is not None:
+            if not math.isfinite(number):
+                raise _NotFinite(f"config key '{key}': expected a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -570,16 +613,59 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
+class _DuplicateKeyError(yaml.MarkedYAMLError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping (SafeLoader silently keeps the last one)."""
+
+    def construct_document(self, node):
+        # 1. Walk the composed tree (each mapping once: aliases share nodes) with each mapping's dotted path.
+        stack, seen_nodes = [(node, "")], set()
+        while stack:
+            current, path = stack.pop()
+            if id(current) in seen_nodes:
+                continue
+            seen_nodes.add(id(current))
+            if isinstance(current, yaml.SequenceNode):
+                stack.extend((item, f"{path.rstrip('.')}[{i}].") for i, item in enumerate(current.value))
+            if not isinstance(current, yaml.MappingNode):
+                continue
+            # 2. Compare the keys written in this mapping; `<<` merge keys may be overridden, as YAML intends.
+            first_line: dict = {}
+            for key_node, value_node in current.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in first_line:
+                    raise _DuplicateKeyError(
+                        problem=f"duplicate key '{path}{key}' (first given on line {first_line[key]}); give each key once",
+                        problem_mark=key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+                stack.append((value_node, f"{path}{key}."))
+        return super().construct_document(node)
+
+
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' not found")
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        text = raw.decode("utf-8-sig")  # a UTF-8 byte-order mark is dropped
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file '{path}' line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save it as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506  a SafeLoader subclass
+    except _DuplicateKeyError as exc:
+        raise ConfigError(f"config file '{path}' line {exc.problem_mark.line + 1}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config file '{path}'{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line (a ReaderError spans two)
+        raise ConfigError(f"config file '{path}'{where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -55,6 +55,10 @@ CASES = {
     "wrong value type": (None, ["optim.per_device_batch_size=big"], "config key 'optim.per_device_batch_size': expected an integer"),
     "model path not found": (None, ["model.name_or_path=./no_such_model"], "model path './no_such_model' not found"),
     "prompt too long": (None, ["data.truncation=error", "data.max_prompt_length=8"], "record 0: prompt is"),
+    "nan learning rate": (None, ["optim.lr=.nan"], "config key 'optim.lr': expected a finite number, got nan"),
+    "nan max_grad_norm": (None, ["optim.max_grad_norm=.nan"], "config key 'optim.max_grad_norm': expected a finite number, got nan"),
+    "infinite epochs": (None, ["max_steps=-1", "num_epochs=.inf"], "config key 'num_epochs': expected a finite number, got inf"),
+    "negative seed": (None, ["seed=-1"], "config key 'seed' must be in [0, 2**32), got -1"),
 }
 
 
@@ -105,3 +109,24 @@ def test_console_script_prints_no_traceback(tmp_path):
     assert len(lines) == 1 and "bad.jsonl record 0" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+# config file text -> expected message part
+CONFIG_FILES = {
+    "not utf-8": ("model:\n  name_or_path: tiny\n# caf\xe9\n".encode("latin-1"), "line 3: not UTF-8 text"),
+    "duplicate key": (b"optim:\n  lr: 0.001\n  warmup_steps: 1\n  lr: 0.1\n", "line 4: duplicate key 'optim.lr' (first given on line 2)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_FILES))
+def test_bad_config_file_exits_2_naming_the_file(case, tmp_path, capsys, previous_run):
+    out, fingerprint = previous_run
+    before = fingerprint()
+    text, expected = CONFIG_FILES[case]
+    config = tmp_path / "config.yaml"
+    config.write_bytes(text)
+    code, errors, err = run_cli(capsys, ["sft", "--config", str(config), "data.train=x.jsonl", f"output_dir={out}", "overwrite=true"])
+    assert code == 2
+    assert len(errors) == 1, err
+    assert f"config file '{config}' {expected}" in errors[0], errors[0]
+    assert fingerprint() == before

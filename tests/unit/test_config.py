@@ -1,6 +1,6 @@
 import pytest
 
-from rlhfkit.config import RMConfig, SFTConfig, config_to_yaml, load_config, parse_overrides
+from rlhfkit.config import EvalConfig, OnlineConfig, RMConfig, SFTConfig, config_to_yaml, load_config, parse_overrides
 from rlhfkit.errors import ConfigError
 
 REQUIRED = ["model.name_or_path=tiny", "data.train=x.jsonl", "output_dir=out"]
@@ -42,6 +42,20 @@ def test_config_is_frozen():
         ("max_steps=0", "config key 'max_steps' must be >= 1 or -1"),
         ("optim=3", "config key 'optim': expected a mapping of OptimConfig fields, got 3"),
         ("optim.lr", "override 'optim.lr': expected key.sub=value"),
+        # Non-finite numbers are refused in every float field, by the loader, naming the dotted key.
+        ("optim.lr=.nan", "config key 'optim.lr': expected a finite number, got nan"),
+        ("num_epochs=.inf", "config key 'num_epochs': expected a finite number, got inf"),
+        ("optim.max_grad_norm=.nan", "config key 'optim.max_grad_norm': expected a finite number, got nan"),
+        ("optim.adam_betas=[0.9, .nan]", "config key 'optim.adam_betas[1]': expected a finite number, got nan"),
+        ("optim.weight_decay=-.inf", "config key 'optim.weight_decay': expected a finite number, got -inf"),
+        ("data.eval_fraction=1e999", "config key 'data.eval_fraction': expected a finite number, got '1e999'"),
+        ("model.lora.dropout=.NaN", "config key 'model.lora.dropout': expected a finite number, got nan"),
+        # Range checks.
+        ("seed=-1", "config key 'seed' must be in [0, 2**32), got -1"),
+        ("seed=4294967296", "config key 'seed' must be in [0, 2**32), got 4294967296"),
+        ("optim.weight_decay=-0.1", "config key 'optim.weight_decay' must be >= 0, got -0.1"),
+        ("optim.adam_eps=0", "config key 'optim.adam_eps' must be > 0, got 0.0"),
+        ("model.lora.alpha=0", "config key 'model.lora.alpha' must be >= 1, got 0"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(override, message):
@@ -74,3 +88,60 @@ def test_resolved_config_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(config_to_yaml(cfg))
     assert load_config(SFTConfig, str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    "cls, override, message",
+    [
+        (RMConfig, "algo.margin_scale=-1", "config key 'algo.margin_scale' must be >= 0, got -1.0"),
+        (OnlineConfig, "generation.top_k=-1", "config key 'generation.top_k' must be >= 0 (0 = off), got -1"),
+        (OnlineConfig, "algo.gamma=1.5", "config key 'algo.gamma' must be in [0, 1], got 1.5"),
+        (OnlineConfig, "algo.lam=-0.1", "config key 'algo.lam' must be in [0, 1], got -0.1"),
+        (OnlineConfig, "algo.vf_coef=-1", "config key 'algo.vf_coef' must be >= 0, got -1.0"),
+        (OnlineConfig, "algo.clip_eps_high=0", "config key 'algo.clip_eps_high' must be > 0 or null, got 0.0"),
+        (OnlineConfig, "algo.clip_range_value=-0.2", "config key 'algo.clip_range_value' must be > 0 or null, got -0.2"),
+        (OnlineConfig, "algo.target_kl=0", "config key 'algo.target_kl' must be > 0 or null, got 0.0"),
+        (OnlineConfig, "kl.coef=.inf", "config key 'kl.coef': expected a finite number, got inf"),
+        (OnlineConfig, "reward.clip=.nan", "config key 'reward.clip': expected a finite number, got nan"),
+        (EvalConfig, "seed=-3", "config key 'seed' must be in [0, 2**32), got -3"),
+    ],
+)
+def test_out_of_range_numbers_name_the_key(cls, override, message):
+    required = {EvalConfig: ["model.name_or_path=tiny", "data.eval=e.jsonl", "output_dir=o"],
+                OnlineConfig: REQUIRED + ["reward.function=m:f"]}.get(cls, REQUIRED)
+    with pytest.raises(ConfigError) as err:
+        load_config(cls, None, required + [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_finite_numbers_still_load():
+    cfg = load_config(OnlineConfig, None, REQUIRED + ["reward.function=m:f", "optim.lr=1e-4", "seed=0", "optim.max_grad_norm=null",
+                                                      "algo.gamma=1", "algo.lam=0", "generation.top_k=0"])
+    assert (cfg.optim.lr, cfg.seed, cfg.optim.max_grad_norm, cfg.algo.gamma) == (1e-4, 0, None, 1.0)
+
+
+def test_config_file_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model:\n  name_or_path: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, str(path))
+    assert f"config file '{path}'" in str(err.value) and "UTF-8" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, line, key",
+    [
+        ("seed: 1\noutput_dir: o\nseed: 2\n", 3, "seed"),
+        ("optim:\n  lr: 0.1\n  warmup_steps: 2\n  lr: 0.2\n", 4, "optim.lr"),
+        ("optim:\n  lr: 0.1\nseed: 1\noptim:\n  warmup_steps: 2\n", 4, "optim"),
+    ],
+)
+def test_duplicate_yaml_keys_name_file_line_and_key(tmp_path, text, line, key):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, str(path))
+    assert f"config file '{path}' line {line}: duplicate key '{key}'" in str(err.value)
+    assert "\n" not in str(err.value)
