@@ -32,7 +32,7 @@ from rlhfkit.evaluation.metrics import (
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import EnsembleScorer, load_reward_function, load_reward_scorer
-from rlhfkit.trainers.base import atomic_write_text
+from rlhfkit.trainers.base import RunDir, atomic_write_text
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
@@ -199,8 +199,7 @@ class Evaluator:
     def check(self) -> None:
         """Fail before any model loads: an unusable output_dir, an eval.json to keep, a run_dir without metrics."""
         cfg = self.cfg
-        if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
-            raise UserError(f"output_dir '{cfg.output_dir}' exists and is not a directory")
+        RunDir.check_writable(cfg.output_dir)
         if os.path.exists(self.path) and not cfg.overwrite:
             raise UserError(f"'{self.path}' exists; pass overwrite=true to replace it")
         if cfg.run_dir and not os.path.isfile(os.path.join(cfg.run_dir, "metrics.jsonl")):

@@ -130,3 +130,40 @@ def test_bad_config_file_exits_2_naming_the_file(case, tmp_path, capsys, previou
     assert len(errors) == 1, err
     assert f"config file '{config}' {expected}" in errors[0], errors[0]
     assert fingerprint() == before
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to resolve (hence load) a model fails the test: the error must come before."""
+    import rlhfkit.models
+
+    def refuse(cfg):
+        raise AssertionError(f"a model was loaded ({cfg.name_or_path}) before the output_dir check")
+
+    monkeypatch.setattr(rlhfkit.models, "resolve_model_path", refuse)
+
+
+@pytest.mark.parametrize("stage", ["sft", "eval"])
+def test_output_dir_under_a_file_fails_before_any_model_loads(stage, tmp_path, capsys, no_model_loads):
+    afile = tmp_path / "somefile"
+    afile.write_text("mine")
+    args = BASE if stage == "sft" else ["eval", "--config", "configs/eval_tiny.yaml"]
+    code, errors, err = run_cli(capsys, args + [f"output_dir={afile}/run"])
+    assert code == 2 and len(errors) == 1, err
+    assert f"output_dir '{afile}/run'" in errors[0] and f"'{afile}' is a file" in errors[0], errors[0]
+    assert afile.read_text() == "mine" and os.listdir(tmp_path) == ["somefile"]
+
+
+@pytest.mark.parametrize("stage", ["sft", "eval"])
+def test_unwritable_output_dir_fails_before_any_model_loads(stage, tmp_path, capsys, monkeypatch, no_model_loads):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    # Root may write anywhere, so the read-only directory is simulated where the check asks.
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.path.abspath(p) == str(locked) and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+    args = BASE if stage == "sft" else ["eval", "--config", "configs/eval_tiny.yaml"]
+    code, errors, err = run_cli(capsys, args + [f"output_dir={locked}/run/x"])
+    assert code == 2 and len(errors) == 1, err
+    assert f"output_dir '{locked}/run/x' is not writable" in errors[0] and f"'{locked}'" in errors[0], errors[0]
+    assert os.listdir(locked) == []
