@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from peft.utils.error import NoMatchingPeftModuleError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -243,9 +244,21 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
             lora_dropout=cfg.lora.dropout,
             target_modules=cfg.lora.target_modules,
         )
+        targets = cfg.lora.target_modules
+        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing` alias
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            model = get_peft_model(model, lora)
+            try:
+                model = get_peft_model(model, lora)
+                # peft ignores a list entry that matches nothing once another one matches: each must name a module
+                # (peft's rule for lists: the module's full name or its last dotted parts).
+                unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in model.targeted_module_names)] \
+                    if isinstance(targets, list) else None
+            except NoMatchingPeftModuleError:
+                unmatched = targets
+        if unmatched:
+            raise UserError(f"config key 'model.lora.target_modules': {unmatched!r} matches no module of '{cfg.name_or_path}'; "
+                            f"its linear modules are {', '.join(linear)} (or use 'all-linear')")
     return model
 
 

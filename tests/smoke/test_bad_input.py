@@ -59,6 +59,8 @@ CASES = {
     "nan max_grad_norm": (None, ["optim.max_grad_norm=.nan"], "config key 'optim.max_grad_norm': expected a finite number, got nan"),
     "infinite epochs": (None, ["max_steps=-1", "num_epochs=.inf"], "config key 'num_epochs': expected a finite number, got inf"),
     "negative seed": (None, ["seed=-1"], "config key 'seed' must be in [0, 2**32), got -1"),
+    "lora targets match nothing": (None, ["model.lora.enabled=true", "model.lora.target_modules=[qkv]"],
+                                   "config key 'model.lora.target_modules': ['qkv'] matches no module"),
 }
 
 

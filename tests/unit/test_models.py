@@ -193,6 +193,18 @@ def test_lora_reward_model_trains_adapters_and_score_head(tiny_dir):
     assert all("lora_" in n or "score.modules_to_save" in n for n in trainable)
 
 
+@pytest.mark.parametrize("targets, unmatched", [(["nope"], "['nope']"), (["q_proj", "qproj"], "['qproj']"), ("^nope.*$", "'^nope.*$'")])
+def test_lora_target_modules_matching_nothing_is_a_one_line_user_error(tiny_dir, targets, unmatched):
+    cfg = ModelConfig(name_or_path=tiny_dir, lora=LoraConfig(enabled=True, r=4, alpha=8, target_modules=targets))
+    with pytest.raises(UserError) as err:
+        load_causal_lm(cfg)
+    message = str(err.value)
+    assert message.startswith(f"config key 'model.lora.target_modules': {unmatched} matches no module of '{tiny_dir}'"), message
+    assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in message and "\n" not in message
+    with pytest.raises(UserError, match="down_proj, gate_proj, k_proj, o_proj, q_proj, score, up_proj, v_proj"):
+        load_reward_model(cfg)
+
+
 def test_gradient_checkpointing_with_lora_backpropagates(tiny_dir):
     cfg = ModelConfig(name_or_path=tiny_dir, lora=LORA, gradient_checkpointing=True)
     policy = load_causal_lm(cfg)
