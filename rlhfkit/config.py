@@ -176,6 +176,9 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast through accelerate
     resume: bool = False  # continue from the newest checkpoint in output_dir
     overwrite: bool = False  # allow writing into an output_dir that holds another run
+    # A non-finite loss or gradient (online RL: also reward or log-prob) skips the update and is counted
+    # (`faults/skipped_total`); this many stop the run with exit status 2, its checkpoints intact.
+    max_bad_steps: int = 3
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
@@ -186,6 +189,8 @@ class TrainConfig:
             errors.append(("max_steps", f"must be >= 1 or -1 (use num_epochs), got {self.max_steps}"))
         if self.max_steps == -1 and self.num_epochs <= 0:
             errors.append(("num_epochs", f"must be > 0, got {self.num_epochs}"))
+        if self.max_bad_steps < 1:
+            errors.append(("max_bad_steps", f"must be >= 1, got {self.max_bad_steps}"))
         if self.resume and self.overwrite:
             errors.append(("resume", "and overwrite=true are contradictory: resume continues the run overwrite would replace"))
         return errors
@@ -314,13 +319,12 @@ class OnlineOptions:
     dynamic_filtering: bool = False  # DAPO: drop groups whose samples all scored the same (no signal)
     mask_truncated: bool = False  # DAPO: responses without EOS take no loss
     value_model: str | None = None  # critic initialisation; None = the first reward model, else the policy
-    max_bad_steps: int = 3  # non-finite rewards/log-probs/loss: skip the update; stop after this many
     sample_log_steps: int = 10  # write sample generations to samples.jsonl every N steps
     table_steps: int = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
-        for name in ("rollout_batch_size", "ppo_epochs", "num_minibatches", "max_bad_steps", "sample_log_steps", "table_steps"):
+        for name in ("rollout_batch_size", "ppo_epochs", "num_minibatches", "sample_log_steps", "table_steps"):
             if getattr(self, name) < 1:
                 errors.append((name, f"must be >= 1, got {getattr(self, name)}"))
         if not 0 < self.clip_eps < 1:

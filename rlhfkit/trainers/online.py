@@ -283,10 +283,10 @@ class OnlineTrainer(Trainer):
             timing = {"time/rollout_s": t1 - t0, "time/update_s": time.perf_counter() - t1}
             if any(k.startswith("faults/") for k in out):
                 self.bad_steps += 1
-                logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out))[7:], self.bad_steps, a.max_bad_steps)
-                if self.bad_steps >= a.max_bad_steps:
+                logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out))[7:], self.bad_steps, cfg.max_bad_steps)
+                if self.bad_steps >= cfg.max_bad_steps:
                     raise UserError(f"stopping at step {done}: {self.bad_steps} updates skipped for non-finite rewards, "
-                                    f"log-probs or loss (algo.max_bad_steps={a.max_bad_steps}); the last good checkpoint in '{cfg.output_dir}' is intact")
+                                    f"log-probs or loss (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in '{cfg.output_dir}' is intact")
             else:
                 self.kl_ctl.update(float(exp["seq_kl"].mean()), exp["seq_kl"].numel() * self.world)
             last = {**{k: float(v) for k, v in exp["stats"].items()}, **out, "lr": lr, "faults/skipped_total": self.bad_steps,

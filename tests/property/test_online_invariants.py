@@ -64,12 +64,12 @@ def test_nonfinite_rewards_stop_the_run_and_keep_the_checkpoint(tmp_path, capsys
     ckpt = out / "checkpoint-1" / "trainer_state.pt"
     before = ckpt.read_bytes()
     code = main(["rloo", "--config", "configs/rloo_tiny.yaml", f"output_dir={out}", "resume=true", "max_steps=6",
-                 "reward.function=nan_reward:reward", "algo.max_bad_steps=2",
+                 "reward.function=nan_reward:reward", "max_bad_steps=2",
                  "logging.progress_bar=false"])
     err = capsys.readouterr().err
     assert code == 2
     line = [l for l in err.splitlines() if l.startswith("rlhfkit: error:")][0]
-    assert "2 updates skipped for non-finite rewards" in line and "algo.max_bad_steps=2" in line
+    assert "2 updates skipped for non-finite rewards" in line and "max_bad_steps=2" in line
     assert ckpt.read_bytes() == before
 
 
