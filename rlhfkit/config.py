@@ -319,6 +319,9 @@ class OnlineOptions:
     dynamic_filtering: bool = False  # DAPO: drop groups whose samples all scored the same (no signal)
     mask_truncated: bool = False  # DAPO: responses without EOS take no loss
     value_model: str | None = None  # critic initialisation; None = the first reward model, else the policy
+    # With `value_model` a causal LM (no trained score head): start the critic's value head at random instead of
+    # refusing the directory. Off by default, so a causal LM given where a reward model was meant fails loudly.
+    allow_new_value_head: bool = False
     sample_log_steps: int = 10  # write sample generations to samples.jsonl every N steps
     table_steps: int = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
 
@@ -331,6 +334,9 @@ class OnlineOptions:
             errors.append(("clip_eps", f"must be in (0, 1), got {self.clip_eps}"))
         if self.dual_clip is not None and self.dual_clip <= 1:
             errors.append(("dual_clip", f"must be > 1 or null, got {self.dual_clip}"))
+        if self.allow_new_value_head and not self.value_model:
+            errors.append(("allow_new_value_head", "applies only with algo.value_model (without it the critic starts from the "
+                                                   "first reward model's trained head, or from the policy with a new head)"))
         for name in ("clip_eps_high", "clip_range_value", "target_kl"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 errors.append((name, f"must be > 0 or null, got {getattr(self, name)}"))

@@ -287,16 +287,27 @@ def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
     return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
 
 
-def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, num_labels: int = 1):
+def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, num_labels: int = 1,
+                      allow_new_head: bool | None = None, key: str = "reward.model", hint: str = ""):
     """A sequence-classification model (a backbone plus a linear `score` head) for reward or value modelling.
 
     From a causal-LM checkpoint the `score` head is new and randomly initialised from the global RNG: call
     `torch.manual_seed` first for a reproducible head. With LoRA (task SEQ_CLS) the head is trained in full next to
     the adapters (peft's modules_to_save). Read scores with `rlhfkit.rewards.sequence_scores`, not `model(...)`.
+
+    `allow_new_head` says whether such a new head is accepted; by default only for a trainable model (the reward
+    stage, a critic), since a frozen scorer with a random head scores noise. A refused directory is a UserError
+    naming the config key `key` it came from, followed by `hint` (what to do about it).
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     path = resolve_model_path(cfg)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, **_load_kwargs(cfg, path))
+    model, info = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, output_loading_info=True,
+                                   **_load_kwargs(cfg, path))
+    # Weights outside the backbone that the checkpoint lacks: the head was created here, at random.
+    new_head = sorted(k for k in info["missing_keys"] if not k.startswith(model.base_model_prefix + "."))
+    if new_head and not (trainable if allow_new_head is None else allow_new_head):
+        raise UserError(f"config key '{key}': '{cfg.name_or_path}' holds no trained score head ('{new_head[0]}' is not in "
+                        "its weights: a causal LM, not a reward model saved by `rlhfkit rm`)" + (f"; {hint}" if hint else ""))
     return _prepare(model, cfg, tokenizer, trainable, "SEQ_CLS")
 
 

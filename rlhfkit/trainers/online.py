@@ -73,7 +73,9 @@ class OnlineTrainer(Trainer):
             value = SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
         elif self.algo.needs_value:
             init = a.value_model or (cfg.reward.model[0] if cfg.reward.model else cfg.model.name_or_path)
-            value = load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer)
+            value = load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer,
+                                      allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
+                                      hint="set algo.allow_new_value_head=true to start the critic's value head at random")
         self.world = acc.num_processes
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / (a.rollout_batch_size * self.world)))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)

@@ -169,3 +169,40 @@ def test_unwritable_output_dir_fails_before_any_model_loads(stage, tmp_path, cap
     assert code == 2 and len(errors) == 1, err
     assert f"output_dir '{locked}/run/x' is not writable" in errors[0] and f"'{locked}'" in errors[0], errors[0]
     assert os.listdir(locked) == []
+
+
+@pytest.fixture(scope="module")
+def causal_lm_dir(tmp_path_factory):
+    """A causal LM (no score head) where a reward model is expected."""
+    from rlhfkit.models import build_tiny_model
+
+    path = str(tmp_path_factory.mktemp("causal") / "lm")
+    build_tiny_model(path)
+    return path
+
+
+PPO = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=1", "logging.progress_bar=false"]
+NO_HEAD = "holds no trained score head ('score.weight' is not in its weights: a causal LM, not a reward model saved by `rlhfkit rm`)"
+
+
+@pytest.mark.parametrize("stage", ["ppo", "rft", "eval"])
+def test_causal_lm_as_reward_model_is_refused(stage, tmp_path, capsys, causal_lm_dir):
+    args = {"ppo": PPO + ["reward.function=null"], "rft": ["rft", "--config", "configs/rft_tiny.yaml", "reward.function=null"],
+            "eval": ["eval", "--config", "configs/eval_tiny.yaml"]}[stage]
+    out = tmp_path / "out"
+    code, errors, err = run_cli(capsys, args + [f"reward.model=[{causal_lm_dir}]", f"output_dir={out}"])
+    assert code == 2 and len(errors) == 1, err
+    assert f"config key 'reward.model': '{causal_lm_dir}' {NO_HEAD}" in errors[0], errors[0]
+    assert not out.exists()
+
+
+def test_causal_lm_as_critic_needs_the_explicit_switch(tmp_path, capsys, causal_lm_dir):
+    out = tmp_path / "out"
+    code, errors, err = run_cli(capsys, PPO + [f"algo.value_model={causal_lm_dir}", f"output_dir={out}"])
+    assert code == 2 and len(errors) == 1, err
+    assert f"config key 'algo.value_model': '{causal_lm_dir}' {NO_HEAD}" in errors[0], errors[0]
+    assert "algo.allow_new_value_head=true" in errors[0]
+    assert not out.exists()
+    # Asked for explicitly, the critic starts from the causal LM with a new value head.
+    assert main(PPO + [f"algo.value_model={causal_lm_dir}", "algo.allow_new_value_head=true", f"output_dir={out}"]) == 0
+    assert os.path.isfile(out / "model.safetensors")

@@ -104,6 +104,7 @@ def test_resolved_config_round_trips(tmp_path):
         (OnlineConfig, "kl.coef=.inf", "config key 'kl.coef': expected a finite number, got inf"),
         (OnlineConfig, "reward.clip=.nan", "config key 'reward.clip': expected a finite number, got nan"),
         (EvalConfig, "seed=-3", "config key 'seed' must be in [0, 2**32), got -3"),
+        (OnlineConfig, "algo.allow_new_value_head=true", "config key 'algo.allow_new_value_head' applies only with algo.value_model"),
     ],
 )
 def test_out_of_range_numbers_name_the_key(cls, override, message):

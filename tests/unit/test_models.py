@@ -186,6 +186,23 @@ def test_lora_policy_trains_only_adapters(tiny_dir):
     assert unwrap_peft(policy) is policy.get_base_model()
 
 
+def test_frozen_reward_model_needs_a_trained_score_head(tmp_path, tiny_dir):
+    """A causal LM loaded as a scorer would score with a random head: refused unless the head is to be trained."""
+    cfg = ModelConfig(name_or_path=tiny_dir)
+    with pytest.raises(UserError) as err:
+        load_reward_model(cfg, trainable=False)
+    assert str(err.value) == (f"config key 'reward.model': '{tiny_dir}' holds no trained score head ('score.weight' is not "
+                              "in its weights: a causal LM, not a reward model saved by `rlhfkit rm`)")
+    with pytest.raises(UserError, match=r"^config key 'algo.value_model': .* holds no trained score head .*; try this$"):
+        load_reward_model(cfg, allow_new_head=False, key="algo.value_model", hint="try this")
+    # The reward stage and a critic train a new head (trainable), and a frozen one may be asked for explicitly.
+    rm = load_reward_model(cfg)
+    save_model(rm, load_tokenizer(cfg), str(tmp_path / "rm"))
+    assert load_reward_model(cfg, trainable=False, allow_new_head=True).score.weight.shape == (1, 64)
+    saved = load_reward_model(ModelConfig(name_or_path=str(tmp_path / "rm")), trainable=False)
+    torch.testing.assert_close(saved.score.weight, rm.score.weight)
+
+
 def test_lora_reward_model_trains_adapters_and_score_head(tiny_dir):
     rm = load_reward_model(ModelConfig(name_or_path=tiny_dir, lora=LORA))
     trainable = [n for n, p in rm.named_parameters() if p.requires_grad]

@@ -21,8 +21,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rm(tiny_dir):
+    """The tiny causal LM with a new random score head (a frozen scorer must ask for one explicitly)."""
     torch.manual_seed(0)
-    return load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False)
+    return load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False, allow_new_head=True)
 
 
 def _pad(seqs, side):
@@ -119,7 +120,7 @@ def test_load_reward_scorer_from_saved_dirs(tmp_path, rm, tiny_dir):
     tokenizer = load_tokenizer(ModelConfig(name_or_path=tiny_dir))
     save_model(rm, tokenizer, str(tmp_path / "rm1"))
     torch.manual_seed(1)
-    other = load_reward_model(ModelConfig(name_or_path=tiny_dir), tokenizer, trainable=False)
+    other = load_reward_model(ModelConfig(name_or_path=tiny_dir), tokenizer, trainable=False, allow_new_head=True)
     save_model(other, tokenizer, str(tmp_path / "rm2"))
     ids, mask = _pad(SEQS, "right")
 
@@ -148,7 +149,7 @@ def _manual_mean_scores(model, seqs, prompt_lens):
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_mean_pooling_averages_the_head_over_the_response(tiny_dir, side):
     torch.manual_seed(0)
-    model = load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False)
+    model = load_reward_model(ModelConfig(name_or_path=tiny_dir), trainable=False, allow_new_head=True)
     model.config.rlhfkit_pooling = "mean"
     prompt_lens = [2, 1, 4]  # response = the tokens after them
     ids, mask = _pad(SEQS, side)
