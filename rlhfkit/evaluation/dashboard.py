@@ -51,8 +51,14 @@ def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(f"'{run_dir}' has no metrics.jsonl: not an rlhfkit run directory, or the run logged nothing")
+    return read_jsonl_rows(path)
+
+
+def read_jsonl_rows(path: str) -> list[dict]:
+    """The JSON objects of a run's JSONL file (metrics.jsonl, samples.jsonl), skipping with a warning any line that
+    is not JSON (the half-written last line of a run killed while writing it)."""
     rows, bad = [], 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -83,14 +89,17 @@ def run_title(run_dir: str, config: dict) -> str:
 
 
 def metric_series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """metric -> (steps, values), in logged order; training and eval rows of one step are separate rows."""
+    """metric -> (steps, values), in logged order; training and eval rows of one step are separate rows.
+
+    A null (how metrics.jsonl writes a non-finite value, e.g. the loss of a skipped step) becomes NaN: a gap in the
+    curve, not a point joined across."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for row in rows:
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key != "step" and (value is None or isinstance(value, (int, float))):
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(row.get("step", len(steps)))
-                values.append(float(value))
+                values.append(math.nan if value is None else float(value))
     return series
 
 

@@ -16,7 +16,7 @@ from itertools import zip_longest
 
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.dashboard import (
-    atomic_write_bytes, metric_series, read_config, read_metrics, run_title, write_dashboard,
+    atomic_write_bytes, metric_series, read_config, read_jsonl_rows, read_metrics, run_title, write_dashboard,
 )
 
 logger = logging.getLogger("rlhfkit")
@@ -154,8 +154,7 @@ def _samples(run_dir: str, extra: dict) -> tuple[str, list[dict]]:
     path = os.path.join(run_dir, "samples.jsonl")
     if not os.path.isfile(path):
         return "", []
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_jsonl_rows(path)
     if not rows:
         return "", []
     first, last = rows[0]["step"], rows[-1]["step"]

@@ -10,6 +10,7 @@ the same services (`RunDir`, `MetricsLogger`, `save_checkpoint`, `load_checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import logging
@@ -20,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -32,6 +34,7 @@ logger = logging.getLogger("rlhfkit")
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
+TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes in output_dir (removed at the next start)
 
 
 # 1. The run directory -------------------------------------------------------------------------------------------
@@ -43,6 +46,7 @@ class RunDir:
     def __init__(self, cfg: TrainConfig):
         self.path = cfg.output_dir
         self.cfg = cfg
+        self.moved_aside = False  # this process moved a previous run aside (overwrite=true), not yet committed
 
     def check(self) -> str | None:
         """Fail early (before any model loads, writing nothing) if the directory can't be used; return the
@@ -79,17 +83,126 @@ class RunDir:
             raise UserError(f"{key} '{path}' is not writable: no permission to write in '{existing}'")
 
     def prepare(self, resume_step: int | None) -> None:
-        """Create the directory (clearing an old run when overwrite=true) and write the resolved config."""
-        if self.cfg.overwrite and os.path.isdir(self.path):
-            shutil.rmtree(self.path)
-        os.makedirs(self.path, exist_ok=True)
-        atomic_write_text(os.path.join(self.path, "config.yaml"), config_to_yaml(self.cfg))
-        metrics = os.path.join(self.path, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(metrics):
-            # Drop lines logged after the checkpoint by the interrupted run: the resumed run logs them again.
-            with open(metrics, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            atomic_write_text(metrics, "".join(kept))
+        """Create the directory and write the resolved config (main process only, once the model has loaded).
+
+        1. overwrite=true: the old run is renamed to a hidden sibling (`replaced_path`), deleted once this run has
+           written its first checkpoint or its final model (`commit_replacement`), and put back if this run stops
+           before that (`restore_replaced`: at once on an exception, at the next start after a kill).
+        2. What an interrupted run left behind is removed: temporary files and directories (`.tmp-*`: a save or a
+           pruning cut short), checkpoints without trainer_state.pt, and — on resume — the checkpoints newer than
+           the one resumed from (`latest_checkpoint` skipped them as damaged; this run writes those steps again).
+        3. On resume, metrics.jsonl and samples.jsonl keep only the rows up to the resumed step (the resumed run logs
+           the later ones again) and lose a half-written last line.
+        """
+        path = self.path
+        if self.cfg.overwrite and os.path.isdir(path) and os.listdir(path):
+            self.move_aside()
+        os.makedirs(path, exist_ok=True)
+        self.remove_leftovers(resume_step)
+        atomic_write_text(os.path.join(path, "config.yaml"), config_to_yaml(self.cfg))
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                trim_jsonl(os.path.join(path, name), resume_step)
+
+    def move_aside(self) -> None:
+        path, aside = os.path.abspath(self.path), replaced_path(self.path)
+        try:
+            if os.path.commonpath([path, os.getcwd()]) == path:
+                raise OSError("it holds the working directory")  # a rename would move the working directory along
+            os.replace(path, aside)
+        except OSError as exc:
+            logger.warning("overwrite=true: deleting the previous run in '%s' now: it cannot be kept aside until this "
+                           "run's first checkpoint (%s)", self.path, exc)
+            shutil.rmtree(path)
+            return
+        self.moved_aside = True
+        logger.info("overwrite=true: the previous run in '%s' is kept in %s until this run writes its first checkpoint "
+                    "or its final model, and put back if it stops before", self.path, aside)
+
+    def restore_replaced(self) -> None:
+        """Put back the run that overwrite=true moved aside, unless this directory now holds a complete checkpoint of
+        the new run (then finish replacing it). Called at every start and when a run fails."""
+        aside, path = replaced_path(self.path), os.path.abspath(self.path)
+        shutil.rmtree(aside + ".deleting", ignore_errors=True)  # a commit or a restore cut short: garbage
+        if not os.path.isdir(aside):
+            return
+        if any(os.path.isfile(os.path.join(p, "trainer_state.pt")) for _, p in checkpoint_dirs(path)):
+            commit_replacement(path)
+            return
+        # Two renames, so that at every moment the previous run is whole under one of its two names.
+        if os.path.exists(path):
+            os.replace(path, aside + ".deleting")
+        os.replace(aside, path)
+        shutil.rmtree(aside + ".deleting", ignore_errors=True)
+        self.moved_aside = False
+        logger.warning("put the previous run back in '%s': the run started with overwrite=true stopped before its "
+                       "first checkpoint", self.path)
+
+    def remove_leftovers(self, resume_step: int | None) -> None:
+        removed = []
+        for name in sorted(os.listdir(self.path)):
+            full = os.path.join(self.path, name)
+            m = CHECKPOINT_RE.match(name)
+            if name.startswith(TMP_PREFIX):
+                removed.append(f"{name} (an interrupted save)")
+            elif m and not os.path.isfile(os.path.join(full, "trainer_state.pt")):
+                removed.append(f"{name} (incomplete: no trainer_state.pt)")
+            elif m and resume_step is not None and int(m.group(1)) > resume_step:
+                removed.append(f"{name} (damaged; resuming from step {resume_step})")
+            else:
+                continue
+            _remove_tree(full) if os.path.isdir(full) else os.unlink(full)
+        if removed:
+            logger.warning("removed what an interrupted run left in '%s': %s", self.path, ", ".join(removed))
+
+
+def replaced_path(output_dir: str) -> str:
+    """Where overwrite=true keeps the previous run until the new one commits: a hidden sibling of output_dir."""
+    path = os.path.abspath(output_dir)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.rlhfkit-replaced")
+
+
+def commit_replacement(output_dir: str) -> None:
+    """The new run in `output_dir` has a checkpoint or its final model: delete the run it replaces, if any. The rename
+    first makes the decision atomic: a kill during the deletion cannot make the next start put half of it back."""
+    aside = replaced_path(output_dir)
+    if os.path.isdir(aside):
+        shutil.rmtree(aside + ".deleting", ignore_errors=True)
+        os.replace(aside, aside + ".deleting")
+        shutil.rmtree(aside + ".deleting", ignore_errors=True)
+        logger.info("deleted the run that '%s' replaces (overwrite=true)", output_dir)
+
+
+def trim_jsonl(path: str, step: int) -> None:
+    """Keep the rows of `path` logged at or before `step`; drop a half-written line (a kill or a full disk)."""
+    if not os.path.exists(path):
+        return
+    kept, torn = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line.rstrip("\n") + "\n")
+    if torn:
+        logger.warning("%s: dropped %d half-written line(s)", path, torn)
+    atomic_write_text(path, "".join(kept))
+
+
+def _remove_tree(path: str) -> None:
+    """Delete a directory so that a kill midway leaves no half of it under its own name: rename it to a `.tmp-*`
+    sibling (removed at the next start, see `RunDir.remove_leftovers`), then delete that."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    trash = tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}removed-")
+    os.replace(path, os.path.join(trash, name))
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -104,7 +217,11 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 class MetricsLogger:
-    """One JSON object per logged step in `metrics.jsonl`, mirrored to TensorBoard/W&B when configured."""
+    """One JSON object per logged step in `metrics.jsonl`, mirrored to TensorBoard/W&B when configured.
+
+    The file is strict JSON, which has no NaN or Infinity: a non-finite value (the loss of a skipped step) is written
+    as null. The trackers receive the float itself.
+    """
 
     def __init__(self, output_dir: str, accelerator, report_to: list[str]):
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -115,8 +232,9 @@ class MetricsLogger:
         if not self.accelerator.is_main_process:
             return
         record = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
+        strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict, allow_nan=False) + "\n")
         if self.trackers:
             self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
@@ -138,14 +256,69 @@ def check_report_to(report_to: list[str]) -> None:
 # 3. Checkpoints ------------------------------------------------------------------------------------------------
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint (one holding trainer_state.pt)."""
+def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every `checkpoint-N` directory in `output_dir`, oldest first, complete or not."""
     found = []
-    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
+    for path in glob.glob(os.path.join(glob.escape(output_dir), "checkpoint-*")):
         m = CHECKPOINT_RE.match(os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        if m and os.path.isdir(path):
             found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest intact checkpoint. A newer damaged one (a power cut or a full disk during its save, a pruning cut
+    short) is skipped with a warning that says why."""
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None: its trainer_state.pt must load (memory-mapped,
+    so the optimizer state is not read twice) and every safetensors file in it must open (a truncated one fails its
+    header check) — model/ holding at least one."""
+    from safetensors import safe_open
+
+    state = os.path.join(path, "trainer_state.pt")
+    if not os.path.isfile(state):
+        return "no trainer_state.pt (a save or a pruning was cut short)"
+    try:
+        torch.load(state, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is a damaged file, whatever torch raises
+        return f"trainer_state.pt does not load ({_first_line(exc)})"
+    if not glob.glob(os.path.join(glob.escape(path), "model", "*.safetensors")):
+        return "model/ holds no safetensors weights"
+    for f in sorted(glob.glob(os.path.join(glob.escape(path), "**", "*.safetensors"), recursive=True)):
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - as above
+            return f"{os.path.relpath(f, path)} does not open ({_first_line(exc)})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def refuse_nonfinite_weights(model_dir: str, output_dir: str, what: str) -> None:
+    """Raise a UserError (naming `output_dir`) if any tensor of the safetensors files under `model_dir` — the weights
+    just written, before they are moved into place — holds NaN or inf. Reading the files back checks exactly what
+    would be kept, whatever wrote them (a policy, a critic, merged LoRA weights)."""
+    from safetensors import safe_open
+
+    for f in sorted(glob.glob(os.path.join(glob.escape(model_dir), "**", "*.safetensors"), recursive=True)):
+        with safe_open(f, framework="pt") as weights:
+            for name in weights.keys():
+                if not torch.isfinite(weights.get_tensor(name)).all():
+                    raise UserError(
+                        f"refusing to save {what} to '{output_dir}': the weights hold NaN/inf ('{name}' in "
+                        f"{os.path.relpath(f, model_dir)}); what '{output_dir}' held before is intact")
 
 
 def rng_state() -> dict:
@@ -173,22 +346,24 @@ def save_checkpoint(output_dir: str, step: int, save_model: Callable[[str], None
     """Write checkpoint-{step}/ atomically (model via `save_model(dir)` + trainer_state.pt), then prune old ones.
 
     `state` holds only tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)`
-    — resuming never unpickles arbitrary objects.
+    — resuming never unpickles arbitrary objects. Non-finite weights are refused (a UserError; the checkpoints
+    already there are intact). The first checkpoint of a run started with overwrite=true deletes the run it replaces.
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = tempfile.mkdtemp(dir=output_dir, prefix=f".tmp-checkpoint-{step}-")
+    tmp = tempfile.mkdtemp(dir=output_dir, prefix=f"{TMP_PREFIX}checkpoint-{step}-")
     try:
         save_model(os.path.join(tmp, "model"))
+        refuse_nonfinite_weights(tmp, output_dir, f"checkpoint-{step}")
         torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        _remove_tree(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    steps = sorted(int(m.group(1)) for e in os.listdir(output_dir) if (m := CHECKPOINT_RE.match(e)))
-    for old in steps[:-keep]:
-        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"), ignore_errors=True)
+    commit_replacement(output_dir)
+    # Pruning renames each old checkpoint away before deleting it: a kill midway never leaves a partial checkpoint-N.
+    for _, old in checkpoint_dirs(output_dir)[:-keep]:
+        _remove_tree(old)
     return final
 
 
@@ -243,16 +418,52 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
 # 5. The offline loop -------------------------------------------------------------------------------------------
 
 
+def _restores_replaced_run(fit: Callable) -> Callable:
+    """`fit` that, when it fails before the new run committed (see `RunDir.prepare`), puts the run it replaces back."""
+
+    @functools.wraps(fit)
+    def guarded(self, *args, **kwargs):
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException:
+            if self.run_dir.moved_aside:
+                try:
+                    self.run_dir.restore_replaced()
+                except OSError as exc:
+                    logger.warning("could not put the previous run back in '%s' (%s): it is in %s", self.run_dir.path,
+                                   exc, replaced_path(self.run_dir.path))
+            raise
+
+    return guarded
+
+
 class Trainer:
     """Base of the offline trainers. Subclasses set `kind` and implement the four methods marked below."""
 
     kind: str = ""  # data kind for rlhfkit.data.build_datasets
+    bad_steps: int = 0  # updates skipped for a non-finite loss or gradient, over the whole run (saved in checkpoints)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "fit" in vars(cls):  # the online and RFT trainers write their own loop: it gets the same guard
+            cls.fit = _restores_replaced_run(cls.fit)
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = RunDir(cfg)
+        self.recover_run_dir()
         self.resume_from = self.run_dir.check()
         check_report_to(cfg.logging.report_to)
+
+    def recover_run_dir(self) -> None:
+        """Before `check` looks at output_dir: put back a run that an overwrite=true run, killed before its first
+        checkpoint, had moved aside (the main process does it; the others wait)."""
+        from accelerate import PartialState
+
+        state = PartialState()
+        if state.is_main_process:
+            self.run_dir.restore_replaced()
+        state.wait_for_everyone()
 
     # -- to implement -----------------------------------------------------------------------------------------
     def load_model(self, tokenizer) -> torch.nn.Module:
@@ -306,6 +517,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             self.start_step = int(state["step"])
+            self.bad_steps = int(state.get("bad_steps", 0))
             logger.info("resuming from %s (step %d)", self.resume_from, self.start_step)
         if self.accelerator.is_main_process:
             self.run_dir.prepare(self.start_step if self.resume_from else None)
@@ -345,7 +557,10 @@ class Trainer:
         return batches
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics."""
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
+
+        A non-finite loss (on any process) or gradient norm skips the update: see `skip_step`.
+        """
         acc, model = self.accelerator, self.model
         micro = self.micro_batches(step)
         counts = [self.count(b) for b in micro]
@@ -353,22 +568,57 @@ class Trainer:
         # DDP averages gradients over processes; scaling by world size turns that average back into the global sum.
         per_process = total / self.world
         sums: dict[str, float] = {}
+        nonfinite_losses = torch.zeros((), device=acc.device)
         model.train()
         for i, (batch, n) in enumerate(zip(micro, counts)):
             sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(model)
             with sync:
                 loss, metrics = self.compute_loss(model, batch.to(acc.device), per_process)
                 acc.backward(loss)
+            nonfinite_losses += (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * n
         out = {k: v / max(sum(counts), 1) for k, v in sums.items()}
-        if self.cfg.optim.max_grad_norm is not None:
-            out["grad_norm"] = float(acc.clip_grad_norm_(model.parameters(), self.cfg.optim.max_grad_norm))
+        # The gradient norm, clipped to optim.max_grad_norm when set (max_norm = inf only measures it). Under fp16 an
+        # overflowing gradient is the loss scaler's business: it skips that update itself and lowers the scale.
+        max_norm = self.cfg.optim.max_grad_norm
+        norm = acc.clip_grad_norm_(model.parameters(), max_norm if max_norm is not None else math.inf)
+        if max_norm is not None:
+            out["grad_norm"] = float(norm)
+        bad_grad = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
+        # Decided on the sum over processes: every process skips the same steps, so DDP replicas stay identical.
+        bad = acc.reduce(nonfinite_losses + float(bad_grad), reduction="sum").item() > 0
         out["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        if bad:
+            self.skip_step(step, bool(nonfinite_losses.item()), bad_grad)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        out["faults/skipped_total"] = float(self.bad_steps)
         return out
+
+    def skip_step(self, step: int, bad_loss: bool, bad_grad: bool) -> None:
+        """No update for step `step`: the gradients are dropped and the optimizer state is untouched, but the learning
+        rate schedule advances — like the data, it is a function of the step number, so a skipped step only costs
+        its batch, the run still ends at `total_steps`, and a resumed run matches an uninterrupted one. The
+        `max_bad_steps`-th skipped step stops the run (a UserError: exit status 2)."""
+        acc, cfg = self.accelerator, self.cfg
+        if acc.scaler is not None:
+            acc.scaler.update()  # fp16: close the unscale_ done by clip_grad_norm_, as the scaler's own skip would
+        with warnings.catch_warnings():  # torch warns when the very first scheduler step has no optimizer step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
+        self.bad_steps += 1
+        what = " and ".join(w for w, bad in (("loss", bad_loss), ("gradient", bad_grad)) if bad) or "loss on another process"
+        logger.warning("step %d: non-finite %s; optimizer step skipped (%d of max_bad_steps=%d)", step + 1, what,
+                       self.bad_steps, cfg.max_bad_steps)
+        if self.bad_steps >= cfg.max_bad_steps:
+            complete = [p for _, p in checkpoint_dirs(cfg.output_dir) if os.path.isfile(os.path.join(p, "trainer_state.pt"))]
+            kept = f"the last good checkpoint, {complete[-1]}, is intact" if complete else \
+                f"'{cfg.output_dir}' holds no checkpoint yet (see logging.save_steps)"
+            raise UserError(f"stopping at step {step + 1}: {self.bad_steps} optimizer steps skipped for a non-finite loss "
+                            f"or gradient (max_bad_steps={cfg.max_bad_steps}); {kept}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -399,13 +649,15 @@ class Trainer:
         if not acc.is_main_process:
             return
         model = acc.unwrap_model(self.model)
-        tmp = tempfile.mkdtemp(dir=self.cfg.output_dir, prefix=".tmp-model-")
+        tmp = tempfile.mkdtemp(dir=self.cfg.output_dir, prefix=f"{TMP_PREFIX}model-")
         try:
             save_model(model, self.tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
+            refuse_nonfinite_weights(os.path.join(tmp, "model"), self.cfg.output_dir, "the final model")
             for name in os.listdir(os.path.join(tmp, "model")):
                 os.replace(os.path.join(tmp, "model", name), os.path.join(self.cfg.output_dir, name))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        commit_replacement(self.cfg.output_dir)
 
     def checkpoint(self, step: int) -> None:
         from rlhfkit.models import save_model
@@ -414,13 +666,15 @@ class Trainer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             model = acc.unwrap_model(self.model)
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "bad_steps": self.bad_steps}
             save_checkpoint(
                 self.cfg.output_dir, step, lambda d: save_model(model, self.tokenizer, d, merge_lora=False), state,
                 self.cfg.logging.save_total_limit,
             )
         acc.wait_for_everyone()
 
+    @_restores_replaced_run
     def fit(self) -> dict[str, float]:
         """Train to `total_steps`; returns the last logged training and eval metrics."""
         from tqdm.auto import tqdm
@@ -442,7 +696,8 @@ class Trainer:
             done = step + 1
             if done % log.logging_steps == 0 or done == self.total_steps:
                 last = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
-                last.update(epoch=done / self.steps_per_epoch, elapsed_s=time.time() - t0)
+                last.update({"faults/skipped_total": float(self.bad_steps), "epoch": done / self.steps_per_epoch,
+                             "elapsed_s": time.time() - t0})
                 self.metrics.log(done, last)
                 window = []
             if self.eval_set and ((log.eval_steps and done % log.eval_steps == 0) or done == self.total_steps):
