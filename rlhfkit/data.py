@@ -1,8 +1,9 @@
 """Datasets for every stage: loading, format detection, record-by-record validation, chat templates, tokenization
 with truncation counts, and the collators that build the typed batches of `rlhfkit.types`.
 
-Pipeline: `load_records` -> `detect_format` (validates every record) -> `tokenize_records` -> `collate_*`;
-`build_datasets` runs the first three for the train and eval splits.
+Pipeline: `load_records` -> `detect_format` -> `tokenize_records` (validates each record, once) -> `collate_*`;
+`build_datasets` runs the first three for the train and eval splits. `detect_format` alone validates every record
+without tokenizing.
 
 Record formats per kind ("text|messages" = a string or a list of {role, content} dicts, role in system/user/assistant):
     sft         prompt_completion  {prompt: text|messages, completion: text|messages}
@@ -23,7 +24,9 @@ Tokenized examples are dicts of python int lists (the collators turn them into t
     sft         {"input_ids", "labels"}: labels -100 on prompt tokens, the token id on response tokens
     preference  {"prompt_ids", "chosen_ids", "rejected_ids", "margin": float}
     unpaired    {"prompt_ids", "completion_ids", "desirable": bool}
-    prompt      {"prompt_ids"}
+    prompt      {"prompt_ids", "prompt", "columns"}: "prompt" is the record's own prompt (the string, or the message
+                dicts of the prompt turns), "columns" every other field of the record (all but "prompt" and "messages",
+                e.g. a reference "answer" or test cases); reward functions receive both (`rewards.RewardSource`)
 Prompts end with the generation prompt; responses are their own tokens only and end at the EOS token.
 """
 
@@ -184,10 +187,19 @@ class _Example:
     hh: bool = False  # HH-RLHF transcripts: parsed into messages when the tokenizer has a chat template
     margin: float = 0.0
     desirable: bool = True
+    columns: dict | None = None  # prompt-only: the record's other fields (all but "prompt" and "messages")
 
 
 def detect_format(records: list[dict], kind: str, source: str) -> str:
     """Names the format of `records` from the first record's keys, then validates every record against it."""
+    fmt = _detect(records, kind, source)
+    for i, record in enumerate(records):
+        _canonical(record, fmt, kind, source, i)
+    return fmt
+
+
+def _detect(records: list[dict], kind: str, source: str) -> str:
+    """The format of `records`, from the first record's keys (no record is validated)."""
     if kind not in _FORMATS:
         raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
     if not records:
@@ -203,8 +215,6 @@ def detect_format(records: list[dict], kind: str, source: str) -> str:
         missing = next(name for name in required if name not in keys)
         shapes = " or ".join("{" + ", ".join(fields) + "}" for _, fields in formats)
         raise DataError(f"{source} record 0: missing field '{missing}' (expected {shapes})")
-    for i, record in enumerate(records):
-        _canonical(record, fmt, kind, source, i)
     return fmt
 
 
@@ -223,7 +233,7 @@ def _canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> _Examp
             prompt = turns[:-1] if turns[-1]["role"] == "assistant" else turns
             if not prompt:
                 raise DataError(f"{where}: field 'messages' has no turn before its final assistant turn (nothing to prompt with)")
-            return _Example(prompt=prompt, responses=[])
+            return _Example(prompt=prompt, responses=[], columns=_columns(record))
         first = next((j for j, m in enumerate(turns) if m["role"] == "assistant"), None)
         if first is None:
             raise DataError(f"{where}: field 'messages' has no assistant turn (nothing to learn from)")
@@ -243,7 +253,7 @@ def _canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> _Examp
         return _Example(prompt=chosen[:end], responses=[chosen[end:], rejected[end:]], hh=True, margin=_margin(record, where))
     prompt = _text_or_messages(get("prompt"), "prompt", where)
     if fmt == "prompt":
-        return _Example(prompt=prompt, responses=[])
+        return _Example(prompt=prompt, responses=[], columns=_columns(record))
     if fmt == "pairwise":
         responses = [_response(get(name), name, prompt, where) for name in ("chosen", "rejected")]
         return _Example(prompt=prompt, responses=responses, margin=_margin(record, where))
@@ -254,6 +264,11 @@ def _canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> _Examp
             raise DataError(f"{where}: field 'label' must be a bool (true = desirable), got {_type_name(label)}")
         return _Example(prompt=prompt, responses=[completion], desirable=label)
     return _Example(prompt=prompt, responses=[completion])  # sft prompt_completion
+
+
+def _columns(record: dict) -> dict:
+    """A prompt record's fields other than the prompt itself, passed on to reward functions."""
+    return {k: v for k, v in record.items() if k not in ("prompt", "messages")}
 
 
 def _text_or_messages(value, name: str, where: str) -> str | list[dict]:
@@ -432,7 +447,8 @@ def _hh_messages(transcript: str) -> list[dict]:
 def tokenize_records(
     records: list[dict], fmt: str, kind: str, tokenizer, cfg: DataConfig, source: str
 ) -> tuple[list[dict], TruncationStats]:
-    """Tokenizes validated records into per-example dicts (module docstring) and counts what was cut or dropped.
+    """Validates and tokenizes records of format `fmt` into per-example dicts (module docstring); counts what was
+    cut or dropped.
 
     1. A prompt longer than cfg.max_prompt_length keeps its last tokens (truncation="truncate") or is an error.
     2. Responses are cut so that prompt + response <= cfg.max_length.
@@ -464,7 +480,8 @@ def tokenize_records(
         where = f"{source} record {i}"
         example = _canonical(record, fmt, kind, source, i)
         if kind == "prompt":
-            examples.append({"prompt_ids": fit_prompt(encoder.prompt(example, where), where)})
+            examples.append({"prompt_ids": fit_prompt(encoder.prompt(example, where), where), "prompt": example.prompt,
+                             "columns": example.columns})
         elif example.turns is not None:  # SFT conversation: the first segment is the prompt
             segments = encoder.conversation(example.turns, where)
             segments[0] = (fit_prompt(segments[0][0], where), False)
@@ -525,7 +542,7 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
 
 def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[dict]:
     records = load_records(source, split, cfg.max_samples)
-    fmt = detect_format(records, kind, source)
+    fmt = _detect(records, kind, source)
     examples, stats = tokenize_records(records, fmt, kind, tokenizer, cfg, source)
     cut = stats.prompts_truncated or stats.responses_truncated or stats.dropped
     logger.log(logging.WARNING if cut else logging.INFO, stats.summary(source))

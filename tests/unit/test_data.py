@@ -262,7 +262,7 @@ def test_no_chat_template_text_and_messages(plain_tok, caplog):
 
 def test_prompt_kind_drops_a_final_assistant_turn(tok):
     (ex,), _ = tokenize([{"messages": MSGS}], "prompt", tok)
-    assert ex == {"prompt_ids": ids(tok, chat(tok, MSGS[:1], True))}
+    assert ex == {"prompt_ids": ids(tok, chat(tok, MSGS[:1], True)), "prompt": MSGS[:1], "columns": {}}
 
 
 def test_prefix_unstable_template_is_an_error():
@@ -382,3 +382,34 @@ def test_build_datasets_eval_file_and_no_eval(tmp_path, tok, caplog):
     assert len(tr) == 2 and len(tr[0]["prompt_ids"]) == 8 and len(ev) == 1
     assert any("2 prompts truncated" in r.message and r.levelno == logging.WARNING for r in caplog.records)
     assert build_datasets("prompt", DataConfig(train=train, max_length=64, max_prompt_length=32), tok, seed=0)[1] is None
+
+
+# 7. Prompt examples keep the original prompt and the record's other columns (reward functions read them) -----------
+
+
+def test_prompt_examples_carry_the_original_prompt_and_every_other_column(tmp_path, tok):
+    records = [{"prompt": "3+4=", "answer": "7", "tests": [1, 2]}, {"prompt": "5+5=", "answer": "10"}]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64, max_prompt_length=32)
+    (a, b), _ = build_datasets("prompt", cfg, tok, seed=0)
+    assert a == {"prompt_ids": ids(tok, chat(tok, [{"role": "user", "content": "3+4="}], True)), "prompt": "3+4=",
+                 "columns": {"answer": "7", "tests": [1, 2]}}
+    assert b["prompt"] == "5+5=" and b["columns"] == {"answer": "10"}
+    assert collate_prompts([a, b], tok.pad_token_id).input_ids.shape == (2, len(a["prompt_ids"]))
+
+
+def test_prompt_examples_from_messages_keep_the_prompt_turns(tok):
+    convo = MSGS + [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "b"}]
+    (ex,), _ = tokenize([{"messages": convo, "answer": 3, "id": "x"}], "prompt", tok)
+    assert ex["prompt"] == convo[:3] and ex["columns"] == {"answer": 3, "id": "x"}
+    assert ex["prompt_ids"] == ids(tok, chat(tok, convo[:3], True))
+
+
+def test_pipeline_validates_each_record_once(tmp_path, tok, monkeypatch):
+    import rlhfkit.data as data
+
+    calls = []
+    real = data._canonical
+    monkeypatch.setattr(data, "_canonical", lambda record, *a: calls.append(record) or real(record, *a))
+    records = [{"prompt": f"p{i}", "answer": i} for i in range(3)]
+    build_datasets("prompt", DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64), tok, seed=0)
+    assert calls == records
