@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
     p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "dpo", "eval"],
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the demo in a non-empty --output-dir (refused without this or --from-stage)")
     return parser
 
 
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "demo":
             from rlhfkit.demo import run_demo
 
-            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage)
+            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite)
         else:
             run_stage(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:

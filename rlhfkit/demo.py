@@ -15,7 +15,9 @@ simulated Bradley-Terry annotators:
 `--quick` runs the same path on the tiny random model in under 20 seconds (the figures are then meaningless).
 
 Every stage prints its wall time and reads its inputs from `output_dir`, where the earlier stages wrote them, so
-`--from-stage` can rerun the later stages of a finished or interrupted run.
+`--from-stage` can rerun the later stages of a finished or interrupted run. As with every stage, an existing non-empty
+`output_dir` is refused (before any model loads, writing nothing) unless `--overwrite` replaces the demo in it or
+`--from-stage` continues it; the stages a run reruns then replace their earlier runs (`overwrite: true`).
 
 The sizes (`DemoSize`) are budgeted for 2 CPU cores, where the cost is the number of tokens pushed through the model:
 about 5 ms per token for a forward, 13 ms for a LoRA training step, 15 ms per sampled token. Prompts carry a short
@@ -38,7 +40,7 @@ import yaml
 
 from rlhfkit.errors import UserError
 from rlhfkit.tasks import reviews
-from rlhfkit.trainers.base import atomic_write_text
+from rlhfkit.trainers.base import RunDir, atomic_write_text
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,8 +171,9 @@ def _rm_scores(scorer, rollouts) -> torch.Tensor:
 class Demo:
     """The demo's stages, in `STAGES` order; each reads what the earlier ones wrote to `output_dir`."""
 
-    def __init__(self, output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, size: DemoSize | None = None):
-        self.output_dir, self.quick, self.seed = output_dir, quick, seed
+    def __init__(self, output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, size: DemoSize | None = None,
+                 overwrite: bool = False):
+        self.output_dir, self.quick, self.seed, self.overwrite = output_dir, quick, seed, overwrite
         self.size = size or (QUICK if quick else DemoSize())
         self.timings: dict[str, float] = {}
         if quick:
@@ -178,7 +181,7 @@ class Demo:
         else:
             self.base = {"model.name_or_path": smollm2_dir(), "model.gguf_file": GGUF_FILE}
         self.lora = {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0}
-        self.common = {"seed": seed, "overwrite": True, "logging.logging_steps": 1, "optim.scheduler": "constant",
+        self.common = {"seed": seed, "overwrite": overwrite, "logging.logging_steps": 1, "optim.scheduler": "constant",
                        "data.max_length": 256, "data.max_prompt_length": 128}
 
     def path(self, name: str) -> str:
@@ -191,9 +194,20 @@ class Demo:
             raise UserError(f"'{self.output_dir}' has no {', '.join(missing)}: run the earlier stages first "
                             f"(rlhfkit demo{' --quick' if self.quick else ''} --output-dir {self.output_dir})")
 
+    def check_output_dir(self, from_stage: str) -> None:
+        """Refuse (writing nothing) an `output_dir` that can't be written, or that holds anything when this run
+        starts from scratch without `overwrite`: the user's files and earlier runs are never replaced unasked."""
+        RunDir.check_writable(self.output_dir, "--output-dir")
+        if from_stage == "prompts" and not self.overwrite and os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
+            raise UserError(f"--output-dir '{self.output_dir}' is not empty: pass --overwrite to replace the demo in it, "
+                            f"or --from-stage {'|'.join(STAGES[1:])} to rerun its later stages")
+
     def run(self, from_stage: str = "prompts") -> dict:
         if from_stage not in STAGES:
             raise UserError(f"--from-stage must be one of {', '.join(STAGES)}, got '{from_stage}'")
+        self.check_output_dir(from_stage)
+        # The stages this run reruns replace their earlier runs: asked for by --overwrite or --from-stage.
+        self.common["overwrite"] = self.overwrite or from_stage != "prompts"
         os.makedirs(self.output_dir, exist_ok=True)
         atomic_write_text(self.path("config.yaml"), yaml.safe_dump(  # read by the report
             {"demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage, "system_prompt": SYSTEM_PROMPT,
@@ -396,8 +410,9 @@ class Demo:
         return result
 
 
-def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, from_stage: str = "prompts") -> dict:
-    return Demo(output_dir, quick=quick, seed=seed).run(from_stage)
+def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, from_stage: str = "prompts",
+             overwrite: bool = False) -> dict:
+    return Demo(output_dir, quick=quick, seed=seed, overwrite=overwrite).run(from_stage)
 
 
 def _fmt(x: float | None) -> str:

@@ -65,18 +65,20 @@ def test_frontier_plot_and_report(demo_run):
     assert "best_of_n: 4" in html and "ppo_steps: 2" in html  # the demo's own config, in the report
 
 
-def test_from_stage_reruns_the_evaluation_only(demo_run, tmp_path, capsys):
+def test_from_stage_reruns_the_later_stages_in_place(demo_run, tmp_path, capsys):
     import shutil
 
     rerun = str(tmp_path / "rerun")
     shutil.copytree(demo_run, rerun)
-    ppo_weights = os.path.join(rerun, "ppo", "model.safetensors")
-    before = os.path.getmtime(ppo_weights)
-    assert main(["demo", "--quick", "--output-dir", rerun, "--from-stage", "eval"]) == 0
+    ppo_weights, dpo_weights = (os.path.join(rerun, m, "model.safetensors") for m in ("ppo", "dpo"))
+    ppo_before, dpo_before = os.path.getmtime(ppo_weights), os.path.getmtime(dpo_weights)
+    # --from-stage continues in the non-empty directory (no --overwrite): the stages it reruns replace their runs.
+    assert main(["demo", "--quick", "--output-dir", rerun, "--from-stage", "dpo"]) == 0
     with open(os.path.join(rerun, "eval.json")) as f:
         result = json.load(f)
-    assert result["from_stage"] == "eval" and set(result["timings_s"]) == {"eval", "total"}
-    assert os.path.getmtime(ppo_weights) == before  # the trained policies were reused, not retrained
+    assert result["from_stage"] == "dpo" and set(result["timings_s"]) == {"dpo", "eval", "total"}
+    assert os.path.getmtime(ppo_weights) == ppo_before  # the earlier stages' outputs were reused, not retrained
+    assert os.path.getmtime(dpo_weights) != dpo_before
     with open(os.path.join(demo_run, "eval.json")) as f:
         original = json.load(f)
     assert result["methods"]["sft"] == original["methods"]["sft"]  # same seeds, same samples
