@@ -2,6 +2,7 @@
 tiny model, checking every artefact (the figures themselves are meaningless on a random model)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -30,7 +31,13 @@ def test_eval_json_has_every_figure(demo_run):
         assert 0.0 <= figures["distinct_2"] <= 1.0
     sft = result["methods"]["sft"]
     assert sft["kl_to_sft"] == 0.0 and sft["win_rate_gold"] == 0.5 and sft["win_rate_rm"] == 0.5  # the baseline itself
-    assert result["methods"]["best_of_4"]["kl_to_sft"] == pytest.approx(0.6363, abs=1e-4)  # log 4 - 3/4
+    # Best-of-4 picks, per held-out prompt, the reward model's favourite of 4 SFT samples: measured against the SFT
+    # sample, its reward-model score is higher (a pick by the wrong index, argmin or a misaligned group is not). Its
+    # KL is analytic (checked against the exact best-of-n distribution in tests/unit/test_best_of_n.py); any
+    # best-of-n's density ratio to its base is at most n, so its KL lies in (0, log n].
+    best = result["methods"]["best_of_4"]
+    assert best["rm_reward"] > sft["rm_reward"] and best["win_rate_rm"] > 0.5
+    assert 0.0 < best["kl_to_sft"] <= math.log(4)
     assert {"rm_accuracy_noisy", "rm_accuracy_gold", "rm_eval_pairs", "rm_gold_pairs", "rm_accuracy_gold_eval_prompts",
             "rm_gold_pairs_eval_prompts"} <= set(result["reward_model"])
     assert result["reward_model"]["rm_gold_pairs_eval_prompts"] <= 8 * 10  # 5 samples per prompt: at most 10 pairs each

@@ -24,6 +24,31 @@ def test_best_of_n_kl_grows_like_log_n_and_rejects_n_below_one():
         best_of_n_kl(0)
 
 
+def _best_of_n_pmf(base: torch.Tensor, n: int) -> torch.Tensor:
+    """The exact distribution of best-of-n over outcomes with distinct rewards, listed worst to best: the best of n
+    draws is outcome i when all n fall in outcomes <= i but not all in outcomes < i, so p_i = F_i^n - F_{i-1}^n."""
+    cdf = base.double().cumsum(0)
+    return cdf**n - torch.cat([cdf.new_zeros(1), cdf[:-1]]) ** n
+
+
+def test_best_of_n_kl_is_the_exact_kl_in_the_limit_and_bounds_it_below():
+    # The exact distribution, first checked against best-of-n sampling itself (200k draws of n, keep the best).
+    gen = torch.Generator().manual_seed(0)
+    base = torch.tensor([0.4, 0.1, 0.3, 0.2])
+    draws = torch.multinomial(base.expand(200_000, -1), 4, replacement=True, generator=gen)
+    measured = torch.bincount(draws.max(1).values, minlength=4).double() / 200_000
+    torch.testing.assert_close(measured, _best_of_n_pmf(base, 4), atol=4e-3, rtol=0)
+
+    kl = lambda p, q: float((p * (p / q.double()).log()).sum())  # noqa: E731
+    for n in (2, 4, 16):
+        # Many equally likely outcomes approach a continuous reward: the exact KL tends to log n - (n-1)/n ...
+        uniform = torch.full((100_000,), 1e-5)
+        assert kl(_best_of_n_pmf(uniform, n), uniform) == pytest.approx(best_of_n_kl(n), abs=1e-3)
+        # ... and with few outcomes it is below (Beirami et al. 2024, Theorem 3.1): the formula is an upper bound.
+        for base in (torch.full((2,), 0.5), torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.05, 0.05, 0.9])):
+            assert 0.0 < kl(_best_of_n_pmf(base, n), base) < best_of_n_kl(n)
+
+
 def test_select_best_per_group():
     scores = torch.tensor([0.1, 0.7, 0.3, -1.0, -2.0, -0.5, 5.0, 4.0])
     group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
