@@ -1,6 +1,10 @@
-"""Rewards for online RL: scalar scores of whole sequences from reward models and ensembles of them.
+"""Rewards for online RL: scalar scores of whole sequences from reward models and ensembles of them, or from Python
+functions of the text.
 
-A reward function takes token ids and their attention mask (B, T) and returns one float32 score per sequence (B,).
+A reward model scorer (`RewardFn`) takes token ids and their attention mask (B, T) and returns one float32 score per
+sequence (B,). A Python reward function (`reward.function`, `reward.gold_function`, eval `judges`) follows
+`RewardFunction`'s contract: `fn(prompts, completions, **kwargs)` with the dataset's own prompts and every other
+field of the prompt records as keyword arguments, called once per rollout.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rlhfkit.config import ModelConfig
+from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 
 
@@ -126,28 +131,130 @@ def load_reward_scorer(
 # Python reward functions and score post-processing --------------------------------------------------------------
 
 
-def load_reward_function(ref: str):
-    """Import `module:function` (the current directory is importable, as for `python -m`).
+def load_reward_function(ref: str, key: str = "reward.function") -> RewardFunction:
+    """Import the function `ref` = "module:function", named in errors as `key` (its config key).
 
-    The function takes `(prompts: list[str], completions: list[str])` and returns one float per completion.
+    Importing runs the module's code, so a config that names a function is code: load configs you trust. The
+    working directory is importable while the module imports (as for `python -m`), then `sys.path` is restored, so
+    the user's own modules never shadow later imports; import what the function needs at the module's top level.
     """
     import importlib
     import os
     import sys
 
-    from rlhfkit.errors import UserError
-
+    label = f"{key} '{ref}'"
     module_name, _, name = ref.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError(f"reward.function '{ref}': cannot import module '{module_name}' ({exc})") from None
+        raise UserError(f"{label}: cannot import module '{module_name}' ({_first_line(exc)})") from None
+    except Exception as exc:  # the module's own code failed at import: the user's to fix
+        raise UserError(f"{label}: cannot import module '{module_name}' ({type(exc).__name__}: {_first_line(exc)})") from None
+    finally:
+        sys.path[:] = saved
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"reward.function '{ref}': module '{module_name}' has no function '{name}'")
-    return fn
+        raise UserError(f"{label}: module '{module_name}' has no function '{name}'")
+    return RewardFunction(fn, label)
+
+
+class RewardFunction:
+    """A Python reward function under rlhfkit's calling contract (TRL's convention for reward functions).
+
+    The function is called once per rollout batch, for all B rows at once:
+
+        fn(prompts, completions, **kwargs) -> B numbers (a list, tuple, 1-D tensor or array), higher is better
+
+    - prompts: each row's prompt as the dataset holds it (a string, or the prompt's message dicts); rows of the
+      same prompt repeat it. Without dataset examples, the chat-rendered prompt text (special tokens dropped).
+    - completions: each row's response text, special tokens dropped.
+    - kwargs: every other field of the prompt records (e.g. `answer`, test cases) as a list over the rows (None for
+      a row whose record lacks the field), and `completion_ids` (each row's response token ids, up to and including
+      EOS). A keyword is passed only if the function names it or takes **kwargs, so `(prompts, completions)`
+      functions keep working.
+
+    Non-finite scores pass through (the trainers count the step as bad); anything else that is not one number
+    per row, and any exception the function raises, is a one-line `UserError` that names the function (`label`).
+    """
+
+    def __init__(self, fn, label: str):
+        import inspect
+
+        self.fn = fn
+        self.label = label
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # builtins without a signature: the two positional arguments only
+            params = []
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        self.any_keyword = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        named = [p for p in params[2:] if p.kind in keyword]  # after (prompts, completions)
+        self.keywords = {p.name for p in named}
+        self.required = [p.name for p in named if p.default is inspect.Parameter.empty]
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]] | None = None,
+                 columns: dict[str, list] | None = None) -> list[float]:
+        """One float per completion; `columns` maps each record field to its values over the rows."""
+        available = {**(columns or {}), **({"completion_ids": completion_ids} if completion_ids is not None else {})}
+        for name in self.required:
+            if name not in available:
+                fields = ", ".join(sorted(columns or {})) or "none"
+                raise UserError(f"{self.label} takes an argument '{name}', but the prompt records have no field "
+                                f"'{name}' (fields: {fields})")
+        kwargs = {k: v for k, v in available.items() if self.any_keyword or k in self.keywords}
+        try:
+            value = self.fn(prompts, completions, **kwargs)
+        except Exception as exc:  # the user's code failed: name it and where, on one line
+            raise UserError(f"{self.label} raised {type(exc).__name__}: {_first_line(exc)}{_where(exc)}") from None
+        return _as_scores(value, len(completions), self.label)
+
+
+def _as_scores(value, n: int, label: str) -> list[float]:
+    """`value` as n python floats, or a UserError saying what it was instead."""
+    import numbers
+
+    expected = f"expected a list of {n} numbers (one per completion)"
+    if hasattr(value, "shape") and hasattr(value, "tolist"):  # a tensor or an array
+        if len(value.shape) != 1 or value.shape[0] != n:
+            raise UserError(f"{label} returned a {type(value).__name__} of shape {tuple(value.shape)}, expected shape ({n},)")
+        items = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif value is None:
+        raise UserError(f"{label} returned None, {expected}")
+    else:
+        raise UserError(f"{label} returned a {type(value).__name__} ({_short(value)}), {expected}")
+    if len(items) != n:
+        raise UserError(f"{label} returned a {type(value).__name__} of {len(items)} values, expected {n} (one per completion)")
+    scores = []
+    for i, v in enumerate(items):
+        if hasattr(v, "shape") and hasattr(v, "item") and len(v.shape) == 0:  # a 0-d tensor or numpy scalar
+            v = v.item()
+        if not isinstance(v, numbers.Real):
+            raise UserError(f"{label} returned a non-number at row {i}: {_short(v)} ({type(v).__name__})")
+        scores.append(float(v))  # NaN/inf stay: a non-finite step is the trainer's to count
+    return scores
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:300]
+
+
+def _where(exc: BaseException) -> str:
+    """" (file.py:LINE)" of the innermost frame that raised, or ""."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if len(frames) > 1 else ""
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class RunningMoments:
@@ -195,33 +302,57 @@ def normalize_scores(
 
 class RewardSource:
     """The reward of the sampling stages (online RL, rejection sampling): reward model(s) scoring a rollout's token
-    ids, or a Python function of its text; plus an optional gold judge that is only logged.
+    ids, or a Python function (`RewardFunction`) of its text and its prompt records; plus an optional gold judge
+    that is only logged.
 
-    Python functions load first, so a bad `module:function` fails before any reward model loads.
+    Python functions load first, so a bad `module:function` fails before any reward model loads. Reward models
+    score `batch_size` rows per forward (None: the whole rollout at once).
     """
 
-    def __init__(self, cfg, tokenizer, device):
+    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None):
         self.tokenizer = tokenizer
+        self.batch_size = batch_size
         self.function = load_reward_function(cfg.function) if cfg.function else None
-        self.gold_function = load_reward_function(cfg.gold_function) if cfg.gold_function else None
+        self.gold_function = load_reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
         self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble) if cfg.model else None
         for member in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
             member.model.to(device)
 
-    def texts(self, rollout) -> tuple[list[str], list[str]]:
-        """Prompts and responses as text (special tokens dropped)."""
-        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
-        return decode(rollout.prompt_ids), decode(rollout.response_ids)
+    def __call__(self, rollout, examples: list[dict] | None = None) -> Tensor:
+        """(B,) float32 scores of a `Rollout`, on its device; `examples[i]` is the prompt example (`data`'s prompt
+        kind: "prompt", "columns") of row i, repeated for each sample of a prompt by the caller."""
+        if self.scorer is None:
+            return call_reward_function(self.function, self.tokenizer, rollout, examples)
+        ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
+        step = self.batch_size or ids.shape[0]
+        return torch.cat([self.scorer(ids[i : i + step], mask[i : i + step], resp[i : i + step])
+                          for i in range(0, ids.shape[0], step)]).float()
 
-    def __call__(self, rollout) -> Tensor:
-        """(B,) scores of a `Rollout`."""
-        if self.scorer is not None:
-            return self.scorer(rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask)
-        values = self.function(*self.texts(rollout))
-        return torch.tensor([float(v) for v in values], device=rollout.response_ids.device)
-
-    def gold(self, rollout) -> Tensor | None:
-        """(B,) gold-judge scores, or None without a gold function."""
+    def gold(self, rollout, examples: list[dict] | None = None) -> Tensor | None:
+        """(B,) float32 gold-judge scores (the same contract as the reward function), or None without one."""
         if self.gold_function is None:
             return None
-        return torch.tensor([float(v) for v in self.gold_function(*self.texts(rollout))], dtype=torch.float32)
+        return call_reward_function(self.gold_function, self.tokenizer, rollout, examples)
+
+
+def call_reward_function(fn: RewardFunction, tokenizer, rollout, examples: list[dict] | None = None) -> Tensor:
+    """`fn` on all rows of `rollout` at once (the `RewardFunction` contract): (B,) float32 on the rollout's device.
+
+    `examples[i]` is row i's prompt example; without examples, prompts are the decoded prompt text and no record
+    field is passed.
+    """
+    n = rollout.response_ids.shape[0]
+    if examples is not None and len(examples) != n:
+        raise ValueError(f"{len(examples)} examples for a rollout of {n} rows: repeat each prompt's example per sample")
+    completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.response_ids, rollout.response_mask)]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if examples is None:
+        prompts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                   for row, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
+        columns = {}
+    else:
+        prompts = [e["prompt"] for e in examples]
+        names = list(dict.fromkeys(k for e in examples for k in e["columns"]))  # first-seen order
+        columns = {k: [e["columns"].get(k) for e in examples] for k in names}
+    scores = fn(prompts, completions, completion_ids, columns)
+    return torch.tensor(scores, dtype=torch.float32, device=rollout.response_ids.device)
