@@ -330,7 +330,7 @@ class Demo:
             **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("prompts_train.jsonl"),
             "output_dir": self.path("ppo"), "max_steps": size.ppo_steps, "reward.model": [self.path("rm")],
             "algo.value_model": self.path("rm"),  # the critic starts from the (small) reward model, as in InstructGPT
-            "reward.missing_eos_penalty": -1.0, "reward.normalize": "running", "reward.clip": 5.0,
+            "reward.missing_eos_penalty": 1.0, "reward.normalize": "running", "reward.clip": 5.0,
             "reward.gold_function": "rlhfkit.tasks.reviews:gold_judge",
             "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
             "kl.controller": "adaptive", "kl.coef": 0.05, "kl.target": 4.0, "kl.horizon": 100,
