@@ -133,6 +133,40 @@ def per_token_rewards(
     return rewards + _last_valid(mask) * scores.float().unsqueeze(-1)
 
 
+def penalize_missing_eos(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """(B,) scores with `penalty` (>= 0) subtracted from each response that has no EOS (cut at max_new_tokens).
+
+    TRL's `missing_eos_penalty` convention: a positive number, subtracted. None or 0 leaves the scores as they are.
+    """
+    if not penalty:
+        return scores.float()
+    return scores.float() - penalty * (~has_eos.bool()).float()
+
+
+def loss_mask(
+    response_mask: torch.Tensor,
+    has_eos: torch.Tensor,
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    mask_truncated: bool = False,
+    drop_zero_variance_groups: bool = False,
+) -> torch.Tensor:
+    """(B, R) float: the tokens that take a loss — the response tokens, less the samples excluded from the loss.
+
+    - `mask_truncated`: responses without EOS (DAPO's overlong filtering, Yu et al. 2025, arXiv 2503.14476, §3.4).
+    - `drop_zero_variance_groups`: groups whose samples all scored the same (DAPO's dynamic sampling, §3.2).
+    This mask is for the loss only: advantages are computed with the full `response_mask`, so excluding a sample
+    from the loss never changes the baseline its siblings are compared with.
+    """
+    keep = torch.ones_like(has_eos, dtype=torch.bool)
+    if mask_truncated:
+        keep = keep & has_eos.bool()
+    if drop_zero_variance_groups:
+        keep = keep & ~zero_variance_groups(scores, group_ids)
+    return response_mask.float() * keep.float().unsqueeze(1)
+
+
 def _last_valid(mask: torch.Tensor) -> torch.Tensor:
     """(B, R) bool, True at each row's last valid position (nowhere for an empty row)."""
     width = mask.shape[-1]

@@ -268,7 +268,7 @@ class RewardConfig:
     ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
     function: str | None = None  # a Python reward "module:function" (prompts, completions) -> list of floats
     gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
-    missing_eos_penalty: float | None = None  # added to the score of a response cut at max_new_tokens (e.g. -1.0)
+    missing_eos_penalty: float | None = None  # >= 0, SUBTRACTED from the score of a response cut at max_new_tokens (TRL's convention, e.g. 1.0)
     normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max
     clip: float | None = None  # clip scores to [-clip, clip] after normalisation
 
@@ -280,6 +280,10 @@ class RewardConfig:
                 return [(name, f"must be 'module:function', got {getattr(self, name)!r}")]
         if self.clip is not None and self.clip <= 0:
             return [("clip", f"must be > 0 or null, got {self.clip}")]
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            return [("missing_eos_penalty", f"must be >= 0: it is subtracted from the score of a response without EOS "
+                                            f"(TRL's convention), got {self.missing_eos_penalty}; write "
+                                            f"{-self.missing_eos_penalty} to penalise truncation")]
         return []
 
 
@@ -310,7 +314,8 @@ class OnlineOptions:
     dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
     vf_coef: float = 0.1  # value-loss weight (PPO)
     clip_range_value: float | None = 0.2  # value clip (PPO); None = off
-    entropy_coef: float = 0.0  # entropy bonus weight
+    entropy_coef: float = 0.0  # entropy bonus weight c: the loss subtracts c · H(π(·|s_t)), the full distribution's entropy
+    disable_dropout: bool = True  # dropout off in policy and critic for the run (as TRL); false keeps it in the update forwards
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE λ
     whiten_advantages: bool | None = None  # whiten advantages over the rollout; None = only for PPO (GAE)
@@ -340,8 +345,9 @@ class OnlineOptions:
         for name in ("clip_eps_high", "clip_range_value", "target_kl"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 errors.append((name, f"must be > 0 or null, got {getattr(self, name)}"))
-        if self.vf_coef < 0:
-            errors.append(("vf_coef", f"must be >= 0, got {self.vf_coef}"))
+        for name in ("vf_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                errors.append((name, f"must be >= 0, got {getattr(self, name)}"))
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 errors.append((name, f"must be in [0, 1], got {getattr(self, name)}"))

@@ -355,7 +355,7 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):
+def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0, with_entropy: bool = False):
     """Per-token log-probs of `labels` under `model`, in fp32, shifted so position t scores token t+1.
 
     The one place a forward turns into log-probs for training (preference methods, online RL): position ids follow
@@ -369,8 +369,10 @@ def token_logprobs(model, input_ids, attention_mask, labels, temperature: float 
     Returns:
         logprobs: (B, T-1) fp32, 0 at masked positions.
         mask: (B, T-1) float, 1 on scored tokens.
+        entropy: only with `with_entropy`: (B, T-1) fp32 entropy of the next-token distribution (at `temperature`)
+            at each position, from the same logits; 0 at masked positions.
     """
-    from rlhfkit.ops import logprobs_from_logits
+    from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits, first = scored_logits(model, input_ids, attention_mask, labels, position_ids)
@@ -378,6 +380,8 @@ def token_logprobs(model, input_ids, attention_mask, labels, temperature: float 
     mask = targets != -100
     logprobs = logprobs_from_logits(logits[:, :-1], targets.masked_fill(~mask, 0), temperature)  # (B, T-1-first)
     pad = lambda x: torch.nn.functional.pad(x, (first, 0))  # noqa: E731  back to (B, T-1), nothing scored before
+    if with_entropy:
+        return pad(logprobs * mask), pad(mask.float()), pad(entropy_from_logits(logits[:, :-1], temperature) * mask)
     return pad(logprobs * mask), pad(mask.float())
 
 
@@ -404,13 +408,17 @@ def _accepts_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
-def rollout_logprobs(model, rollout, temperature: float = 1.0):
+def rollout_logprobs(model, rollout, temperature: float = 1.0, with_entropy: bool = False):
     """(B, R) fp32 log-probs of a `Rollout`'s response tokens under `model`, at the sampling temperature; 0 on
-    padding. Position t predicts token t+1, so the response's log-probs start at position P-1."""
+    padding. Position t predicts token t+1, so the response's log-probs start at position P-1. With `with_entropy`,
+    also the (B, R) entropies of the distributions those tokens were drawn from (same forward)."""
     labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
                         rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
-    logprobs, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature)  # (B, P+R-1)
-    return logprobs[:, rollout.prompt_ids.shape[1] - 1 :]
+    start = rollout.prompt_ids.shape[1] - 1
+    out = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature, with_entropy)
+    if with_entropy:
+        return out[0][:, start:], out[2][:, start:]  # (B, R), (B, R)
+    return out[0][:, start:]
 
 
 def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):
@@ -493,3 +501,20 @@ class SharedBaseCritic(torch.nn.Module):
         head = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
         self.head.load_state_dict(head)
         set_peft_model_state_dict(self.policy, {k: v for k, v in state.items() if not k.startswith("head.")}, adapter_name=self.ADAPTER)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability in `model` to 0 (dropout layers, LoRA's adapter dropout, and the attention
+    dropout rate that transformers' attention modules keep as a float); returns how many were non-zero.
+
+    The online trainers do it by default (`algo.disable_dropout`, as TRL's `disable_dropout`): the ratio π/π_old of
+    PPO-style losses compares two forwards of the same weights, and dropout makes it differ from 1 at lr = 0.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, changed = 0.0, changed + 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate:
+            module.attention_dropout, changed = 0.0, changed + 1
+    return changed

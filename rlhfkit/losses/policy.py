@@ -3,7 +3,8 @@ dual clip) and the clipped value loss.
 
 Both return `(loss, metrics)`: `loss` is per token, shape (B, R), UNREDUCED — reduce it with
 `rlhfkit.losses.aggregate.aggregate` and global counts; `metrics` holds detached (B, R) tensors. All math is fp32.
-The KL term of GRPO-style methods is `β · rlhfkit.ops.kl_penalty(logprobs, ref_logprobs, "k3")`, added by the caller.
+`policy_objective` is the per-token objective of the online loop: the surrogate, plus GRPO's KL term
+`β · kl_penalty(logprobs, ref_logprobs, "k3")` when the algorithm puts the KL in the loss, minus the entropy bonus.
 
 This module imports only torch.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.ops import LOG_RATIO_CLAMP
+from rlhfkit.ops import LOG_RATIO_CLAMP, kl_penalty
 
 
 def ppo_policy_loss(
@@ -77,6 +78,50 @@ def ppo_policy_loss(
             "approxkl": 0.5 * log_ratio.detach() ** 2,
             "ratio": ratio.detach(),
         }
+    return loss, metrics
+
+
+def policy_objective(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The online loop's per-token loss: `ppo_policy_loss` + β·k3(π, π_ref) - c·H(π(·|s_t)).
+
+    - The KL term (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3) is added only with `ref_logprobs` and β > 0.
+    - The entropy bonus uses the entropy of the whole next-token distribution, `entropy` (B, R) from the same
+      forward's logits (`rlhfkit.ops.entropy_from_logits`), as PPO's c₂·S[π](s_t) (Schulman et al. 2017, eq. 9).
+      The sampled token's -log π(y_t) is an unbiased estimate of H but its gradient is zero in expectation, so it
+      cannot serve as a bonus.
+
+    Args:
+        logprobs, old_logprobs, advantages: as `ppo_policy_loss`, (B, R).
+        ref_logprobs: (B, R) log π_ref of the sampled tokens, or None (no KL term).
+        kl_coef: β >= 0.
+        entropy: (B, R) entropies of π at each response position (requires grad), or None (no bonus).
+        entropy_coef: c >= 0.
+
+    Returns:
+        loss: (B, R) fp32, unreduced; metrics: those of `ppo_policy_loss`, plus "surrogate" (the clipped surrogate
+        alone, detached).
+    """
+    loss, metrics = ppo_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low=clip_eps_low,
+                                    clip_eps_high=clip_eps_high, dual_clip=dual_clip)
+    metrics["surrogate"] = loss.detach()
+    if ref_logprobs is not None and kl_coef:
+        loss = loss + kl_coef * kl_penalty(logprobs, ref_logprobs, "k3")
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the entropy of the policy's distribution (entropy=...)")
+        loss = loss - entropy_coef * entropy.float()
     return loss, metrics
 
 

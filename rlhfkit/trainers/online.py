@@ -2,11 +2,12 @@
 
 Each step reads like the algorithm box of a paper:
   1. sample k responses per prompt (`generation.generate`);
-  2. score them (reward model(s) or a Python function), penalise a missing EOS, normalise and clip;
-  3. old / reference log-probs and critic values in a no-grad training forward (fp32 log-probs);
+  2. score them once per rollout batch (reward model(s) or a Python function), penalise a missing EOS, normalise
+     and clip;
+  3. old / reference log-probs and critic values in no-grad forwards without dropout (fp32 log-probs);
   4. per-token rewards with the KL penalty, then advantages from the algorithm's estimator;
-  5. `ppo_epochs` passes of minibatch updates of the clipped surrogate (+ value loss, KL-in-loss, entropy),
-     stopping early when approx-KL passes `algo.target_kl`;
+  5. `ppo_epochs` passes of minibatch updates of `losses.policy.policy_objective` (+ value loss), stopping early
+     when approx-KL passes `algo.target_kl`; a non-finite loss or gradient skips the step;
   6. update the KL controller, log, checkpoint.
 What differs between methods is data in `rlhfkit.algorithms.Algorithm`; this file never branches on a name.
 """
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from rlhfkit.advantages import AdvantageInput, compute_advantages, per_token_rewards, zero_variance_groups
+from rlhfkit.advantages import AdvantageInput, compute_advantages, loss_mask, penalize_missing_eos, per_token_rewards
 from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
 from rlhfkit.data import build_datasets, collate_prompts
@@ -32,8 +33,10 @@ from rlhfkit.evaluation.metrics import distinct_n, pearson
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
-from rlhfkit.losses.policy import ppo_policy_loss, value_loss
-from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_reward_model, load_tokenizer, rollout_logprobs, save_model
+from rlhfkit.losses.policy import policy_objective, value_loss
+from rlhfkit.models import (
+    SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model, load_tokenizer, rollout_logprobs, save_model,
+)
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
 from rlhfkit.trainers.base import (
@@ -76,6 +79,10 @@ class OnlineTrainer(Trainer):
             value = load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer,
                                       allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                       hint="set algo.allow_new_value_head=true to start the critic's value head at random")
+        if a.disable_dropout:
+            disable_dropout(policy)
+            if value is not None:
+                disable_dropout(value)
         self.world = acc.num_processes
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / (a.rollout_batch_size * self.world)))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)
@@ -115,18 +122,20 @@ class OnlineTrainer(Trainer):
 
     # 1-3. Sample, score, no-grad forwards ---------------------------------------------------------------------
     def prompts_for(self, step: int):
-        """This process's prompts for `step`: a seeded permutation per epoch, so a step's prompts depend on the
-        step alone (resume needs no loader state)."""
+        """This process's prompts for `step` — (PromptBatch, their dataset examples) — from a seeded permutation per
+        epoch, so a step's prompts depend on the step alone (resume needs no loader state)."""
         n, per_step = len(self.train_set), self.cfg.algo.rollout_batch_size * self.world
         epoch, k = divmod(step, self.steps_per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
         order = perm.repeat(math.ceil(self.steps_per_epoch * per_step / n))[k * per_step : (k + 1) * per_step]
         mine = order.view(self.world, -1)[self.accelerator.process_index].tolist()
-        return collate_prompts([self.train_set[i] for i in mine], self.tokenizer.pad_token_id)
+        examples = [self.train_set[i] for i in mine]
+        return collate_prompts(examples, self.tokenizer.pad_token_id), examples
 
-    def response_logprobs(self, model, ro: Rollout):
-        """(B, R) fp32 log-probs of the response tokens (temperature as when sampling)."""
-        return rollout_logprobs(model, ro, self.cfg.generation.temperature)
+    def response_logprobs(self, model, ro: Rollout, with_entropy: bool = False):
+        """(B, R) fp32 log-probs of the response tokens (temperature as when sampling); with `with_entropy` also the
+        (B, R) entropies of the distributions they were drawn from."""
+        return rollout_logprobs(model, ro, self.cfg.generation.temperature, with_entropy)
 
     def values_of(self, ro: Rollout):
         """(B, R) critic values V(s_t) of the state before each response token."""
@@ -146,34 +155,43 @@ class OnlineTrainer(Trainer):
     @torch.no_grad()
     def make_experience(self, step: int) -> dict:
         cfg, acc, mb = self.cfg, self.accelerator, self.cfg.optim.per_device_batch_size
-        prompts = self.prompts_for(step).to(acc.device)
+        prompts, examples = self.prompts_for(step)
+        prompts = prompts.to(acc.device)
         tok = self.tokenizer
         t0 = time.perf_counter()
-        ro = generate(acc.unwrap_model(self.model), prompts, self.params, tok.eos_token_id, tok.pad_token_id)
+        ro = self.sample(prompts)
         t_generate = time.perf_counter() - t0
+        if ro is None:
+            return {"rollout": None, "finite": False, "seq_kl": None, "stats": {"time/generate_s": t_generate}}
+        rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
+        raw = self.reward(ro, rows).float()  # (B,) once for the whole rollout batch
+        # No-grad forwards without dropout: with unchanged weights they give exactly the update forward's values.
+        self.model.eval()
+        if self.value is not None:
+            self.value.eval()
         chunks = [_rows(ro, i, i + mb) for i in range(0, ro.response_ids.shape[0], mb)]
         cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
         old_lp = cat(lambda c: self.response_logprobs(self.model, c))
-        ref_lp = cat(self.reference_logprobs) if self.algo.needs_reference else torch.zeros_like(old_lp)
+        ref_lp = cat(self.reference_logprobs) if self.algo.needs_reference else None
         values = cat(self.values_of) if self.value is not None else None
-        raw = cat(self.reward)
-        scores = raw + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()
-        scores = normalize_scores(scores, cfg.reward.normalize, self.moments, cfg.reward.clip)
         mask = ro.response_mask.float()
-        kl = kl_penalty(old_lp, ref_lp, "k1") * mask  # (B, R)
+        finite = bool(torch.isfinite(raw).all() and all(torch.isfinite(t).all() for t in (old_lp, ref_lp) if t is not None))
+        scores = penalize_missing_eos(raw, ro.has_eos, cfg.reward.missing_eos_penalty)
+        # The running moments see only finite batches: one NaN must not poison every later step.
+        scores = normalize_scores(scores, cfg.reward.normalize, self.moments if finite else RunningMoments(), cfg.reward.clip)
         beta = self.kl_ctl.value
+        kl = kl_penalty(old_lp, ref_lp, "k1") * mask if ref_lp is not None else torch.zeros_like(old_lp)  # (B, R)
         rewards = per_token_rewards(scores, kl, mask, beta if self.algo.kl_in_reward else 0.0)
-        loss_mask = mask * ro.has_eos.float().unsqueeze(1) if cfg.algo.mask_truncated else mask
-        if cfg.algo.dynamic_filtering:
-            loss_mask = loss_mask * (~zero_variance_groups(scores, ro.group_ids)).float().unsqueeze(1)
+        lmask = loss_mask(mask, ro.has_eos, scores, ro.group_ids, mask_truncated=cfg.algo.mask_truncated,
+                          drop_zero_variance_groups=cfg.algo.dynamic_filtering)
         whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else self.algo.advantage == "gae"
+        # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
         adv, returns = compute_advantages(self.algo.advantage, AdvantageInput(
-            rewards=rewards, scores=scores, response_mask=loss_mask, values=values, group_ids=ro.group_ids,
+            rewards=rewards, scores=scores, response_mask=mask, values=values, group_ids=ro.group_ids,
             gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten))
-        seq_kl = kl.sum(1)
+        seq_kl = kl.sum(1) if ref_lp is not None else None  # (B,), only where there is a reference
         stats = {
-            "objective/scores": raw.mean(), "objective/kl": seq_kl.mean(), "objective/kl_coef": beta,
-            "objective/rlhf_reward": (scores - beta * seq_kl).mean(),
+            "objective/scores": raw.mean(),
             "objective/entropy": (-old_lp * mask).sum(1).mean(),
             "response/length_avg": mask.sum(1).mean(), "response/eos_rate": ro.has_eos.float().mean(),
             "policy/sampler_logprob_gap": masked_mean((ro.sampler_logprobs - old_lp).abs(), mask),
@@ -183,23 +201,39 @@ class OnlineTrainer(Trainer):
             "response/score_length_corr": pearson(raw.tolist(), mask.sum(1).tolist()),
             "time/generate_s": t_generate,
         }
-        gold = self.reward.gold(ro)
+        if seq_kl is not None:
+            stats.update({"objective/kl": seq_kl.mean(), "objective/kl_coef": beta,
+                          "objective/rlhf_reward": (scores - beta * seq_kl).mean()})
+        gold = self.reward.gold(ro, rows)
         if gold is not None:
             stats["objective/gold"] = gold.mean()
-        finite = all(torch.isfinite(t).all() for t in (raw, old_lp, ref_lp, adv))
+        finite = finite and bool(torch.isfinite(adv).all())
         return {"rollout": ro, "old_lp": old_lp, "ref_lp": ref_lp, "values": values, "adv": adv, "returns": returns,
-                "loss_mask": loss_mask, "scores": raw, "stats": stats, "finite": finite, "seq_kl": seq_kl}
+                "loss_mask": lmask, "scores": raw, "stats": stats, "finite": finite, "seq_kl": seq_kl}
+
+    def sample(self, prompts) -> Rollout | None:
+        """`generation.generate` from the policy; None when the policy's probabilities are not finite (weights
+        that blew up): the step is then a bad step, not a crash."""
+        tok = self.tokenizer
+        try:
+            return generate(self.accelerator.unwrap_model(self.model), prompts, self.params, tok.eos_token_id, tok.pad_token_id)
+        except RuntimeError as exc:
+            if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
+                return None
+            raise
 
     # 5. Updates -----------------------------------------------------------------------------------------------
     def update(self, exp: dict) -> dict[str, float]:
         cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
         lmask = exp["loss_mask"]
-        n, width = lmask.shape
+        n = lmask.shape[0]
         mb_size, micro = n // a.num_minibatches, cfg.optim.per_device_batch_size
         agg = a.loss_agg or self.algo.default_loss_agg
         sums: dict[str, float] = {}
         early_stopped = 0.0
         self.model.train()
+        if self.value is not None:
+            self.value.train()
         for _epoch in range(a.ppo_epochs):
             perm = torch.randperm(n, device=lmask.device)
             for m in range(a.num_minibatches):
@@ -214,7 +248,7 @@ class OnlineTrainer(Trainer):
                     # gradient checkpointing recomputes each forward under the adapter active at backward time.
                     terms = [self.policy_loss] + ([self.critic_loss] if self.value is not None else [])
                     for term in terms:
-                        loss, term_parts = term(exp, j, agg, num_tokens, num_seqs, width)
+                        loss, term_parts = term(exp, j, agg, num_tokens, num_seqs)
                         if not torch.isfinite(loss):
                             self.optimizer.zero_grad(set_to_none=True)
                             return {"faults/nonfinite_loss": 1.0}
@@ -225,8 +259,11 @@ class OnlineTrainer(Trainer):
                         sums[k] = sums.get(k, 0.0) + float(v) * w
                     sums["_w"] = sums.get("_w", 0.0) + w
                     mb_kl += float(parts["policy/approxkl_avg"]) * w
-                if cfg.optim.max_grad_norm is not None:
-                    acc.clip_grad_norm_(self.optimizer_params(), cfg.optim.max_grad_norm)
+                max_norm = cfg.optim.max_grad_norm
+                norm = acc.clip_grad_norm_(self.optimizer_params(), max_norm if max_norm is not None else math.inf)
+                if norm is not None and acc.scaler is None and not math.isfinite(float(norm)):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return {"faults/nonfinite_gradient": 1.0}
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -241,23 +278,28 @@ class OnlineTrainer(Trainer):
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def policy_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
-        """Policy loss of micro-batch rows `j`, normalised by the minibatch's global counts (see losses.aggregate)."""
+    def policy_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float):
+        """Policy loss of micro-batch rows `j`, normalised by the minibatch's global counts (see losses.aggregate);
+        Dr. GRPO's constant is `generation.max_new_tokens`, whatever width this rollout was padded to."""
         a, ro = self.cfg.algo, _select(exp["rollout"], j)
         lmask = exp["loss_mask"][j]
-        new_lp = self.response_logprobs(self.model, ro)
-        pg, m = ppo_policy_loss(new_lp, exp["old_lp"][j], exp["adv"][j], clip_eps_low=a.clip_eps,
-                                clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip)
-        per_token = pg
-        if self.algo.kl_in_loss:
-            per_token = per_token + self.kl_ctl.value * kl_penalty(new_lp, exp["ref_lp"][j], "k3")
         if a.entropy_coef:
-            per_token = per_token + a.entropy_coef * new_lp  # -H estimate: the sampled token's log-prob
-        loss = aggregate(per_token, lmask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=width)
-        return loss, {"loss/policy_avg": masked_mean(pg.detach(), lmask), "policy/approxkl_avg": masked_mean(m["approxkl"], lmask),
-                      "policy/clipfrac_avg": masked_mean(m["clipfrac"], lmask), "val/ratio": masked_mean(m["ratio"], lmask)}
+            new_lp, entropy = self.response_logprobs(self.model, ro, with_entropy=True)
+        else:
+            new_lp, entropy = self.response_logprobs(self.model, ro), None
+        per_token, m = policy_objective(
+            new_lp, exp["old_lp"][j], exp["adv"][j], clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps_high,
+            dual_clip=a.dual_clip, ref_logprobs=exp["ref_lp"][j] if self.algo.kl_in_loss else None,
+            kl_coef=self.kl_ctl.value, entropy=entropy, entropy_coef=a.entropy_coef)
+        loss = aggregate(per_token, lmask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                         max_len=self.cfg.generation.max_new_tokens)
+        metrics = {"loss/policy_avg": masked_mean(m["surrogate"], lmask), "policy/approxkl_avg": masked_mean(m["approxkl"], lmask),
+                   "policy/clipfrac_avg": masked_mean(m["clipfrac"], lmask), "val/ratio": masked_mean(m["ratio"], lmask)}
+        if entropy is not None:
+            metrics["policy/entropy_avg"] = masked_mean(entropy.detach(), lmask)
+        return loss, metrics
 
-    def critic_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float, width: int):
+    def critic_loss(self, exp: dict, j, agg: str, num_tokens: float, num_seqs: float):
         """Clipped value loss of rows `j` (token mean over the minibatch's global token count), times vf_coef."""
         a, ro, lmask = self.cfg.algo, _select(exp["rollout"], j), exp["loss_mask"][j]
         vl, vm = value_loss(self.values_of(ro), exp["values"][j], exp["returns"][j], clip_range_value=a.clip_range_value)
@@ -282,19 +324,22 @@ class OnlineTrainer(Trainer):
             exp = self.make_experience(step)
             t1 = time.perf_counter()
             out = self.update(exp) if exp["finite"] else {"faults/nonfinite_rollout": 1.0}
+            bad = any(k.startswith("faults/") for k in out)
             timing = {"time/rollout_s": t1 - t0, "time/update_s": time.perf_counter() - t1}
-            if any(k.startswith("faults/") for k in out):
+            if bad:
                 self.bad_steps += 1
-                logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out))[7:], self.bad_steps, cfg.max_bad_steps)
+                logger.warning("step %d: non-finite %s; update skipped (%d/%d)", done, next(iter(out)).partition("nonfinite_")[2],
+                               self.bad_steps, cfg.max_bad_steps)
                 if self.bad_steps >= cfg.max_bad_steps:
                     raise UserError(f"stopping at step {done}: {self.bad_steps} updates skipped for non-finite rewards, "
                                     f"log-probs or loss (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in '{cfg.output_dir}' is intact")
-            else:
+            elif exp["seq_kl"] is not None:
                 self.kl_ctl.update(float(exp["seq_kl"].mean()), exp["seq_kl"].numel() * self.world)
+            samples = a.rollout_batch_size * cfg.generation.num_samples * self.world  # per step, all processes
             last = {**{k: float(v) for k, v in exp["stats"].items()}, **out, "lr": lr, "faults/skipped_total": self.bad_steps,
-                    "episodes": done * exp["seq_kl"].numel() * self.world, **timing}
+                    "episodes": done * samples, **timing}
             bar.update(1)
-            bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
+            bar.set_postfix({k: f"{last[key]:.3g}" for k, key in (("reward", "objective/scores"), ("kl", "objective/kl")) if key in last})
             if done % cfg.logging.logging_steps == 0 or done == self.total_steps:
                 self.metrics.log(done, last)
             history.append({"step": done, **last})
@@ -304,10 +349,13 @@ class OnlineTrainer(Trainer):
                     if alarm.name not in raised:
                         raised.add(alarm.name)
                         logger.warning("alarm %s at step %d: %s", alarm.name, done, alarm.message)
-            if acc.is_main_process and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
+            if exp["rollout"] is not None and acc.is_main_process and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
                 self.log_samples(done, exp)
             if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
-                self.checkpoint(done)
+                if bad:  # the weights may be what made this step bad: keep the last good checkpoint as the newest
+                    logger.warning("step %d: no checkpoint after a skipped step", done)
+                else:
+                    self.checkpoint(done)
         bar.close()
         self.finish()
         return last
@@ -325,7 +373,8 @@ class OnlineTrainer(Trainer):
                 f.write(json.dumps({
                     "step": step, "prompt": tok.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=True),
                     "response": tok.decode(ro.response_ids[i][ro.response_mask[i].bool()], skip_special_tokens=True),
-                    "score": float(exp["scores"][i]), "kl": float(exp["seq_kl"][i])}) + "\n")
+                    "score": float(exp["scores"][i]),
+                    "kl": float(exp["seq_kl"][i]) if exp["seq_kl"] is not None else None}) + "\n")
 
     def checkpoint(self, step: int) -> None:
         acc = self.accelerator

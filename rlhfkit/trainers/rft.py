@@ -9,7 +9,7 @@ Each iteration is the loop of RAFT (Dong et al. 2023, arXiv 2304.06767) and of R
      the policy sampled, log n − (n − 1)/n (Stiennon et al. 2020, arXiv 2009.01325; an upper bound, Beirami
      et al. 2024, arXiv 2401.01879);
   4. fine-tune on the kept rows with the SFT loss on completion tokens (the offline loop's `train_step`).
-The next iteration samples from the fine-tuned policy. Scores include `reward.missing_eos_penalty`.
+The next iteration samples from the fine-tuned policy. Scores include `reward.missing_eos_penalty` (subtracted).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from rlhfkit.advantages import penalize_missing_eos
 from rlhfkit.config import RFTConfig
 from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
 from rlhfkit.evaluation.metrics import best_of_n_kl
@@ -128,7 +129,7 @@ class RFTTrainer(Trainer):
         for start in range(0, len(mine), a.sampling_batch_size):
             prompts = collate_prompts([self.prompts[i] for i in mine[start : start + a.sampling_batch_size]], tok.pad_token_id)
             ro = generate(policy, prompts.to(acc.device), self.params, tok.eos_token_id, tok.pad_token_id)
-            scores = self.reward(ro) + (cfg.reward.missing_eos_penalty or 0.0) * (~ro.has_eos).float()  # (B,)
+            scores = penalize_missing_eos(self.reward(ro), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             best = select_best(scores, ro.group_ids)  # (G,)
             finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
             if not finite.all():

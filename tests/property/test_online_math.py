@@ -1,0 +1,344 @@
+"""The online loop computes what it claims (issue 9, items 1-8): each test fails for the bug it names.
+
+- the entropy bonus is the gradient of the full distribution's entropy, not of the sampled token's log-prob;
+- Dr. GRPO's normaliser is the configured max_new_tokens, whatever width a rollout is padded to;
+- excluding truncated samples from the loss does not change their siblings' baselines;
+- the rollout's no-grad forwards (and, by default, the update forward) run without dropout: lr = 0 ⇒ ratio 1;
+- an algorithm without a reference logs no KL it did not measure;
+- reward.missing_eos_penalty is a positive number subtracted (TRL's convention);
+- a NaN reward does not poison the running reward statistics; blown-up weights are bad steps, not a traceback.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from rlhfkit.advantages import AdvantageInput, compute_advantages
+from rlhfkit.cli import main
+from rlhfkit.config import OnlineConfig, load_config
+from rlhfkit.errors import UserError
+from rlhfkit.losses.aggregate import aggregate
+from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
+from rlhfkit.trainers import online
+from rlhfkit.trainers.online import OnlineTrainer
+
+FAST = ["logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4", "algo.num_minibatches=1"]
+
+
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def build(tmp_path, config, *overrides):
+    cfg = load_config(OnlineConfig, f"configs/{config}", [f"output_dir={tmp_path / 'run'}", *FAST, *overrides])
+    trainer = OnlineTrainer(cfg)
+    trainer.setup()
+    return trainer
+
+
+def with_algo(trainer, **changes):
+    trainer.cfg = dataclasses.replace(trainer.cfg, algo=dataclasses.replace(trainer.cfg.algo, **changes))
+
+
+def grads(trainer):
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for p in trainer.model.parameters() if p.requires_grad]
+
+
+def nonzero_adapters(monkeypatch):
+    """LoRA B starts at zero, so the adapters change nothing until trained: make them non-zero after setup (seeded),
+    so that with lr = 0 the policy still differs from its base and dropout on the adapter input changes the output."""
+    setup = OnlineTrainer.setup
+
+    def patched(self):
+        setup(self)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in self.accelerator.unwrap_model(self.model).named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    monkeypatch.setattr(OnlineTrainer, "setup", patched)
+
+
+# 1. Entropy bonus ------------------------------------------------------------------------------------------------
+
+
+def test_entropy_bonus_gradient_is_the_exact_entropy_gradient():
+    """On a 5-token vocabulary, with zero advantages the objective is -c·H aggregated: its gradient with respect to
+    the logits equals -c·∇H, H = -Σ p log p computed here from the probabilities themselves."""
+    from rlhfkit.losses.policy import policy_objective
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 3))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    new_lp = logprobs_from_logits(logits, tokens)
+    per_token, _ = policy_objective(new_lp, new_lp.detach(), torch.zeros(2, 3), clip_eps_low=0.2,
+                                    entropy=entropy_from_logits(logits), entropy_coef=0.3)
+    (got,) = torch.autograd.grad(aggregate(per_token, mask, "token-mean"), logits)
+
+    leaf = logits.detach().clone().requires_grad_(True)
+    p = torch.softmax(leaf, -1)
+    exact_h = -(p * torch.log(p)).sum(-1)  # (2, 3)
+    (expected,) = torch.autograd.grad(-0.3 * (exact_h * mask).sum() / mask.sum(), leaf)
+    assert expected.abs().max() > 1e-2  # the entropy has a gradient to follow
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
+    """Through the trainer: the gradient the bonus adds (coef 0.5 minus coef 0) is -0.5·∇ of the aggregated entropy
+    of the model's own next-token distributions at the response positions."""
+    t = build(tmp_path, "grpo_tiny.yaml", "algo.entropy_coef=0.5", "max_steps=1")
+    exp = t.make_experience(0)
+    n = exp["loss_mask"].shape[0]
+    j = torch.arange(n)
+    num_tokens, num_seqs = float(exp["loss_mask"].sum()), float(n)
+    t.model.train()
+
+    def loss_grads(coef):
+        with_algo(t, entropy_coef=coef)
+        t.model.zero_grad(set_to_none=True)
+        loss, _ = t.policy_loss(exp, j, "token-mean", num_tokens, num_seqs)
+        loss.backward()
+        return grads(t)
+
+    with_bonus, without = loss_grads(0.5), loss_grads(0.0)
+    ro = exp["rollout"]
+    t.model.zero_grad(set_to_none=True)
+    position_ids = (ro.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = t.model(input_ids=ro.input_ids, attention_mask=ro.attention_mask, position_ids=position_ids).logits
+    width = ro.response_ids.shape[1]
+    h = entropy_from_logits(logits[:, -width - 1 : -1], t.cfg.generation.temperature)  # (B, R)
+    (-0.5 * aggregate(h, exp["loss_mask"], "token-mean", num_tokens=num_tokens)).backward()
+    expected = grads(t)
+    assert max(float(e.abs().max()) for e in expected) > 1e-4
+    for a, b, e in zip(with_bonus, without, expected):
+        torch.testing.assert_close(a - b, e, rtol=1e-3, atol=1e-6)
+
+
+# 2. Dr. GRPO's constant normaliser --------------------------------------------------------------------------------
+
+
+def _pad_response(exp, extra):
+    """The same rollout with `extra` more padding columns after every response."""
+    pad = lambda x, value=0: torch.nn.functional.pad(x, (0, extra), value=value)  # noqa: E731
+    ro = exp["rollout"]
+    padded = dataclasses.replace(ro, response_ids=pad(ro.response_ids, 0), response_mask=pad(ro.response_mask),
+                                 sampler_logprobs=pad(ro.sampler_logprobs))
+    out = dict(exp, rollout=padded)
+    for key in ("old_lp", "ref_lp", "values", "adv", "returns", "loss_mask"):
+        if out.get(key) is not None:
+            out[key] = pad(out[key])
+    return out
+
+
+def _losses_and_grads(t, exp, monkeypatch):
+    """The aggregated policy losses and the gradient of the one optimizer step of `t.update(exp)` (lr = 0)."""
+    losses, seen = [], []
+    real = online.aggregate
+
+    def recording(loss, mask, mode, **kw):
+        value = real(loss, mask, mode, **kw)
+        losses.append(float(value.detach()))
+        return value
+
+    monkeypatch.setattr(online, "aggregate", recording)
+    monkeypatch.setattr(t.optimizer, "step", lambda *a, **k: seen.append(grads(t)))
+    torch.manual_seed(0)
+    t.update(exp)
+    monkeypatch.setattr(online, "aggregate", real)
+    return losses, seen[0]
+
+
+def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch):
+    t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dr_grpo", "optim.lr=0", "max_steps=1",
+              "optim.per_device_batch_size=16")
+    exp = t.make_experience(0)
+    assert exp["loss_mask"].shape[1] <= t.cfg.generation.max_new_tokens
+    loss_a, grad_a = _losses_and_grads(t, exp, monkeypatch)
+    loss_b, grad_b = _losses_and_grads(t, _pad_response(exp, 7), monkeypatch)
+    assert loss_a[0] != 0.0
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    for a, b in zip(grad_a, grad_b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+# 3. Truncated samples and their siblings' baselines ---------------------------------------------------------------
+
+
+def _fixed_scores(monkeypatch, t, scores, has_eos):
+    """Rollouts whose `has_eos` is forced and whose scores are fixed: 1 prompt × 4 samples."""
+    real = online.generate
+
+    def generate(*args, **kwargs):
+        ro = real(*args, **kwargs)
+        return dataclasses.replace(ro, has_eos=torch.tensor(has_eos))
+
+    monkeypatch.setattr(online, "generate", generate)
+    t.reward = _ScoresOnly(scores, t.reward)
+
+
+class _ScoresOnly:
+    def __init__(self, scores, source):
+        self.scores, self.source = scores, source
+
+    def __call__(self, rollout, *args, **kwargs):
+        return torch.tensor(self.scores, dtype=torch.float32)
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "grpo"])
+def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorithm, tmp_path, monkeypatch):
+    """Scores [1, 1, 1, 5], the 5 truncated, mask_truncated=true: the siblings' advantages are those of all four
+    scores (RLOO: 1 - (1 + 1 + 5)/3 = -4/3), and the truncated sample takes no loss."""
+    config = "rloo_tiny.yaml" if algorithm == "rloo" else "grpo_tiny.yaml"
+    t = build(tmp_path, config, f"algo.algorithm={algorithm}", "algo.mask_truncated=true", "kl.coef=0", "algo.rollout_batch_size=1",
+              "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false")
+    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+    exp = t.make_experience(0)
+    mask = exp["rollout"].response_mask.float()
+    assert exp["loss_mask"][3].sum() == 0 and torch.equal(exp["loss_mask"][:3], mask[:3])
+    per_sequence = (exp["adv"][:3] * mask[:3]).sum(1) / mask[:3].sum(1)
+    if algorithm == "rloo":
+        torch.testing.assert_close(per_sequence, torch.full((3,), -4.0 / 3.0))
+    else:
+        scores = torch.tensor([1.0, 1.0, 1.0, 5.0])
+        expected = (scores[:3] - scores.mean()) / (scores.std() + 1e-4)
+        torch.testing.assert_close(per_sequence, expected)
+
+
+# 4. Dropout in the rollout forwards -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_lora_dropout_lr_zero_gives_ratio_one_at_every_step(stage, tmp_path, monkeypatch):
+    nonzero_adapters(monkeypatch)
+    out = tmp_path / "run"
+    assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true",
+                 "model.lora.r=4", "model.lora.dropout=0.1", "optim.lr=0", "algo.ppo_epochs=2", "max_steps=3", *FAST]) == 0
+    rows = rows_of(out / "metrics.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["val/ratio"] == pytest.approx(1.0, abs=1e-6), row["step"]
+        assert row["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-10), row["step"]
+        assert row["policy/clipfrac_avg"] == 0.0, row["step"]
+    # The switch: with dropout kept in the update forward, the same run's ratio moves off 1.
+    out = tmp_path / "dropout"
+    assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true",
+                 "model.lora.r=4", "model.lora.dropout=0.1", "optim.lr=0", "max_steps=1", "algo.disable_dropout=false",
+                 *FAST]) == 0
+    assert abs(rows_of(out / "metrics.jsonl")[0]["policy/approxkl_avg"]) > 1e-6
+
+
+def test_lora_ppo_uses_disabled_adapters_as_reference(tmp_path, monkeypatch):
+    """Non-zero adapters at lr = 0: the policy differs from its base, so the KL to the reference (adapters disabled)
+    is positive; were the adapters left on, the reference would be the policy and the KL 0."""
+    nonzero_adapters(monkeypatch)
+    out = tmp_path / "run"
+    assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true", "model.lora.r=4",
+                 "optim.lr=0", "max_steps=1", *FAST]) == 0
+    assert rows_of(out / "metrics.jsonl")[-1]["objective/kl"] > 0.05
+
+
+# 7. DAPO's options take effect --------------------------------------------------------------------------------
+
+
+def test_dapo_options_take_effect(tmp_path, monkeypatch):
+    """Dynamic filtering drops the group whose four scores are equal; mask_truncated drops the truncated sample;
+    clip-higher (ε_high = 0.28) leaves a ratio of 1.25 unclipped where the symmetric 0.2 clips it."""
+    t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dapo", "algo.dynamic_filtering=true", "algo.mask_truncated=true",
+              "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
+              "optim.per_device_batch_size=8")
+    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
+    exp = t.make_experience(0)
+    kept = exp["loss_mask"].sum(1) > 0
+    assert kept.tolist() == [False] * 4 + [True, False, True, True]
+    assert t.cfg.algo.loss_agg is None and t.algo.default_loss_agg == "token-mean"
+    shifted = dict(exp, old_lp=exp["old_lp"] - math.log(1.25))  # ratio π/π_old = 1.25 at every token
+    j = torch.arange(8)
+    positive = float((exp["loss_mask"] * (exp["adv"] > 0)).sum() / exp["loss_mask"].sum())
+    assert 0 < positive < 1
+    t.model.train()
+    _, high = t.policy_loss(shifted, j, "token-mean", 1.0, 8.0)
+    with_algo(t, clip_eps_high=None)
+    _, symmetric = t.policy_loss(shifted, j, "token-mean", 1.0, 8.0)
+    assert float(high["val/ratio"]) == pytest.approx(1.25, rel=1e-5)
+    assert float(high["policy/clipfrac_avg"]) == 0.0
+    assert float(symmetric["policy/clipfrac_avg"]) == pytest.approx(positive, abs=1e-6)
+
+
+# 5. No reference, no KL ------------------------------------------------------------------------------------------
+
+
+def test_algorithms_without_a_reference_log_no_kl(tmp_path):
+    out = tmp_path / "drgrpo"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "algo.algorithm=dr_grpo", "max_steps=2",
+                 "algo.sample_log_steps=1", *FAST]) == 0
+    for row in rows_of(out / "metrics.jsonl"):
+        assert not {"objective/kl", "objective/kl_coef", "objective/rlhf_reward"} & row.keys(), row
+        assert math.isfinite(row["objective/scores"])
+    assert all(s["kl"] is None for s in rows_of(out / "samples.jsonl"))
+    # With a reference (GRPO), the KL is measured and logged.
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "max_steps=1", *FAST]) == 0
+    row = rows_of(out / "metrics.jsonl")[0]
+    assert row["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # step 1: the policy is the reference
+    assert row["objective/rlhf_reward"] == pytest.approx(row["objective/scores"], abs=1e-5)
+
+
+# 6. missing_eos_penalty ------------------------------------------------------------------------------------------
+
+
+def test_missing_eos_penalty_is_subtracted(tmp_path, monkeypatch):
+    """TRL's convention: penalty 2 turns the truncated sample's 5 into 3; RLOO's first advantage is 1 - 5/3."""
+    t = build(tmp_path, "rloo_tiny.yaml", "algo.algorithm=rloo", "reward.missing_eos_penalty=2.0", "kl.coef=0", "algo.rollout_batch_size=1",
+              "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false")
+    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+    exp = t.make_experience(0)
+    mask = exp["rollout"].response_mask.float()
+    first = float((exp["adv"][0] * mask[0]).sum() / mask[0].sum())
+    assert first == pytest.approx(1.0 - 5.0 / 3.0, abs=1e-5)
+
+
+def test_negative_missing_eos_penalty_is_refused():
+    with pytest.raises(UserError, match=r"reward.missing_eos_penalty.*subtracted"):
+        load_config(OnlineConfig, "configs/rloo_tiny.yaml", ["reward.missing_eos_penalty=-1.0"])
+
+
+# 8. Non-finite values online -------------------------------------------------------------------------------------
+
+
+def test_one_nan_reward_does_not_poison_running_normalisation(tmp_path, monkeypatch):
+    """Step 2's rewards hold a NaN: that step is skipped, and steps 3 and 4 train (running moments untouched)."""
+    (tmp_path / "one_nan.py").write_text(
+        "seen = 0\n"
+        "def reward(prompts, completions):\n"
+        "    global seen\n"
+        "    out = [float(len(c)) for c in completions]\n"
+        "    if 16 <= seen < 32:\n"
+        "        out[0] = float('nan')\n"
+        "    seen += len(completions)\n"
+        "    return out\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "reward.function=one_nan:reward",
+                 "reward.normalize=running", "max_steps=4", "max_bad_steps=2", *FAST]) == 0
+    rows = rows_of(out / "metrics.jsonl")
+    assert [r["faults/skipped_total"] for r in rows] == [0, 1, 1, 1]
+
+
+def test_blown_up_weights_are_bad_steps_not_a_traceback(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "optim.lr=1e30", "max_steps=8",
+                 "max_bad_steps=2", "logging.save_steps=1", *FAST])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("rlhfkit: error:")]
+    assert len(errors) == 1 and "max_bad_steps=2" in errors[0], errors
