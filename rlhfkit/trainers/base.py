@@ -301,6 +301,14 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def last_checkpoint_note(output_dir: str) -> str:
+    """What a run stopped by `max_bad_steps` leaves to resume from, for its error message."""
+    complete = [p for _, p in checkpoint_dirs(output_dir) if os.path.isfile(os.path.join(p, "trainer_state.pt"))]
+    if complete:
+        return f"the last good checkpoint, {complete[-1]}, is intact"
+    return f"'{output_dir}' holds no checkpoint of this run (see logging.save_steps)"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
@@ -614,11 +622,8 @@ class Trainer:
         logger.warning("step %d: non-finite %s; optimizer step skipped (%d of max_bad_steps=%d)", step + 1, what,
                        self.bad_steps, cfg.max_bad_steps)
         if self.bad_steps >= cfg.max_bad_steps:
-            complete = [p for _, p in checkpoint_dirs(cfg.output_dir) if os.path.isfile(os.path.join(p, "trainer_state.pt"))]
-            kept = f"the last good checkpoint, {complete[-1]}, is intact" if complete else \
-                f"'{cfg.output_dir}' holds no checkpoint yet (see logging.save_steps)"
             raise UserError(f"stopping at step {step + 1}: {self.bad_steps} optimizer steps skipped for a non-finite loss "
-                            f"or gradient (max_bad_steps={cfg.max_bad_steps}); {kept}")
+                            f"or gradient (max_bad_steps={cfg.max_bad_steps}); {last_checkpoint_note(cfg.output_dir)}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -40,8 +40,8 @@ from rlhfkit.models import (
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
 from rlhfkit.trainers.base import (
-    MetricsLogger, Trainer, build_optimizer, build_scheduler, load_checkpoint, load_model_weights, save_checkpoint,
-    set_rng_state,
+    MetricsLogger, Trainer, build_optimizer, build_scheduler, last_checkpoint_note, load_checkpoint, load_model_weights,
+    save_checkpoint, set_rng_state,
 )
 from rlhfkit.types import Rollout
 
@@ -275,6 +275,15 @@ class OnlineTrainer(Trainer):
         w = max(sums.pop("_w", 0.0), 1.0)
         return {**{k: v / w for k, v in sums.items()}, "policy/early_stopped": early_stopped}
 
+    @torch.no_grad()
+    def policy_is_finite(self, exp: dict) -> bool:
+        """Whether the policy, as updated, still gives finite log-probs on a micro-batch of this step's rollout (one
+        no-grad forward, before a checkpoint: weights that blew up can be finite while every output is inf/NaN)."""
+        ro = _rows(exp["rollout"], 0, self.cfg.optim.per_device_batch_size)
+        self.model.eval()
+        finite = torch.isfinite(self.response_logprobs(self.model, ro)).all().float()
+        return bool(self.accelerator.reduce(finite, "min") > 0)
+
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -332,7 +341,7 @@ class OnlineTrainer(Trainer):
                                self.bad_steps, cfg.max_bad_steps)
                 if self.bad_steps >= cfg.max_bad_steps:
                     raise UserError(f"stopping at step {done}: {self.bad_steps} updates skipped for non-finite rewards, "
-                                    f"log-probs or loss (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in '{cfg.output_dir}' is intact")
+                                    f"log-probs or loss (max_bad_steps={cfg.max_bad_steps}); {last_checkpoint_note(cfg.output_dir)}")
             elif exp["seq_kl"] is not None:
                 self.kl_ctl.update(float(exp["seq_kl"].mean()), exp["seq_kl"].numel() * self.world)
             samples = a.rollout_batch_size * cfg.generation.num_samples * self.world  # per step, all processes
@@ -354,6 +363,8 @@ class OnlineTrainer(Trainer):
             if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
                 if bad:  # the weights may be what made this step bad: keep the last good checkpoint as the newest
                     logger.warning("step %d: no checkpoint after a skipped step", done)
+                elif not self.policy_is_finite(exp):
+                    logger.warning("step %d: no checkpoint: the updated policy's log-probs are not finite", done)
                 else:
                     self.checkpoint(done)
         bar.close()

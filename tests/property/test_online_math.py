@@ -342,3 +342,5 @@ def test_blown_up_weights_are_bad_steps_not_a_traceback(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err, err[-2000:]
     errors = [line for line in err.splitlines() if line.startswith("rlhfkit: error:")]
     assert len(errors) == 1 and "max_bad_steps=2" in errors[0], errors
+    # Step 1's update blew the weights up (finite, but every log-prob is inf/NaN): that state is never checkpointed.
+    assert not list(out.glob("checkpoint-*")) and "holds no checkpoint" in errors[0]
