@@ -5,9 +5,12 @@
 `output_dir/eval.json`, print a summary table). Sampling goes through `generation.generate` and log-probs through
 `models.rollout_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs.
 
-A judge is any `judge(prompts, completions, rollout) -> list[float]`: one score per completion, higher is better.
-`python_judge` wraps a `(prompts, completions)` reward function; `RewardModelJudge` wraps a reward-model scorer,
-which reads the rollout's token ids (so it must share the policy's tokenizer).
+A judge is any `judge(rollout, examples) -> list[float]`: one score per row of the rollout, higher is better, where
+`examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`). Each judge is called once per model,
+on all of that model's samples. `python_judge` wraps a Python reward function under the reward-function contract
+(`rewards.RewardFunction`: the dataset's own prompts, the completions, every other field of the prompt records as
+keyword arguments); `RewardModelJudge` wraps a reward-model scorer, which reads the rollout's token ids (so it must
+share the policy's tokenizer).
 """
 
 from __future__ import annotations
@@ -31,21 +34,25 @@ from rlhfkit.evaluation.metrics import (
 )
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
-from rlhfkit.rewards import EnsembleScorer, load_reward_function, load_reward_scorer
+from rlhfkit.rewards import (
+    EnsembleScorer, RewardFunction, call_reward_function, load_reward_function, load_reward_scorer,
+)
 from rlhfkit.trainers.base import RunDir, atomic_write_text
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
 
-Judge = Callable[[list[str], list[str], Rollout], list[float]]
+Judge = Callable[[Rollout, list[dict] | None], list[float]]
 
 
 # 1. Judges ---------------------------------------------------------------------------------------------------
 
 
-def python_judge(fn: Callable[[list[str], list[str]], list[float]]) -> Judge:
-    """A `(prompts, completions) -> scores` reward function (e.g. `rlhfkit.tasks.toy:vowel_reward`) as a judge."""
-    return lambda prompts, completions, rollout: fn(prompts, completions)
+def python_judge(fn: Callable, tokenizer) -> Judge:
+    """A Python reward function `fn(prompts, completions, **kwargs)` (e.g. `rlhfkit.tasks.toy:vowel_reward`, or a
+    `RewardFunction` from `rewards.load_reward_function`) as a judge; `tokenizer` decodes the rollout."""
+    reward = fn if isinstance(fn, RewardFunction) else RewardFunction(fn, f"judge {getattr(fn, '__name__', fn)!r}")
+    return lambda rollout, examples: call_reward_function(reward, tokenizer, rollout, examples).tolist()
 
 
 class RewardModelJudge:
@@ -57,7 +64,7 @@ class RewardModelJudge:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], completions: list[str], rollout: Rollout) -> list[float]:
+    def __call__(self, rollout: Rollout, examples: list[dict] | None = None) -> list[float]:
         ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
         chunks = [self.scorer(ids[i : i + self.batch_size], mask[i : i + self.batch_size], resp[i : i + self.batch_size])
                   for i in range(0, ids.shape[0], self.batch_size)]
@@ -80,13 +87,14 @@ def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
 
 
-def _judge_all(judges: dict[str, Judge], prompts: list[str], completions: list[str], rollout: Rollout) -> dict:
-    """judge name -> one finite score per completion."""
+def _judge_all(judges: dict[str, Judge], rollout: Rollout, examples: list[dict]) -> dict:
+    """judge name -> one finite score per row of `rollout`."""
     out = {}
+    n = rollout.response_ids.shape[0]
     for name, judge in judges.items():
-        scores = [float(s) for s in judge(prompts, completions, rollout)]
-        if len(scores) != len(completions):
-            raise UserError(f"judge '{name}' returned {len(scores)} scores for {len(completions)} completions")
+        scores = [float(s) for s in judge(rollout, examples)]
+        if len(scores) != n:
+            raise UserError(f"judge '{name}' returned {len(scores)} scores for {n} completions")
         if not all(math.isfinite(s) for s in scores):
             bad = next(s for s in scores if not math.isfinite(s))
             raise UserError(f"judge '{name}' returned a non-finite score: {bad}")
@@ -94,21 +102,35 @@ def _judge_all(judges: dict[str, Judge], prompts: list[str], completions: list[s
     return out
 
 
-def _sample(model, tokenizer, batch, params: SamplingParams, seed: int, judges: dict[str, Judge]) -> tuple[Rollout, dict]:
-    """One model's responses to `batch` (drawn under `seed`), and their texts, lengths and judge scores."""
-    with _seeded(seed):
-        ro = generate(model, batch, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    prompts = _decode(tokenizer, ro.prompt_ids, ro.prompt_mask)
-    texts = _decode(tokenizer, ro.response_ids, ro.response_mask)
-    return ro, {"prompts": prompts, "texts": texts, "lengths": ro.response_mask.sum(-1).tolist(),
-                "has_eos": ro.has_eos.tolist(), "scores": _judge_all(judges, prompts, texts, ro)}
+def _concat(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """The rollouts of several generation batches as one: prompts left-padded and responses right-padded to the
+    widest, group ids continued (reward models score the same with more padding: positions follow the mask)."""
+    P, R = max(r.prompt_ids.shape[1] for r in parts), max(r.response_ids.shape[1] for r in parts)
+
+    def pad(t: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+
+    offsets = [0]
+    for r in parts[:-1]:
+        offsets.append(offsets[-1] + int(r.group_ids.max()) + 1)
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_token_id, left=True) for r in parts]),  # (B, P)
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, left=True) for r in parts]),
+        response_ids=torch.cat([pad(r.response_ids, R, pad_token_id) for r in parts]),  # (B, R)
+        response_mask=torch.cat([pad(r.response_mask, R, 0) for r in parts]),
+        group_ids=torch.cat([r.group_ids + o for r, o in zip(parts, offsets)]),
+        has_eos=torch.cat([r.has_eos for r in parts]),
+        sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0) for r in parts]),
+    )
 
 
-def _merge(parts: list[dict]) -> dict:
-    keys = ("prompts", "texts", "lengths", "has_eos")
-    merged = {k: [x for p in parts for x in p[k]] for k in keys}
-    merged["scores"] = {name: [x for p in parts for x in p["scores"][name]] for name in parts[0]["scores"]}
-    return merged
+def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples: list[dict]) -> dict:
+    """One model's responses (its rollouts, in prompt order): texts, lengths and the judges' scores, each judge
+    called once on all of them."""
+    ro = _concat(parts, tokenizer.pad_token_id)
+    return {"prompts": _decode(tokenizer, ro.prompt_ids, ro.prompt_mask), "texts": _decode(tokenizer, ro.response_ids, ro.response_mask),
+            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(),
+            "scores": _judge_all(judges, ro, examples)}
 
 
 def _summary(s: dict) -> dict:
@@ -131,8 +153,8 @@ def evaluate(
     Args:
         policy, reference: causal LMs sharing `tokenizer`, on one device; `reference` may be None (the policy alone:
             no KL, win rates or reference figures).
-        prompts: tokenized prompt examples `{"prompt_ids": [...]}` (`data.build_datasets("prompt", ...)`).
-        judges: name -> judge(prompts, completions, rollout) -> scores.
+        prompts: prompt examples `{"prompt_ids", "prompt", "columns"}` (`data.build_datasets("prompt", ...)`).
+        judges: name -> judge(rollout, examples) -> scores; each is called once per model, on all its samples.
         params: sampling parameters; `num_samples` responses per prompt (the policy's j-th sample of a prompt is
             compared with the reference's j-th).
         batch_size: prompts per `generate` call; batch i is drawn under seed `seed + i` by both models, so a
@@ -147,17 +169,23 @@ def evaluate(
     if not prompts:
         raise UserError("no prompts to evaluate")
     device = next(policy.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pol_parts, ref_parts, kls = [], [], []
     for i, start in enumerate(range(0, len(prompts), batch_size)):
-        batch = collate_prompts(prompts[start : start + batch_size], tokenizer.pad_token_id).to(device)
-        ro, pol = _sample(policy, tokenizer, batch, params, seed + i, judges)
-        pol_parts.append(pol)
+        batch = collate_prompts(prompts[start : start + batch_size], pad).to(device)
+        with _seeded(seed + i):
+            ro = generate(policy, batch, params, eos, pad)
+        pol_parts.append(ro)
         if reference is not None:
-            ref_parts.append(_sample(reference, tokenizer, batch, params, seed + i, judges)[1])
+            with _seeded(seed + i):
+                ref_parts.append(generate(reference, batch, params, eos, pad))
             lp = rollout_logprobs(policy, ro, params.temperature)  # (B, R)
             ref_lp = rollout_logprobs(reference, ro, params.temperature)  # (B, R)
             kls.extend(sequence_kl(lp, ref_lp, ro.response_mask).tolist())
-    pol, ref = _merge(pol_parts), (_merge(ref_parts) if ref_parts else None)
+    # Judges once per model, on all of its samples (a judge may batch its work or normalise over the batch).
+    rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
+    pol = _samples(pol_parts, tokenizer, judges, rows)
+    ref = _samples(ref_parts, tokenizer, judges, rows) if ref_parts else None
     result = {
         "num_prompts": len(prompts), "num_samples": len(pol["texts"]),
         "policy": _summary(pol), "reference": _summary(ref) if ref else None,
@@ -219,10 +247,9 @@ class Evaluator:
             pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
         scorers = self.load_scorers(tokenizer, device)
         judges: dict[str, Judge] = {name: RewardModelJudge(s, cfg.batch_size) for name, s in scorers.items()}
-        refs = {name.strip(): ref.strip() for name, _, ref in (spec.partition("=") for spec in cfg.judges)}
-        if cfg.reward.function:
-            refs = {cfg.reward.function.rpartition(":")[2]: cfg.reward.function, **refs}
-        judges.update({name: python_judge(load_reward_function(ref)) for name, ref in refs.items()})
+        specs = [(cfg.reward.function.rpartition(":")[2], cfg.reward.function, "reward.function")] if cfg.reward.function else []
+        specs += [(name.strip(), ref.strip(), "judges") for name, _, ref in (spec.partition("=") for spec in cfg.judges)]
+        judges.update({name: python_judge(load_reward_function(ref, key), tokenizer) for name, ref, key in specs})
         # 2. The models, then the evaluation itself.
         policy = load_causal_lm(cfg.model, tokenizer, trainable=False).to(device)
         reference = None

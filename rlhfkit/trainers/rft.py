@@ -3,8 +3,8 @@
 Each iteration is the loop of RAFT (Dong et al. 2023, arXiv 2304.06767) and of ReST's Grow/Improve steps
 (Gulcehre et al. 2023, arXiv 2308.08998), with best-of-n as the filter:
   1. sample n = `generation.num_samples` responses per prompt from the current policy (`generation.generate`);
-  2. score them (reward model(s) or a Python function, as the online stages do) and keep the best per prompt,
-     dropping prompts whose best scores below `algo.min_score`;
+  2. score them (reward model(s) or a Python function, as the online stages do: one call per sampling batch, with
+     the prompt records) and keep the best per prompt, dropping prompts whose best scores below `algo.min_score`;
   3. write the kept rows to `rft_iter{i}.jsonl`, log the scores and the analytic KL of best-of-n sampling to
      the policy sampled, log n − (n − 1)/n (Stiennon et al. 2020, arXiv 2009.01325; an upper bound, Beirami
      et al. 2024, arXiv 2401.01879);
@@ -75,7 +75,7 @@ class RFTTrainer(Trainer):
         self.accelerator = acc = self.make_accelerator()
         set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer)
-        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device)
+        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
         self.world = acc.num_processes
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
@@ -127,14 +127,16 @@ class RFTTrainer(Trainer):
         policy = acc.unwrap_model(self.model)
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
         for start in range(0, len(mine), a.sampling_batch_size):
-            prompts = collate_prompts([self.prompts[i] for i in mine[start : start + a.sampling_batch_size]], tok.pad_token_id)
-            ro = generate(policy, prompts.to(acc.device), self.params, tok.eos_token_id, tok.pad_token_id)
-            scores = penalize_missing_eos(self.reward(ro), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
+            examples = [self.prompts[i] for i in mine[start : start + a.sampling_batch_size]]
+            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), self.params,
+                          tok.eos_token_id, tok.pad_token_id)
+            rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
+            scores = penalize_missing_eos(self.reward(ro, rows), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             best = select_best(scores, ro.group_ids)  # (G,)
             finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
             if not finite.all():
                 logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
-            gold_scores = self.reward.gold(ro)
+            gold_scores = self.reward.gold(ro, rows)
             gold = float(gold_scores.sum()) if gold_scores is not None else 0.0
             sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
                                   float(top.isfinite().sum()), 0.0, gold], device=sums.device)

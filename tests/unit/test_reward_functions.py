@@ -222,3 +222,16 @@ def test_dataset_columns_reach_the_function(tok, module, tmp_path):
     source(f"{name}:reward")(ro, [examples[g] for g in ro.group_ids.tolist()])
     (call,) = sys.modules[name].CALLS
     assert call["prompts"] == ["3+4=", "2+2="] and call["answer"] == ["7", "4"] and call["kwargs"] == {"hint": [None, "even"]}
+
+
+def test_reward_models_score_in_chunks_of_batch_size(tok):
+    sizes = []
+
+    def scorer(ids, mask, response_mask):
+        sizes.append(ids.shape[0])
+        return response_mask.sum(-1).float()  # each row's response length
+
+    src = source("rlhfkit.tasks.toy:vowel_reward")
+    src.scorer, src.batch_size = scorer, 2
+    assert src(rollout(tok, ["q", "r"], ["a", "bb", "ccc", "dddd"], k=2)).tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert sizes == [2, 2]

@@ -1,0 +1,137 @@
+"""Python reward functions through the real CLI: the worked arithmetic example, what a function receives (the
+dataset's own prompts, every record field, one call per rollout batch) in grpo, rft and eval, and a bad function or
+judge ending the run with status 2 and one line that names it."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from rlhfkit.cli import main
+from rlhfkit.rewards import load_reward_function
+from rlhfkit.tasks.arithmetic import exact_match, first_number
+
+FNS = "tests.smoke.reward_fns"
+RECORDS = [json.loads(line) for line in open(os.path.join(os.path.dirname(__file__), "..", "..", "data", "tiny", "arithmetic_prompts.jsonl"))]
+ANSWER = {r["prompt"]: r["answer"] for r in RECORDS}
+
+
+@pytest.fixture
+def calls():
+    """The calls `tests.smoke.reward_fns:record` receives during the test."""
+    load_reward_function(f"{FNS}:record")
+    recorded = sys.modules[FNS].CALLS
+    recorded.clear()
+    yield recorded
+    recorded.clear()
+
+
+def run(capsys, args):
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("rlhfkit: error:")], err
+
+
+# 1. The worked example -----------------------------------------------------------------------------------------
+
+
+def test_exact_match_reads_the_first_number():
+    completions = ["7", " 7.0 is it", "The sum is 7, not 8", "8", "seven", "-7", "", "17"]
+    assert exact_match(["3+4="] * 8, completions, answer=["7"] * 8) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert exact_match(["9+9="], ["18"], answer=[18]) == [1.0]  # a numeric answer field works too
+    assert first_number("x = -2.5;") == -2.5 and first_number("none") is None
+
+
+def test_grpo_arithmetic_config_runs(tmp_path):
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "configs/grpo_arithmetic.yaml", "max_steps=2", f"output_dir={out}",
+                 "logging.progress_bar=false"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
+    assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["score"] in (0.0, 1.0) for s in samples)
+
+
+# 2. What the function receives, and how often ------------------------------------------------------------------
+
+
+def test_grpo_passes_the_records_once_per_rollout(tmp_path, calls):
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "configs/grpo_arithmetic.yaml", "max_steps=2", f"output_dir={out}",
+                 f"reward.function={FNS}:record", "algo.rollout_batch_size=4", "generation.num_samples=4",
+                 "optim.per_device_batch_size=2", "logging.progress_bar=false"]) == 0
+    assert [c["n"] for c in calls] == [16, 16]  # 4 prompts x 4 samples, one call per step (micro-batches are 2 rows)
+    for c in calls:
+        assert set(c["prompts"]) <= set(ANSWER)  # the dataset's prompts, not "user\n3+4=\nassistant\n"
+        assert c["prompts"][::4] == c["prompts"][1::4] == c["prompts"][3::4]  # each prompt's 4 samples are adjacent
+        assert c["kwargs"]["answer"] == [ANSWER[p] for p in c["prompts"]]
+        assert len(c["kwargs"]["completion_ids"]) == 16
+
+
+def test_rft_passes_the_records_once_per_sampling_batch(tmp_path, calls):
+    out = tmp_path / "run"
+    assert main(["rft", "--config", "configs/rft_tiny.yaml", "data.train=data/tiny/arithmetic_prompts.jsonl",
+                 f"reward.function={FNS}:record", "algo.iterations=1", "algo.prompts_per_iteration=12",
+                 "algo.sampling_batch_size=8", "generation.num_samples=2", "generation.max_new_tokens=4", "max_steps=1",
+                 f"output_dir={out}", "logging.progress_bar=false"]) == 0
+    assert [c["n"] for c in calls] == [16, 8]  # 8 + 4 prompts, 2 samples each
+    assert all(c["kwargs"]["answer"] == [ANSWER[p] for p in c["prompts"]] for c in calls)
+    assert len({p for c in calls for p in c["prompts"]}) <= 12 and sum(c["n"] for c in calls) == 24
+
+
+def test_rft_subtracts_the_missing_eos_penalty(tmp_path):
+    """TRL's convention, as the online stages: a positive penalty lowers a truncated response's score."""
+    out = tmp_path / "run"
+    assert main(["rft", "--config", "configs/rft_tiny.yaml", f"reward.function={FNS}:zeros", "reward.missing_eos_penalty=1.0",
+                 "algo.iterations=1", "algo.prompts_per_iteration=8", "generation.max_new_tokens=2", "max_steps=1",
+                 f"output_dir={out}", "logging.progress_bar=false"]) == 0
+    kept = [json.loads(line)["score"] for line in (out / "rft_iter1.jsonl").read_text().splitlines()]
+    assert kept and set(kept) <= {0.0, -1.0} and -1.0 in kept  # most 2-token responses are cut before EOS
+
+
+def test_eval_judges_see_every_prompt_at_once(tmp_path, calls):
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", "configs/eval_tiny.yaml", "data.eval=data/tiny/arithmetic_prompts.jsonl",
+                 f"judges=['rec={FNS}:record']", "max_prompts=20", "batch_size=8", f"output_dir={out}"]) == 0
+    assert [c["n"] for c in calls] == [20, 20]  # the policy's 20 samples, then the reference's; not 8 + 8 + 4 each
+    for c in calls:
+        assert c["prompts"] == [r["prompt"] for r in RECORDS[:20]]
+        assert c["kwargs"]["answer"] == [r["answer"] for r in RECORDS[:20]]
+
+
+# 3. Bad functions: status 2, one line naming the function, no traceback ----------------------------------------
+
+BAD = {
+    "returns_none": "returned None, expected a list of 16 numbers (one per completion)",
+    "one_too_few": "returned a list of 15 values, expected 16 (one per completion)",
+    "raises": "raised KeyError: 'answer' (reward_fns.py:",
+}
+
+
+@pytest.mark.parametrize("fn", sorted(BAD))
+def test_bad_reward_function_in_grpo(fn, tmp_path, capsys):
+    code, errors, err = run(capsys, ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", f"reward.function={FNS}:{fn}",
+                                     f"output_dir={tmp_path / 'run'}", "logging.progress_bar=false"])
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith(f"rlhfkit: error: reward.function '{FNS}:{fn}' {BAD[fn]}"), errors[0]
+    assert "Traceback" not in err
+
+
+def test_bad_gold_function_in_grpo(tmp_path, capsys):
+    code, errors, err = run(capsys, ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2",
+                                     f"reward.gold_function={FNS}:returns_none", f"output_dir={tmp_path / 'run'}",
+                                     "logging.progress_bar=false"])
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert errors[0] == (f"rlhfkit: error: reward.gold_function '{FNS}:returns_none' returned None, expected a list of 16 "
+                         "numbers (one per completion)")
+
+
+@pytest.mark.parametrize("fn", sorted(BAD))
+def test_bad_judge_in_eval(fn, tmp_path, capsys):
+    code, errors, err = run(capsys, ["eval", "--config", "configs/eval_tiny.yaml", f"judges=['bad={FNS}:{fn}']",
+                                     "max_prompts=16", f"output_dir={tmp_path / 'eval'}"])
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith(f"rlhfkit: error: judges '{FNS}:{fn}' {BAD[fn]}"), errors[0]
+    assert "Traceback" not in err and not (tmp_path / "eval" / "eval.json").exists()
