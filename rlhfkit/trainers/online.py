@@ -70,7 +70,7 @@ class OnlineTrainer(Trainer):
         self.ref = None
         if self.algo.needs_reference and not cfg.model.lora.enabled:
             self.ref = load_causal_lm(cfg.model, self.tokenizer, trainable=False).to(acc.device)
-        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device)
+        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
         value = None
         if self.algo.needs_value and cfg.model.lora.enabled and not a.value_model:
             value = SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
