@@ -8,10 +8,13 @@ step by online RL:
     objective/scores            proxy reward (the reward being optimised), raw batch mean
     objective/gold              gold judge's mean score (or any key named in `AlarmThresholds.gold_keys`)
     response/distinct_2         distinct-2 of the step's responses (`metrics.distinct_n`)
+    response/words_avg          mean words per response
+    response/top_share          share of the step's prompts answered by its most common response
     response/empty_rate         fraction of empty responses (`metrics.empty_rate`)
     response/eos_rate           fraction ending with EOS; 1 - eos_rate is the truncation rate
     response/score_length_corr  Pearson r of score and response length within the step (`metrics.pearson`)
 
+The last three are computed by `diversity_figures`, which online RL and `rlhfkit eval` both call.
 A row may carry a "label" (e.g. "reference", "policy") that messages use instead of its "step".
 This module imports only torch (through `metrics`).
 """
@@ -23,10 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rlhfkit.evaluation.metrics import pearson
+from rlhfkit.evaluation.metrics import distinct_n, pearson
 
 PROXY_KEY = "objective/scores"
 DISTINCT_KEY = "response/distinct_2"
+WORDS_KEY = "response/words_avg"
+TOP_SHARE_KEY = "response/top_share"
 EMPTY_KEY = "response/empty_rate"
 EOS_KEY = "response/eos_rate"
 CORR_KEY = "response/score_length_corr"
@@ -48,7 +53,9 @@ class AlarmThresholds:
     gold_keys: tuple[str, ...] = ("objective/gold",)  # gold judges or held-out reward models
     max_length_corr: float = 0.5  # length_correlation: |Pearson r| of score and length above this
     min_samples: int = 8  # length_correlation over samples needs this many
-    distinct_ratio: float = 0.5  # distinct_collapse: last window below this fraction of the first
+    distinct_ratio: float = 0.5  # distinct_collapse: distinct-2's last window below this fraction of its first ...
+    min_words: float = 5.0  # ... counting only steps whose responses average this many words (fewer: no phrasing)
+    max_top_share: float = 0.9  # distinct_collapse: one response answers more than this share of the prompts
     degenerate_rise: float = 0.2  # degenerate_responses: empty or truncated rate up by this much (absolute)
 
 
@@ -150,15 +157,51 @@ def length_correlation(
     return alarms
 
 
+def diversity_figures(texts: Sequence[str], group_ids: Sequence[int]) -> dict[str, float | None]:
+    """The evidence `distinct_collapse` reads, for one batch of responses; `texts[i]` answers prompt `group_ids[i]`.
+
+    DISTINCT_KEY: distinct-2 (pooled word pairs, `metrics.distinct_n`); WORDS_KEY: mean words per response;
+    TOP_SHARE_KEY: the share of the prompts that the most common non-empty response (whitespace-normalised)
+    answers at least once, None with fewer than 2 prompts. A prompt's own samples agreeing is not collapse, so the
+    top share counts prompts, not samples: varied short answers keep it low, one answer to every prompt makes it 1.
+    """
+    prompts_of: dict[str, set] = {}
+    for text, group in zip(texts, group_ids):
+        if text.strip():
+            prompts_of.setdefault(" ".join(text.split()), set()).add(group)
+    n_prompts = len(set(group_ids))
+    top = max(map(len, prompts_of.values()), default=0) / n_prompts if n_prompts >= 2 else None
+    words = sum(len(t.split()) for t in texts) / max(len(texts), 1)
+    return {DISTINCT_KEY: distinct_n(texts, 2), WORDS_KEY: words, TOP_SHARE_KEY: top}
+
+
 def distinct_collapse(history: Sequence[Mapping], t: AlarmThresholds = AlarmThresholds()) -> list[Alarm]:
-    """Diversity collapsed: distinct-2 fell below `distinct_ratio` of its starting value (mode collapse onto a few
-    high-reward phrasings)."""
-    w = _windows(history, DISTINCT_KEY, t.window)
-    if w is None or not w.last < t.distinct_ratio * w.first:
-        return []
-    return [Alarm("distinct_collapse", (
-        f"{DISTINCT_KEY} fell {w.first:.3g} -> {w.last:.3g} ({w.last / w.first:.0%} of its start, below "
-        f"{t.distinct_ratio:.0%}), {w.spans}"))]
+    """Diversity collapsed (mode collapse onto a few high-reward responses), judged by what collapse means at the
+    responses' length:
+
+    - one response now answers more than `max_top_share` of the prompts (TOP_SHARE_KEY's last window; its first
+      window was below): the responses no longer depend on the prompt, whatever their length;
+    - or, for responses of `min_words` words or more, distinct-2 fell below `distinct_ratio` of its start: the
+      phrasing collapsed. Steps with shorter responses (a number, a label) are left out: their few word pairs are
+      template, and distinct-2 is 0 when there are none. Rows without WORDS_KEY count if distinct-2 is above 0.
+    """
+    alarms = []
+    top = _windows(history, TOP_SHARE_KEY, t.window)
+    if top is not None and top.last > t.max_top_share >= top.first:
+        alarms.append(Alarm("distinct_collapse", (
+            f"one response answers {top.last:.0%} of the prompts ({TOP_SHARE_KEY} {top.first:.2g} -> {top.last:.2g}, "
+            f"{top.spans}; above {t.max_top_share:.0%}): the responses no longer depend on the prompt")))
+
+    def phrased(row: Mapping) -> bool:
+        words = row.get(WORDS_KEY)
+        return words >= t.min_words if isinstance(words, (int, float)) else row.get(DISTINCT_KEY) != 0
+
+    w = _windows([row for row in history if phrased(row)], DISTINCT_KEY, t.window)
+    if w is not None and w.last < t.distinct_ratio * w.first:
+        alarms.append(Alarm("distinct_collapse", (
+            f"{DISTINCT_KEY} fell {w.first:.3g} -> {w.last:.3g} ({w.last / w.first:.0%} of its start, below "
+            f"{t.distinct_ratio:.0%}), {w.spans}")))
+    return alarms
 
 
 def degenerate_responses(history: Sequence[Mapping], t: AlarmThresholds = AlarmThresholds()) -> list[Alarm]:

@@ -28,7 +28,9 @@ import torch
 from rlhfkit.config import DataConfig, EvalConfig, ModelConfig, config_to_yaml
 from rlhfkit.data import build_datasets, collate_preference, collate_prompts
 from rlhfkit.errors import UserError
-from rlhfkit.evaluation.alarms import DISTINCT_KEY, EMPTY_KEY, EOS_KEY, SampleStats, check_alarms
+from rlhfkit.evaluation.alarms import (
+    DISTINCT_KEY, EMPTY_KEY, EOS_KEY, TOP_SHARE_KEY, WORDS_KEY, SampleStats, check_alarms, diversity_figures,
+)
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
@@ -129,15 +131,17 @@ def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples
     called once on all of them."""
     ro = _concat(parts, tokenizer.pad_token_id)
     return {"prompts": _decode(tokenizer, ro.prompt_ids, ro.prompt_mask), "texts": _decode(tokenizer, ro.response_ids, ro.response_mask),
-            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(),
+            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(), "groups": ro.group_ids.tolist(),
             "scores": _judge_all(judges, ro, examples)}
 
 
 def _summary(s: dict) -> dict:
     """The figures of one model's samples (eval.json's "policy" / "reference" objects)."""
+    diversity = diversity_figures(s["texts"], s["groups"])
     return {
         "length": mean_std(s["lengths"]),
-        "distinct_1": distinct_n(s["texts"], 1), "distinct_2": distinct_n(s["texts"], 2),
+        "distinct_1": distinct_n(s["texts"], 1), "distinct_2": diversity[DISTINCT_KEY],
+        "words_avg": diversity[WORDS_KEY], "top_share": diversity[TOP_SHARE_KEY],
         "eos_rate": eos_rate(s["has_eos"]), "truncation_rate": truncation_rate(s["has_eos"]),
         "empty_rate": empty_rate(s["texts"]), "reward": {name: mean_std(v) for name, v in s["scores"].items()},
     }
@@ -162,7 +166,8 @@ def evaluate(
         num_examples: side-by-side samples kept in the result.
 
     Returns the eval.json figures: "num_prompts", "num_samples", "policy" and "reference" ({"length": {mean, std},
-    "distinct_1", "distinct_2", "eos_rate", "truncation_rate", "empty_rate", "reward": {judge: {mean, std}}}; reference
+    "distinct_1", "distinct_2", "words_avg", "top_share" (`alarms.diversity_figures`), "eos_rate", "truncation_rate",
+    "empty_rate", "reward": {judge: {mean, std}}}; reference
     None without one), "kl" ({mean, std} of the per-sequence KL(policy || reference) in nats on policy samples, or
     None), "win_rate" ({judge: P(policy beats reference)}), "alarms" ([{name, message, source}]), "samples".
     """
@@ -195,7 +200,8 @@ def evaluate(
     # Alarms on the samples: the policy's score-length correlation, and reference -> policy as a 2-row history
     # (diversity collapse, more empty or truncated responses).
     rows = [] if ref is None else [
-        {"label": label, DISTINCT_KEY: s["distinct_2"], EMPTY_KEY: s["empty_rate"], EOS_KEY: s["eos_rate"]}
+        {"label": label, DISTINCT_KEY: s["distinct_2"], WORDS_KEY: s["words_avg"], TOP_SHARE_KEY: s["top_share"],
+         EMPTY_KEY: s["empty_rate"], EOS_KEY: s["eos_rate"]}
         for label, s in (("reference", result["reference"]), ("policy", result["policy"]))]
     alarms = check_alarms(rows, SampleStats(pol["lengths"], pol["scores"]))
     result["alarms"] = [{**dataclasses.asdict(a), "source": "samples"} for a in alarms]
@@ -343,8 +349,9 @@ def summary_table(report: dict) -> str:
     rows = [("KL(policy||ref) nats", kl.get("mean"), None, None), ("  std across samples", kl.get("std"), None, None),
             ("length, tokens", pol["length"]["mean"], ref and ref["length"]["mean"], None)]
     rows += [(name, pol[key], ref and ref[key], None) for name, key in (
-        ("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("eos rate", "eos_rate"),
-        ("truncation rate", "truncation_rate"), ("empty rate", "empty_rate"))]
+        ("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("words per response", "words_avg"),
+        ("top response share", "top_share"), ("eos rate", "eos_rate"), ("truncation rate", "truncation_rate"),
+        ("empty rate", "empty_rate"))]
     rows += [(f"reward: {name}", r["mean"], ref and ref["reward"][name]["mean"], report["win_rate"].get(name))
              for name, r in pol["reward"].items()]
     rows += [(f"RM accuracy: {name}", a, None, None) for name, a in report["reward_model_accuracy"].items()]

@@ -38,9 +38,12 @@ def test_policy_against_itself(rm_dir, tmp_path, capsys):
     assert report["num_prompts"] == report["num_samples"] == 64
     for side in ("policy", "reference"):
         figures = report[side]
-        assert set(figures) == {"length", "distinct_1", "distinct_2", "eos_rate", "truncation_rate", "empty_rate", "reward"}
+        assert set(figures) == {"length", "distinct_1", "distinct_2", "words_avg", "top_share", "eos_rate", "truncation_rate",
+                                "empty_rate", "reward"}
         assert set(figures["reward"]) == judges
         assert 0 < figures["length"]["mean"] <= 16 and 0 <= figures["distinct_2"] <= 1
+        # 64 prompts; random 16-character responses never repeat across prompts
+        assert figures["top_share"] == 1 / 64 and figures["words_avg"] > 0
         assert figures["eos_rate"] + figures["truncation_rate"] == pytest.approx(1.0)
     assert report["policy"] == report["reference"]
     assert report["kl"] == {"mean": 0.0, "std": 0.0}

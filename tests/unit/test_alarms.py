@@ -1,8 +1,8 @@
 """Reward-hacking alarms on constructed histories: each fires where it must and stays quiet where it must not."""
 
 from rlhfkit.evaluation.alarms import (
-    AlarmThresholds, SampleStats, check_alarms, degenerate_responses, distinct_collapse, length_correlation,
-    proxy_up_gold_down,
+    AlarmThresholds, SampleStats, check_alarms, degenerate_responses, distinct_collapse, diversity_figures,
+    length_correlation, proxy_up_gold_down,
 )
 
 
@@ -61,6 +61,49 @@ def test_distinct_collapse():
     (alarm,) = distinct_collapse(rows(response__distinct_2=lambda t: 0.8 - 0.6 * t))
     assert alarm.name == "distinct_collapse" and "response/distinct_2 fell" in alarm.message
     assert distinct_collapse(rows(response__distinct_2=lambda t: 0.8 - 0.3 * t)) == []  # 0.53 of 0.77: above half
+
+
+def test_distinct_2_says_nothing_about_short_answers():
+    # Responses under min_words words: their few word pairs are template, not diversity.
+    assert distinct_collapse(rows(response__distinct_2=lambda t: 0.8 - 0.6 * t, response__words_avg=lambda t: 1.5)) == []
+    (alarm,) = distinct_collapse(rows(response__distinct_2=lambda t: 0.8 - 0.6 * t, response__words_avg=lambda t: 12.0))
+    assert "response/distinct_2 fell" in alarm.message
+
+
+def test_healthy_single_number_answers_raise_nothing():
+    # Random text at the start (distinct-2 0.9, 8 words), then varied one-number answers: no word pairs at all
+    # (distinct-2 = 0), each prompt's 4 samples agree, and the most common answer covers 1-2 of the 4 prompts.
+    def run(top_share):
+        early = [{"step": s, "response/distinct_2": 0.9, "response/words_avg": 8.0, "response/top_share": 0.25}
+                 for s in range(1, 6)]
+        late = [{"step": s, "response/distinct_2": 0.0, "response/words_avg": 1.0, "response/top_share": top_share(s)}
+                for s in range(6, 21)]
+        return early + late
+
+    assert check_alarms(run(lambda s: 0.5 if s % 3 == 0 else 0.25)) == []
+    # Collapse onto one answer for every prompt: the most common response answers all of them.
+    (alarm,) = check_alarms(run(lambda s: 1.0 if s > 10 else 0.25))
+    assert alarm.name == "distinct_collapse"
+    assert alarm.message == ("one response answers 100% of the prompts (response/top_share 0.25 -> 1, steps 1-5 vs "
+                             "steps 16-20; above 90%): the responses no longer depend on the prompt")
+
+
+def test_collapse_onto_one_answer_from_a_short_answer_start():
+    # Numbers from the first step (e.g. after SFT): distinct-2 is 0 throughout, so only the top share can tell.
+    history = rows(response__distinct_2=lambda t: 0.0, response__words_avg=lambda t: 1.0,
+                   response__top_share=lambda t: 0.25 if t < 0.5 else 1.0)
+    assert [a.name for a in check_alarms(history)] == ["distinct_collapse"]
+    assert distinct_collapse(rows(response__top_share=lambda t: 0.95)) == []  # it never rose: nothing collapsed
+
+
+def test_diversity_figures():
+    texts = ["7", " 7", "12", "12 ", "5", "5", "7", "9"]  # 4 prompts x 2 samples; "7" answers prompts 0 and 3
+    figures = diversity_figures(texts, [0, 0, 1, 1, 2, 2, 3, 3])
+    assert figures == {"response/distinct_2": 0.0, "response/words_avg": 1.0, "response/top_share": 0.5}
+    assert diversity_figures(["7"] * 8, [0, 0, 1, 1, 2, 2, 3, 3])["response/top_share"] == 1.0
+    assert diversity_figures(["a b", "a c", "", ""], [0, 1, 2, 3]) == {
+        "response/distinct_2": 1.0, "response/words_avg": 1.0, "response/top_share": 0.25}  # empty responses don't count
+    assert diversity_figures(["7", "7"], [0, 0])["response/top_share"] is None  # one prompt: no evidence
 
 
 def test_degenerate_responses():
