@@ -157,22 +157,23 @@ def length_correlation(
     return alarms
 
 
-def diversity_figures(texts: Sequence[str], group_ids: Sequence[int]) -> dict[str, float | None]:
+def diversity_figures(texts: Sequence[str], group_ids: Sequence[int]) -> dict[str, float]:
     """The evidence `distinct_collapse` reads, for one batch of responses; `texts[i]` answers prompt `group_ids[i]`.
 
     DISTINCT_KEY: distinct-2 (pooled word pairs, `metrics.distinct_n`); WORDS_KEY: mean words per response;
     TOP_SHARE_KEY: the share of the prompts that the most common non-empty response (whitespace-normalised)
-    answers at least once, None with fewer than 2 prompts. A prompt's own samples agreeing is not collapse, so the
+    answers at least once (left out with fewer than 2 prompts). A prompt's own samples agreeing is not collapse, so the
     top share counts prompts, not samples: varied short answers keep it low, one answer to every prompt makes it 1.
     """
     prompts_of: dict[str, set] = {}
     for text, group in zip(texts, group_ids):
         if text.strip():
             prompts_of.setdefault(" ".join(text.split()), set()).add(group)
+    figures = {DISTINCT_KEY: distinct_n(texts, 2), WORDS_KEY: sum(len(t.split()) for t in texts) / max(len(texts), 1)}
     n_prompts = len(set(group_ids))
-    top = max(map(len, prompts_of.values()), default=0) / n_prompts if n_prompts >= 2 else None
-    words = sum(len(t.split()) for t in texts) / max(len(texts), 1)
-    return {DISTINCT_KEY: distinct_n(texts, 2), WORDS_KEY: words, TOP_SHARE_KEY: top}
+    if n_prompts >= 2:
+        figures[TOP_SHARE_KEY] = max(map(len, prompts_of.values()), default=0) / n_prompts
+    return figures
 
 
 def distinct_collapse(history: Sequence[Mapping], t: AlarmThresholds = AlarmThresholds()) -> list[Alarm]:

@@ -141,7 +141,7 @@ def _summary(s: dict) -> dict:
     return {
         "length": mean_std(s["lengths"]),
         "distinct_1": distinct_n(s["texts"], 1), "distinct_2": diversity[DISTINCT_KEY],
-        "words_avg": diversity[WORDS_KEY], "top_share": diversity[TOP_SHARE_KEY],
+        "words_avg": diversity[WORDS_KEY], "top_share": diversity.get(TOP_SHARE_KEY),
         "eos_rate": eos_rate(s["has_eos"]), "truncation_rate": truncation_rate(s["has_eos"]),
         "empty_rate": empty_rate(s["texts"]), "reward": {name: mean_std(v) for name, v in s["scores"].items()},
     }

@@ -50,6 +50,10 @@ def test_grpo_arithmetic_config_runs(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+    # The evidence of the distinct_collapse alarm (alarms.diversity_figures), logged per step: 4 prompts per step.
+    for r in rows:
+        if "objective/scores" in r:
+            assert r["response/words_avg"] >= 0 and r["response/top_share"] in (0.0, 0.25, 0.5, 0.75, 1.0), r
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["score"] in (0.0, 1.0) for s in samples)
 

@@ -103,7 +103,7 @@ def test_diversity_figures():
     assert diversity_figures(["7"] * 8, [0, 0, 1, 1, 2, 2, 3, 3])["response/top_share"] == 1.0
     assert diversity_figures(["a b", "a c", "", ""], [0, 1, 2, 3]) == {
         "response/distinct_2": 1.0, "response/words_avg": 1.0, "response/top_share": 0.25}  # empty responses don't count
-    assert diversity_figures(["7", "7"], [0, 0])["response/top_share"] is None  # one prompt: no evidence
+    assert diversity_figures(["7", "7"], [0, 0]) == {"response/distinct_2": 0.0, "response/words_avg": 1.0}  # one prompt
 
 
 def test_degenerate_responses():
