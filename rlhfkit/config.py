@@ -266,7 +266,7 @@ class GenerationConfig:
 class RewardConfig:
     model: list[str] = field(default_factory=list)  # reward-model directories; several = an ensemble
     ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
-    function: str | None = None  # a Python reward "module:function" (prompts, completions) -> list of floats
+    function: str | None = None  # "module:function": fn(prompts, completions, **record fields) -> one float per completion
     gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
     missing_eos_penalty: float | None = None  # >= 0, SUBTRACTED from the score of a response cut at max_new_tokens (TRL's convention, e.g. 1.0)
     normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max

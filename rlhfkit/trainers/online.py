@@ -28,8 +28,8 @@ from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
 from rlhfkit.data import build_datasets, collate_prompts
 from rlhfkit.errors import UserError
-from rlhfkit.evaluation.alarms import check_alarms
-from rlhfkit.evaluation.metrics import distinct_n, pearson
+from rlhfkit.evaluation.alarms import check_alarms, diversity_figures
+from rlhfkit.evaluation.metrics import pearson
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
@@ -197,10 +197,11 @@ class OnlineTrainer(Trainer):
             "policy/sampler_logprob_gap": masked_mean((ro.sampler_logprobs - old_lp).abs(), mask),
             # Evidence for the reward-hacking alarms (rlhfkit.evaluation.alarms).
             "response/empty_rate": ((mask.sum(1) - ro.has_eos.float()) <= 0).float().mean(),
-            "response/distinct_2": distinct_n(self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True), 2),
             "response/score_length_corr": pearson(raw.tolist(), mask.sum(1).tolist()),
             "time/generate_s": t_generate,
         }
+        # distinct-2, words per response, the share of prompts answered by the commonest response (the collapse alarm)
+        stats.update(diversity_figures(tok.batch_decode(ro.response_ids, skip_special_tokens=True), ro.group_ids.tolist()))
         if seq_kl is not None:
             stats.update({"objective/kl": seq_kl.mean(), "objective/kl_coef": beta,
                           "objective/rlhf_reward": (scores - beta * seq_kl).mean()})
