@@ -40,7 +40,8 @@ import yaml
 
 from rlhfkit.errors import UserError
 from rlhfkit.tasks import reviews
-from rlhfkit.trainers.base import RunDir, atomic_write_text
+from rlhfkit.io import atomic_write_text
+from rlhfkit.trainers.base import RunDir
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

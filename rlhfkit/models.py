@@ -13,9 +13,7 @@ import hashlib
 import inspect
 import logging
 import os
-import shutil
 import string
-import tempfile
 import warnings
 from collections.abc import Callable
 
@@ -35,6 +33,7 @@ from transformers import (
 
 from rlhfkit.config import ModelConfig
 from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_dir
 
 logger = logging.getLogger("rlhfkit")
 
@@ -116,17 +115,8 @@ def _build_cached(target: str, build: Callable[[str], None]) -> str:
     """
     if os.path.isdir(target):
         return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=os.path.dirname(target))
-    try:
+    with atomic_dir(target, replace=False) as tmp:
         build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not os.path.isdir(target):  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -331,28 +321,13 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
     which case only the adapter is saved. `out_dir` is replaced only once everything is written: a failure midway
     leaves an existing `out_dir` untouched. `model` must already be unwrapped from accelerate/DDP.
     """
-    out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        # 1. Write everything into a temporary directory beside out_dir (same filesystem, so the rename is atomic).
+    with atomic_dir(out_dir) as tmp:  # same filesystem as out_dir, so the final rename is atomic
         if isinstance(model, PeftModel) and merge_lora:
             copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
         else:
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        # 2. Move any old out_dir aside, rename the new one into place, then delete the old one.
-        aside = None
-        if os.path.exists(out_dir):
-            aside = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.replace(out_dir, os.path.join(aside, name))
-        os.replace(tmp, out_dir)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0, with_entropy: bool = False):

@@ -12,11 +12,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 
 import yaml
 
 from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_write_bytes
 
 logger = logging.getLogger("rlhfkit")
 
@@ -174,14 +174,3 @@ def save_figure(fig, path: str) -> str:
     return path
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader (or a browser tab) never sees half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -39,7 +39,8 @@ from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import (
     EnsembleScorer, RewardFunction, call_reward_function, load_reward_function, load_reward_scorer,
 )
-from rlhfkit.trainers.base import RunDir, atomic_write_text
+from rlhfkit.io import atomic_write_text
+from rlhfkit.trainers.base import RunDir
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")

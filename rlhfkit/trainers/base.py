@@ -29,12 +29,12 @@ import torch
 
 from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
+from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, remove_tree
 
 logger = logging.getLogger("rlhfkit")
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
-TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes in output_dir (removed at the next start)
 
 
 # 1. The run directory -------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class RunDir:
                 removed.append(f"{name} (damaged; resuming from step {resume_step})")
             else:
                 continue
-            _remove_tree(full) if os.path.isdir(full) else os.unlink(full)
+            remove_tree(full) if os.path.isdir(full) else os.unlink(full)
         if removed:
             logger.warning("removed what an interrupted run left in '%s': %s", self.path, ", ".join(removed))
 
@@ -192,25 +192,6 @@ def trim_jsonl(path: str, step: int) -> None:
     if torn:
         logger.warning("%s: dropped %d half-written line(s)", path, torn)
     atomic_write_text(path, "".join(kept))
-
-
-def _remove_tree(path: str) -> None:
-    """Delete a directory so that a kill midway leaves no half of it under its own name: rename it to a `.tmp-*`
-    sibling (removed at the next start, see `RunDir.remove_leftovers`), then delete that."""
-    if not os.path.exists(path):
-        return
-    parent, name = os.path.split(os.path.abspath(path))
-    trash = tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}removed-")
-    os.replace(path, os.path.join(trash, name))
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write to a temporary file in the same directory, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # 2. Metrics ----------------------------------------------------------------------------------------------------
@@ -358,20 +339,14 @@ def save_checkpoint(output_dir: str, step: int, save_model: Callable[[str], None
     already there are intact). The first checkpoint of a run started with overwrite=true deletes the run it replaces.
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = tempfile.mkdtemp(dir=output_dir, prefix=f"{TMP_PREFIX}checkpoint-{step}-")
-    try:
+    with atomic_dir(final) as tmp:
         save_model(os.path.join(tmp, "model"))
         refuse_nonfinite_weights(tmp, output_dir, f"checkpoint-{step}")
         torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-        _remove_tree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     commit_replacement(output_dir)
     # Pruning renames each old checkpoint away before deleting it: a kill midway never leaves a partial checkpoint-N.
     for _, old in checkpoint_dirs(output_dir)[:-keep]:
-        _remove_tree(old)
+        remove_tree(old)
     return final
 
 

@@ -28,10 +28,11 @@ from rlhfkit.config import RFTConfig
 from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
 from rlhfkit.evaluation.metrics import best_of_n_kl
 from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.io import atomic_write_text
 from rlhfkit.models import load_causal_lm, load_tokenizer, save_model
 from rlhfkit.rewards import RewardSource
 from rlhfkit.trainers.base import (
-    MetricsLogger, Trainer, atomic_write_text, build_optimizer, build_scheduler, load_checkpoint, load_model_weights,
+    MetricsLogger, Trainer, build_optimizer, build_scheduler, load_checkpoint, load_model_weights,
     save_checkpoint, set_rng_state,
 )
 from rlhfkit.trainers.sft import SFTTrainer

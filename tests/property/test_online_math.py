@@ -16,7 +16,6 @@ import math
 import pytest
 import torch
 
-from rlhfkit.advantages import AdvantageInput, compute_advantages
 from rlhfkit.cli import main
 from rlhfkit.config import OnlineConfig, load_config
 from rlhfkit.errors import UserError

@@ -1,0 +1,77 @@
+"""Atomic writes: every file and directory rlhfkit writes appears whole under its name, or not at all.
+
+A reader — a resumed run, `rlhfkit dashboard`, a browser tab on report.html — never sees half a file, and a kill
+leaves only `.tmp-*` entries, which the next run in that directory removes (`trainers.base.RunDir`).
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes (removed at the next start in output_dir)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it into place."""
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=TMP_PREFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """`atomic_write_bytes` of UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str, *, replace: bool = True) -> Iterator[str]:
+    """Yield an empty temporary directory beside `target`; when the block ends without an exception, rename it to
+    `target`. An exception (or a kill) leaves `target` as it was.
+
+    Args:
+        target: the directory to write.
+        replace: an existing `target` is replaced (moved aside, then deleted: `remove_tree`). With False, an existing
+            `target` wins and the new copy is discarded — for caches that concurrent processes may all build.
+    """
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}{os.path.basename(target)}-")
+    try:
+        yield tmp
+        if os.path.exists(target):
+            if not replace:
+                return
+            remove_tree(target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if replace or not os.path.isdir(target):  # not a lost race between processes building one cache: a failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory so that a kill midway leaves no half of it under its own name: rename it to a `.tmp-*`
+    sibling, then delete that."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    trash = tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}removed-")
+    os.replace(path, os.path.join(trash, name))
+    shutil.rmtree(trash, ignore_errors=True)
