@@ -22,27 +22,34 @@ from rlhfkit.advantages import ESTIMATORS
 from rlhfkit.losses.aggregate import AGG_MODES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Algorithm:
-    """One online RL method, as the trainer needs to know it.
+    """One online RL method, as the trainer needs to know it (constructed by keyword).
 
     Fields:
-        name: registry key, the `algo.name` of a config.
+        name: registry key, the `algo.algorithm` of a config.
+        family: the CLI command that runs it (`rlhfkit ppo|rloo|grpo|reinforce_pp`); variants share their family's.
         advantage: name of the advantage estimator in `rlhfkit.advantages.ESTIMATORS`.
         needs_value: trains a critic (value head) next to the policy.
         needs_reference: keeps a frozen reference policy for the KL term.
+        needs_groups: compares the samples of one prompt (needs `generation.num_samples` >= 2).
         kl_in_reward: k1 KL penalty in the per-token rewards.
         kl_in_loss: k3 KL term in the per-token loss.
         default_loss_agg: `aggregate` mode used unless the config overrides it.
+        whiten_by_default: whiten the advantages over the rollout unless `algo.whiten_advantages` says otherwise
+            (TRL's PPO does; the group-relative estimators are already normalised).
     """
 
     name: str
+    family: str
     advantage: str
-    needs_value: bool
-    needs_reference: bool
-    kl_in_reward: bool
-    kl_in_loss: bool
-    default_loss_agg: str
+    needs_value: bool = False
+    needs_reference: bool = False
+    needs_groups: bool = False
+    kl_in_reward: bool = False
+    kl_in_loss: bool = False
+    default_loss_agg: str = "token-mean"
+    whiten_by_default: bool = False
 
     def __post_init__(self) -> None:
         if self.advantage not in ESTIMATORS:
@@ -67,6 +74,11 @@ def register_algorithm(algorithm: Algorithm) -> Algorithm:
     return algorithm
 
 
+def family_members(family: str) -> tuple[str, ...]:
+    """The algorithms a CLI command runs, its namesake first (the default); () for a command that is no family."""
+    return tuple(sorted((a.name for a in ALGORITHMS.values() if a.family == family), key=lambda n: (n != family, n)))
+
+
 def get_algorithm(name: str) -> Algorithm:
     """The algorithm registered under `name`; KeyError naming the known ones otherwise."""
     if name not in ALGORITHMS:
@@ -76,17 +88,23 @@ def get_algorithm(name: str) -> Algorithm:
 
 # PPO for RLHF (Schulman et al. 2017, arXiv 1707.06347; Ziegler et al. 2019): GAE with a critic, k1 KL in the reward,
 # token-mean over the batch as TRL's PPO trainer.
-register_algorithm(Algorithm("ppo", "gae", True, True, True, False, "token-mean"))
+register_algorithm(Algorithm(name="ppo", family="ppo", advantage="gae", needs_value=True, needs_reference=True,
+                             kl_in_reward=True, whiten_by_default=True))
 # RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, the sequence KL in the reward.
-register_algorithm(Algorithm("rloo", "rloo", False, True, True, False, "token-mean"))
+register_algorithm(Algorithm(name="rloo", family="rloo", advantage="rloo", needs_reference=True, needs_groups=True,
+                             kl_in_reward=True))
 # GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3): group-normalised advantage, k3 KL in the loss, 1/|o_i| per sequence.
-register_algorithm(Algorithm("grpo", "grpo", False, True, False, True, "seq-mean-token-mean"))
+register_algorithm(Algorithm(name="grpo", family="grpo", advantage="grpo", needs_reference=True, needs_groups=True,
+                             kl_in_loss=True, default_loss_agg="seq-mean-token-mean"))
 # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std scaling, no length normalisation, no KL term.
-register_algorithm(Algorithm("dr_grpo", "dr_grpo", False, False, False, False, "seq-mean-token-sum-norm"))
+register_algorithm(Algorithm(name="dr_grpo", family="grpo", advantage="dr_grpo", needs_groups=True,
+                             default_loss_agg="seq-mean-token-sum-norm"))
 # DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO's advantage, no KL (§2.3), token-level loss (§3.3). Clip-Higher is the
 # config's clip_eps_high (0.28 in the paper); dynamic sampling is `advantages.zero_variance_groups`.
-register_algorithm(Algorithm("dapo", "grpo", False, False, False, False, "token-mean"))
+register_algorithm(Algorithm(name="dapo", family="grpo", advantage="grpo", needs_groups=True))
 # REINFORCE++ (Hu 2025, arXiv 2501.03262): return-to-go of k1-penalised rewards, globally whitened.
-register_algorithm(Algorithm("reinforce_pp", "reinforce_pp", False, True, True, False, "token-mean"))
+register_algorithm(Algorithm(name="reinforce_pp", family="reinforce_pp", advantage="reinforce_pp", needs_reference=True,
+                             kl_in_reward=True))
 # REINFORCE++ with a group-mean baseline on the score (same paper), KL placed as in "reinforce_pp".
-register_algorithm(Algorithm("reinforce_pp_baseline", "reinforce_pp_baseline", False, True, True, False, "token-mean"))
+register_algorithm(Algorithm(name="reinforce_pp_baseline", family="reinforce_pp", advantage="reinforce_pp_baseline",
+                             needs_reference=True, needs_groups=True, kl_in_reward=True))

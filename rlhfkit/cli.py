@@ -7,40 +7,13 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 import time
 
 from rlhfkit.errors import UserError
-
-# stage -> (config class, trainer class, what it trains), imported lazily so `--help` is instant.
-STAGES = {
-    "sft": ("rlhfkit.config:SFTConfig", "rlhfkit.trainers.sft:SFTTrainer", "supervised fine-tuning on prompt/completion or chat data"),
-    "rm": ("rlhfkit.config:RMConfig", "rlhfkit.trainers.reward:RewardTrainer", "reward model on chosen/rejected pairs (Bradley-Terry)"),
-    "ppo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "PPO with a critic, GAE and a KL penalty"),
-    "rloo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "RLOO: k samples per prompt, leave-one-out baseline"),
-    "grpo": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "GRPO (algo.algorithm=dr_grpo|dapo for the variants)"),
-    "reinforce_pp": ("rlhfkit.config:OnlineConfig", "rlhfkit.trainers.online:OnlineTrainer", "REINFORCE++ (algo.algorithm=reinforce_pp_baseline for the group baseline)"),
-    "dpo": ("rlhfkit.config:DPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "direct preference optimisation on chosen/rejected pairs (algo.loss_type: sigmoid = DPO/cDPO, ipo, hinge, simpo)"),
-    "orpo": ("rlhfkit.config:ORPOConfig", "rlhfkit.trainers.preference:PreferenceTrainer", "odds-ratio preference optimisation: SFT + odds-ratio loss on pairs, no reference model"),
-    "kto": ("rlhfkit.config:KTOConfig", "rlhfkit.trainers.kto:KTOTrainer", "Kahneman-Tversky optimisation on unpaired completions labelled desirable or not"),
-    "eval": ("rlhfkit.config:EvalConfig", "rlhfkit.evaluation.evaluate:Evaluator", "evaluate a policy against a reference: rewards per judge, KL, win rates, length, diversity, reward-hacking alarms"),
-    "rft": ("rlhfkit.config:RFTConfig", "rlhfkit.trainers.rft:RFTTrainer", "best-of-n rejection-sampling fine-tuning: sample n per prompt, keep the best by the reward, SFT on them; iterated"),
-}
-
-
-# Online stages fix the algorithm family; the config may pick a variant within it.
-ONLINE_FAMILIES = {
-    "ppo": ("ppo",), "rloo": ("rloo",), "grpo": ("grpo", "dr_grpo", "dapo"),
-    "reinforce_pp": ("reinforce_pp", "reinforce_pp_baseline"),
-}
-
-
-def _load(ref: str):
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
+from rlhfkit.stages import STAGES, run_stage, stage_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,21 +53,16 @@ def _setup_logging() -> None:
     hf_logging.disable_progress_bar()  # weight loading/saving bars would bury rlhfkit's own progress
 
 
-def run_stage(stage: str, config: str | None, overrides: list[str], print_config: bool = False) -> dict:
-    from rlhfkit.config import config_to_yaml, load_config
-
-    config_ref, trainer_ref, _ = STAGES[stage]
-    family = ONLINE_FAMILIES.get(stage)
-    defaults = {"algo": {"algorithm": family[0]}} if family else None
-    cfg = load_config(_load(config_ref), config, overrides, defaults)
-    if family and cfg.algo.algorithm not in family:
-        raise UserError(f"config key 'algo.algorithm': `rlhfkit {stage}` runs one of {', '.join(family)}, got {cfg.algo.algorithm!r}")
+def run_command(stage: str, config: str | None, overrides: list[str], print_config: bool = False) -> dict:
+    """`rlhfkit <stage>`: `run_stage` with the resolved config printed instead (`--print-config`), or a closing line."""
+    cfg = stage_config(stage, config, overrides)
     if print_config:
+        from rlhfkit.config import config_to_yaml
+
         print(config_to_yaml(cfg), end="")
         return {}
-    trainer = _load(trainer_ref)(cfg)
     t0 = time.time()
-    result = trainer.fit()
+    result = run_stage(stage, cfg)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in result.items() if k.startswith(("loss", "eval/", "accuracy")))
     print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {cfg.output_dir}" + (f" ({summary})" if summary else ""))
     return result
@@ -116,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "dashboard":
             run_dashboard(args.run_dir, args.out)
         elif args.stage == "demo":
-            from rlhfkit.demo import run_demo
+            from rlhfkit.tasks.demo import run_demo  # only `rlhfkit demo` pays for its imports
 
             run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite)
         else:
-            run_stage(args.stage, args.config, args.overrides, args.print_config)
+            run_command(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:
         print(f"rlhfkit: error: {exc}", file=sys.stderr)
         return 2

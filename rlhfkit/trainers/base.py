@@ -468,23 +468,18 @@ class Trainer:
         """Hook for whole-dataset transforms (SFT packing); identity by default."""
         return examples
 
-    # -- shared -----------------------------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Tokenizer, data, model, accelerate — in that order, so bad data fails before a model loads."""
-        from accelerate.utils import set_seed
-
+    # -- hooks with defaults (the online and RFT trainers override them) ---------------------------------------
+    def load_data(self) -> None:
+        """`train_set` (and `eval_set`) from `cfg.data`: bad data fails here, before any model loads."""
         from rlhfkit.data import build_datasets
-        from rlhfkit.models import load_tokenizer
 
-        cfg = self.cfg
-        set_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
-        train_set, self.eval_set = build_datasets(self.kind, cfg.data, self.tokenizer, cfg.seed)
+        train_set, self.eval_set = build_datasets(self.kind, self.cfg.data, self.tokenizer, self.cfg.seed)
         self.train_set = self.prepare_train_set(train_set)
-        self.accelerator = self.make_accelerator()
-        set_seed(cfg.seed)  # the same initial weights (new heads, LoRA) whatever the data loading consumed
+
+    def build(self) -> None:
+        """Models, optimizer and schedule: sets `model`, `optimizer`, `scheduler`, `steps_per_epoch`, `total_steps`."""
+        cfg = self.cfg
         model = self.load_model(self.tokenizer)
-        self.world = self.accelerator.num_processes
         per_step = cfg.optim.per_device_batch_size * self.world * cfg.optim.grad_accum_steps
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / per_step))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)
@@ -492,22 +487,87 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         # The scheduler is not prepared: accelerate would step it once per process, stretching warmup.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+
+    def save_models(self, directory: str) -> None:
+        """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory)."""
+        from rlhfkit.models import save_model
+
+        save_model(self.accelerator.unwrap_model(self.model), self.tokenizer, directory, merge_lora=False)
+
+    def load_models(self, checkpoint: str) -> None:
+        """Load the weights `save_models` wrote into checkpoint directory `checkpoint`."""
+        load_model_weights(self.accelerator.unwrap_model(self.model), os.path.join(checkpoint, "model"))
+
+    def extra_state(self) -> dict:
+        """What a checkpoint keeps besides optimizer, scheduler, step, RNG and the skipped-step count."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what `extra_state` saved."""
+
+    def prepare_run_dir(self) -> None:
+        """Create output_dir and write the resolved config (main process): see `RunDir.prepare`."""
+        self.run_dir.prepare(self.start_step if self.resume_from else None)
+
+    # -- the skeleton every trainer shares ------------------------------------------------------------------------
+    def setup(self) -> None:
+        """1. tokenizer and data, so bad data fails before a model loads; 2. accelerate, models, optimizer (seeded
+        again, so initial weights do not depend on what data loading consumed); 3. resume; 4. run directory,
+        trackers and metrics logger."""
+        from accelerate.utils import set_seed
+
+        from rlhfkit.models import load_tokenizer
+
+        cfg = self.cfg
+        set_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.load_data()
+        self.accelerator = self.make_accelerator()
+        self.world = self.accelerator.num_processes
+        set_seed(cfg.seed)
+        self.build()
         self.start_step = 0
         if self.resume_from:
-            state = load_checkpoint(self.resume_from)
-            load_model_weights(self.accelerator.unwrap_model(self.model), os.path.join(self.resume_from, "model"))
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            self.start_step = int(state["step"])
-            self.bad_steps = int(state.get("bad_steps", 0))
-            logger.info("resuming from %s (step %d)", self.resume_from, self.start_step)
+            self.resume(self.resume_from)
         if self.accelerator.is_main_process:
-            self.run_dir.prepare(self.start_step if self.resume_from else None)
+            self.prepare_run_dir()
         self.accelerator.wait_for_everyone()
         if cfg.logging.report_to:
             self.accelerator.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
         self.metrics = MetricsLogger(cfg.output_dir, self.accelerator, cfg.logging.report_to)
+
+    def resume(self, checkpoint: str) -> None:
+        state = load_checkpoint(checkpoint)
+        self.load_models(checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.start_step = int(state["step"])
+        self.bad_steps = int(state.get("bad_steps", 0))
+        self.load_extra_state(state)
+        set_rng_state(state["rng"])  # last: nothing after it may draw random numbers before training
+        logger.info("resuming from %s (step %d)", checkpoint, self.start_step)
+
+    def checkpoint(self, step: int) -> None:
+        """checkpoint-{step}/: `save_models` + optimizer, scheduler, RNG, skipped steps and `extra_state`."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "bad_steps": self.bad_steps, **self.extra_state()}
+            save_checkpoint(self.cfg.output_dir, step, self.save_models, state, self.cfg.logging.save_total_limit)
+        acc.wait_for_everyone()
+
+    def permutation(self, n: int, epoch: int) -> torch.Tensor:
+        """A permutation of range(n) seeded by (seed, epoch): data order is a function of the step alone, so
+        resuming needs no data-loader state."""
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+
+    def step_indices(self, step: int, n: int, per_step: int) -> list[int]:
+        """The `per_step` dataset indices (all processes) of step `step`: epoch e's permutation, wrapped around to
+        fill its last step."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = self.permutation(n, epoch).repeat(math.ceil(self.steps_per_epoch * per_step / n))
+        return order[k * per_step : (k + 1) * per_step].tolist()
 
     def make_accelerator(self):
         """accelerate with the run's mixed precision and metric sinks (every stage's setup starts with one)."""
@@ -520,17 +580,11 @@ class Trainer:
     def micro_batches(self, step: int) -> list:
         """This process's micro-batches for optimizer step `step`.
 
-        Epoch e uses a permutation seeded by (seed, e), wrapped around to fill its last step, so the batches of any
-        step are a pure function of the step: resuming needs no data-loader state.
+        See `step_indices`: the batches of any step are a pure function of the step.
         """
         o = self.cfg.optim
         per_micro = o.per_device_batch_size * self.world
-        per_step = per_micro * o.grad_accum_steps
-        epoch, k = divmod(step, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch)
-        perm = torch.randperm(len(self.train_set), generator=g)
-        reps = math.ceil(self.steps_per_epoch * per_step / len(perm))
-        order = perm.repeat(reps)[k * per_step : (k + 1) * per_step].tolist()
+        order = self.step_indices(step, len(self.train_set), per_micro * o.grad_accum_steps)
         rank = self.accelerator.process_index
         batches = []
         for a in range(o.grad_accum_steps):
@@ -633,26 +687,12 @@ class Trainer:
         try:
             save_model(model, self.tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
             refuse_nonfinite_weights(os.path.join(tmp, "model"), self.cfg.output_dir, "the final model")
+            # File by file: output_dir also holds config.yaml, metrics.jsonl and the checkpoints.
             for name in os.listdir(os.path.join(tmp, "model")):
                 os.replace(os.path.join(tmp, "model", name), os.path.join(self.cfg.output_dir, name))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         commit_replacement(self.cfg.output_dir)
-
-    def checkpoint(self, step: int) -> None:
-        from rlhfkit.models import save_model
-
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "bad_steps": self.bad_steps}
-            save_checkpoint(
-                self.cfg.output_dir, step, lambda d: save_model(model, self.tokenizer, d, merge_lora=False), state,
-                self.cfg.logging.save_total_limit,
-            )
-        acc.wait_for_everyone()
 
     @_restores_replaced_run
     def fit(self) -> dict[str, float]:
