@@ -29,13 +29,13 @@ from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_
 from rlhfkit.evaluation.metrics import best_of_n_kl
 from rlhfkit.generation import SamplingParams, generate
 from rlhfkit.io import atomic_write_text
-from rlhfkit.models import load_causal_lm, load_tokenizer, save_model
+from rlhfkit.losses.sft import sft_loss
+from rlhfkit.models import load_causal_lm, scored_logits
 from rlhfkit.rewards import RewardSource
 from rlhfkit.trainers.base import (
-    MetricsLogger, Trainer, build_optimizer, build_scheduler, load_checkpoint, load_model_weights,
-    save_checkpoint, set_rng_state,
+    Trainer, build_optimizer, build_scheduler,
 )
-from rlhfkit.trainers.sft import SFTTrainer
+from rlhfkit.types import SFTBatch
 
 logger = logging.getLogger("rlhfkit")
 
@@ -58,26 +58,25 @@ class RFTTrainer(Trainer):
     kind = "prompt"
     cfg: RFTConfig
 
-    # The SFT stage's loss on completion tokens, shared without a second level of inheritance.
-    count = SFTTrainer.count
-    compute_loss = SFTTrainer.compute_loss
-
-    def collate(self, examples):
+    def collate(self, examples) -> SFTBatch:
         return collate_sft(examples, self.tokenizer.pad_token_id)
 
-    # 0. Models, data, reward ----------------------------------------------------------------------------------
-    def setup(self) -> None:
-        from accelerate.utils import set_seed
+    # The SFT loss on completion tokens (step 4), as `rlhfkit sft` computes it.
+    def count(self, batch: SFTBatch) -> int:
+        return int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
 
-        cfg = self.cfg
-        set_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
-        self.accelerator = acc = self.make_accelerator()
-        set_seed(cfg.seed)
+    def compute_loss(self, model, batch: SFTBatch, num_items: float):
+        logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
+        return sft_loss(logits, batch.labels[:, first:], num_tokens=num_items)
+
+    # 0. Models, data, reward (the skeleton's hooks: see trainers.base.Trainer.setup) ---------------------------
+    def load_data(self) -> None:
+        self.prompts, _ = build_datasets("prompt", self.cfg.data, self.tokenizer, self.cfg.seed)
+
+    def build(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
         policy = load_causal_lm(cfg.model, self.tokenizer)
         self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
-        self.world = acc.num_processes
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)
@@ -85,27 +84,22 @@ class RFTTrainer(Trainer):
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         self.model, self.optimizer = acc.prepare(policy, optimizer)
         self.params = SamplingParams(**dataclasses.asdict(cfg.generation))
-        self.start_step, self.start_iteration = 0, 0
+        self.start_iteration = self.iterations_done = 0
+
+    def extra_state(self) -> dict:
+        return {"iteration": self.iterations_done}  # a checkpoint sits between iterations
+
+    def load_extra_state(self, state: dict) -> None:
+        self.start_iteration = int(state["iteration"])
+
+    def prepare_run_dir(self) -> None:
+        super().prepare_run_dir()
         if self.resume_from:
-            state = load_checkpoint(self.resume_from)
-            load_model_weights(acc.unwrap_model(self.model), os.path.join(self.resume_from, "model"))
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            self.start_step, self.start_iteration = int(state["step"]), int(state["iteration"])
-            logger.info("resuming from %s (iteration %d, step %d)", self.resume_from, self.start_iteration + 1, self.start_step)
-        if acc.is_main_process:
-            self.run_dir.prepare(self.start_step if self.resume_from else None)
-            if self.resume_from:
-                # The next iteration's row was logged at the checkpoint's own step, which `prepare` keeps.
-                path = os.path.join(cfg.output_dir, "metrics.jsonl")
-                with open(path, encoding="utf-8") as f:
-                    rows = [line for line in f if json.loads(line).get("rft/iteration", 0) <= self.start_iteration]
-                atomic_write_text(path, "".join(rows))
-        acc.wait_for_everyone()
-        if cfg.logging.report_to:
-            acc.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
-        self.metrics = MetricsLogger(cfg.output_dir, acc, cfg.logging.report_to)
+            # The next iteration's row was logged at the checkpoint's own step, which `prepare` keeps.
+            path = os.path.join(self.cfg.output_dir, "metrics.jsonl")
+            with open(path, encoding="utf-8") as f:
+                rows = [line for line in f if json.loads(line).get("rft/iteration", 0) <= self.start_iteration]
+            atomic_write_text(path, "".join(rows))
 
     def sft_steps(self, num_examples: int) -> int:
         """Optimizer steps of one iteration's SFT on `num_examples`: max_steps, or num_epochs passes over them.
@@ -122,8 +116,7 @@ class RFTTrainer(Trainer):
         from accelerate.utils import gather_object
 
         cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
-        g = torch.Generator().manual_seed(cfg.seed * 100003 + iteration)  # a fresh subset each iteration
-        chosen = torch.randperm(len(self.prompts), generator=g)[: self.per_iteration].tolist()
+        chosen = self.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
         mine = chosen[acc.process_index :: self.world]
         policy = acc.unwrap_model(self.model)
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
@@ -197,19 +190,8 @@ class RFTTrainer(Trainer):
                                             "elapsed_s": time.time() - t0})
                     window = []
             if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
-                self.checkpoint(step, iteration + 1)
+                self.iterations_done = iteration + 1  # resuming continues with the next iteration's sampling
+                self.checkpoint(step)
         bar.close()
         self.finish()
         return last
-
-    def checkpoint(self, step: int, iterations_done: int) -> None:
-        """A checkpoint between iterations: resuming continues with the next iteration's sampling."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "iteration": iterations_done}
-            save_checkpoint(self.cfg.output_dir, step, lambda d: save_model(model, self.tokenizer, d, merge_lora=False),
-                            state, self.cfg.logging.save_total_limit)
-        acc.wait_for_everyone()
