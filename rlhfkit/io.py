@@ -3,7 +3,7 @@
 A reader — a resumed run, `rlhfkit dashboard`, a browser tab on report.html — never sees half a file, and a kill
 leaves only `.tmp-*` entries, which the next run in that directory removes (`trainers.base.RunDir`).
 
-This module imports only the standard library.
+This module imports only the standard library (and `rlhfkit.errors`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 from typing import Iterator
+
+from rlhfkit.errors import UserError
 
 TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes (removed at the next start in output_dir)
 
@@ -75,3 +77,19 @@ def remove_tree(path: str) -> None:
     trash = tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}removed-")
     os.replace(path, os.path.join(trash, name))
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def check_writable(path: str, key: str = "output_dir") -> None:
+    """Fail (writing nothing) unless `path` is a directory, or can be created as one, that we may write into.
+
+    `key` is the config key or option the path came from, named in the one-line `UserError`.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{key} '{path}' exists and is not a directory")
+    existing = os.path.abspath(path)  # the nearest existing ancestor decides
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{key} '{path}' cannot be created: '{existing}' is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{key} '{path}' is not writable: no permission to write in '{existing}'")

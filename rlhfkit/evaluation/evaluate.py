@@ -35,12 +35,11 @@ from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
 from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import (
     EnsembleScorer, RewardFunction, call_reward_function, load_reward_function, load_reward_scorer,
 )
-from rlhfkit.io import atomic_write_text
-from rlhfkit.trainers.base import RunDir
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
@@ -234,7 +233,7 @@ class Evaluator:
     def check(self) -> None:
         """Fail before any model loads: an unusable output_dir, an eval.json to keep, a run_dir without metrics."""
         cfg = self.cfg
-        RunDir.check_writable(cfg.output_dir)
+        check_writable(cfg.output_dir)
         if os.path.exists(self.path) and not cfg.overwrite:
             raise UserError(f"'{self.path}' exists; pass overwrite=true to replace it")
         if cfg.run_dir and not os.path.isfile(os.path.join(cfg.run_dir, "metrics.jsonl")):

@@ -39,9 +39,9 @@ import torch
 import yaml
 
 from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_write_text, check_writable
+from rlhfkit.stages import run_stage
 from rlhfkit.tasks import reviews
-from rlhfkit.io import atomic_write_text
-from rlhfkit.trainers.base import RunDir
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,19 +103,10 @@ def _read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _config(cls, settings: dict):
-    """A validated stage config from `key.sub: value` settings, passed as CLI-style overrides (JSON is YAML)."""
-    from rlhfkit.config import load_config
-
-    return load_config(cls, None, overrides=[f"{k}={json.dumps(v)}" for k, v in settings.items()])
-
-
 def _train(stage: str, settings: dict) -> dict:
-    """Run `rlhfkit <stage>`'s trainer on a config built from `settings`; returns its last metrics."""
-    from rlhfkit.cli import STAGES as CLI_STAGES, _load
-
-    config_ref, trainer_ref, _ = CLI_STAGES[stage]
-    return _load(trainer_ref)(_config(_load(config_ref), settings)).fit()
+    """Run `rlhfkit <stage>` on `key.sub: value` settings, passed as CLI-style overrides (JSON is YAML); returns its
+    last metrics."""
+    return run_stage(stage, None, [f"{k}={json.dumps(v)}" for k, v in settings.items()])
 
 
 class Policy:
@@ -198,7 +189,7 @@ class Demo:
     def check_output_dir(self, from_stage: str) -> None:
         """Refuse (writing nothing) an `output_dir` that can't be written, or that holds anything when this run
         starts from scratch without `overwrite`: the user's files and earlier runs are never replaced unasked."""
-        RunDir.check_writable(self.output_dir, "--output-dir")
+        check_writable(self.output_dir, "--output-dir")
         if from_stage == "prompts" and not self.overwrite and os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
             raise UserError(f"--output-dir '{self.output_dir}' is not empty: pass --overwrite to replace the demo in it, "
                             f"or --from-stage {'|'.join(STAGES[1:])} to rerun its later stages")

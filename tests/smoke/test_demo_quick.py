@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rlhfkit.cli import main
-from rlhfkit.demo import METHODS
+from rlhfkit.tasks.demo import METHODS
 
 FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "eos_rate", "mean_words"}
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rlhfkit import demo
+from rlhfkit.tasks import demo
 from rlhfkit.cli import main
 
 
