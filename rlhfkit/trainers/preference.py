@@ -9,60 +9,21 @@ second model (`algo.ref_model`, or the policy's starting weights) — or were co
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from rlhfkit.config import DPOConfig, ModelConfig, ORPOConfig, ORPOOptions
+from rlhfkit.config import DPOConfig, ORPOConfig, ORPOOptions
 from rlhfkit.data import collate_preference
-from rlhfkit.errors import UserError
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
-from rlhfkit.models import load_causal_lm, sequence_logprobs
+from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
 from rlhfkit.trainers.base import Trainer
 from rlhfkit.types import PreferenceBatch
 
 logger = logging.getLogger("rlhfkit")
 
 REFERENCE_FREE = ("simpo", "orpo")
-
-
-class Reference:
-    """π_ref, frozen: a second model loaded with `trainable=False`, or — LoRA with no `ref_model` — the policy's own
-    base with its adapters disabled, so the reference costs no memory beyond activations."""
-
-    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device):
-        self.shared = ref_model is None and cfg.lora.enabled
-        self.model = None
-        if self.shared:
-            return
-        ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
-        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if vocab != policy.get_input_embeddings().num_embeddings:
-            raise UserError(
-                f"reference model '{ref_model}' has a vocabulary of {vocab} tokens, the policy "
-                f"{policy.get_input_embeddings().num_embeddings}: they must share the tokenizer"
-            )
-
-    def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
-        """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
-        (accelerate-free) policy, used only when the reference is its base."""
-        if not self.shared and self.model is None:
-            raise RuntimeError("the reference model was released after its log-probs were precomputed")
-        with torch.no_grad(), policy.disable_adapter() if self.shared else contextlib.nullcontext():
-            logps, _ = sequence_logprobs(policy if self.shared else self.model, input_ids, attention_mask, labels)
-        return logps
-
-    def release(self) -> None:
-        """Free a second model once its log-probs are precomputed."""
-        self.model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 @dataclass

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-
 from rlhfkit.config import SFTConfig
 from rlhfkit.data import collate_sft, pack_sft
-from rlhfkit.losses.sft import token_nll
+from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
 from rlhfkit.trainers.base import Trainer
 from rlhfkit.types import SFTBatch
@@ -32,11 +31,4 @@ class SFTTrainer(Trainer):
 
     def compute_loss(self, model, batch: SFTBatch, num_items: float):
         logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
-        nll, parts = token_nll(logits, batch.labels[:, first:])  # (B, T-1-first)
-        mask = parts["mask"]
-        loss = nll.sum() / num_items  # token mean over the global count of the accumulation window
-        n = mask.sum().clamp(min=1)
-        return loss, {
-            "loss": (nll.sum() / n).detach(),
-            "mean_token_accuracy": (parts["correct"].sum() / n),
-        }
+        return sft_loss(logits, batch.labels[:, first:], num_tokens=num_items)

@@ -174,7 +174,7 @@ def test_unwritable_output_dir_fails_before_any_model_loads(stage, tmp_path, cap
 @pytest.fixture(scope="module")
 def causal_lm_dir(tmp_path_factory):
     """A causal LM (no score head) where a reward model is expected."""
-    from rlhfkit.models import build_tiny_model
+    from rlhfkit.model_sources import build_tiny_model
 
     path = str(tmp_path_factory.mktemp("causal") / "lm")
     build_tiny_model(path)

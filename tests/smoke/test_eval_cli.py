@@ -64,7 +64,7 @@ def test_policy_against_itself(rm_dir, tmp_path, capsys):
 
 
 def test_policy_against_another_model_and_alone(tmp_path):
-    from rlhfkit.models import build_tiny_model
+    from rlhfkit.model_sources import build_tiny_model
 
     other = tmp_path / "other"
     build_tiny_model(str(other), seed=1)  # same tokenizer, different weights

@@ -11,19 +11,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhfkit.config import LoraConfig, ModelConfig
 from rlhfkit.errors import UserError
-from rlhfkit.models import (
-    PAD_TOKEN,
-    TINY_CACHE_NAME,
-    TINY_NAME,
-    build_tiny_model,
-    build_tiny_tokenizer,
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    resolve_model_path,
-    save_model,
-    unwrap_peft,
-)
+from rlhfkit.model_sources import TINY_CACHE_NAME, TINY_NAME, build_tiny_model, build_tiny_tokenizer, resolve_model_path
+from rlhfkit.models import PAD_TOKEN, load_causal_lm, load_reward_model, load_tokenizer, save_model, unwrap_peft
 
 LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
 
@@ -86,7 +75,7 @@ def test_resolve_tiny_builds_once(tmp_path, monkeypatch):
     def fail(path, seed=0):
         raise AssertionError("rebuilt a cached tiny model")
 
-    monkeypatch.setattr("rlhfkit.models.build_tiny_model", fail)
+    monkeypatch.setattr("rlhfkit.model_sources.build_tiny_model", fail)
     assert resolve_model_path(ModelConfig(name_or_path=TINY_NAME)) == path
 
 

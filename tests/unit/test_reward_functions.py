@@ -15,7 +15,7 @@ import torch
 from rlhfkit.config import DataConfig
 from rlhfkit.data import build_datasets
 from rlhfkit.errors import UserError
-from rlhfkit.models import build_tiny_tokenizer
+from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.rewards import RewardSource, load_reward_function
 from rlhfkit.types import Rollout
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlhfkit.config import LoraConfig, ModelConfig
-from rlhfkit.models import build_tiny_model, load_causal_lm, load_reward_model, load_tokenizer, save_model, unwrap_peft
+from rlhfkit.model_sources import build_tiny_model
+from rlhfkit.models import load_causal_lm, load_reward_model, load_tokenizer, save_model, unwrap_peft
 from rlhfkit.rewards import EnsembleScorer, RewardModelScorer, load_reward_scorer, sequence_scores
 
 # Three sequences of different lengths; the first two end with eos, which is also the pad token (id 2).

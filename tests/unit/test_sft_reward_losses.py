@@ -3,7 +3,7 @@ import math
 import torch
 
 from rlhfkit.losses.reward import bradley_terry_loss
-from rlhfkit.losses.sft import token_nll
+from rlhfkit.losses.sft import sft_loss, token_nll
 
 
 def test_bradley_terry_plain():
@@ -59,3 +59,17 @@ def test_token_nll_shift():
     logits[0, 1, 1] = 30.0  # predicts labels[2] = 1
     nll, parts = token_nll(logits, torch.tensor([[0, 4, 1]]))
     assert nll.max() < 1e-6 and parts["correct"].tolist() == [[1.0, 1.0]]
+
+
+def test_sft_loss_divides_by_the_global_token_count():
+    # Uniform logits over V=4: ln 4 per labelled token. Two micro-batches of 1 and 2 labelled tokens, each divided by
+    # the step's 3 tokens, add up to the one-batch loss ln 4; each logs its own per-token mean.
+    logits = torch.zeros(1, 4, 4)
+    first, first_metrics = sft_loss(logits, torch.tensor([[-100, -100, -100, 3]]), num_tokens=3)
+    second, second_metrics = sft_loss(logits, torch.tensor([[-100, -100, 2, 3]]), num_tokens=3)
+    torch.testing.assert_close(first, torch.tensor(math.log(4.0) / 3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(first + second, torch.tensor(math.log(4.0)), atol=1e-6, rtol=0)
+    torch.testing.assert_close(second_metrics["loss"], torch.tensor(math.log(4.0)), atol=1e-6, rtol=0)
+    assert first_metrics["mean_token_accuracy"] == 0.0  # argmax of uniform logits is token 0, the label is 3
+    nothing, metrics = sft_loss(logits, torch.full((1, 4), -100), num_tokens=3)
+    assert nothing == 0.0 and metrics["loss"] == 0.0  # no labelled token: 0, not NaN
