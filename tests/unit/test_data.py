@@ -26,7 +26,7 @@ from rlhfkit.data import (
     tokenize_records,
 )
 from rlhfkit.errors import DataError
-from rlhfkit.models import build_tiny_tokenizer
+from rlhfkit.model_sources import build_tiny_tokenizer
 
 EOS = "<|im_end|>"
 
