@@ -23,7 +23,16 @@ class _TensorBatch:
         kwargs = {}
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            kwargs[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+            kwargs[f.name] = value.to(device) if isinstance(value, (torch.Tensor, _TensorBatch)) else value
+        return type(self)(**kwargs)
+
+    def select(self, rows):
+        """The batch's rows `rows` (a slice, or a (K,) index tensor) of every tensor field, first dimension."""
+        kwargs = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kwargs[f.name] = value[rows] if isinstance(value, torch.Tensor) else (
+                value.select(rows) if isinstance(value, _TensorBatch) else value)
         return type(self)(**kwargs)
 
 
@@ -107,3 +116,23 @@ class Rollout(_TensorBatch):
     @property
     def sequence_response_mask(self) -> torch.Tensor:  # (B, P + R): 1 on the response tokens of `input_ids`
         return torch.cat([torch.zeros_like(self.prompt_mask), self.response_mask], 1)
+
+
+@dataclass
+class Experience(_TensorBatch):
+    """One online step's rollout with everything its updates read (rows as in `Rollout`).
+
+    Built by the online trainer's no-grad pass (`OnlineTrainer.make_experience`); `select` gives a minibatch.
+    """
+
+    rollout: Rollout
+    # no-grad forwards, without dropout, of the weights that sampled
+    old_logprobs: torch.Tensor  # (B, R) fp32 log π_old of the response tokens, 0 on padding
+    ref_logprobs: torch.Tensor | None  # (B, R) log π_ref; None for methods without a reference
+    values: torch.Tensor | None  # (B, R) critic values V(s_t); None without a critic
+    # the learning signal
+    scores: torch.Tensor  # (B,) raw rewards (before the EOS penalty and normalisation)
+    kl: torch.Tensor | None  # (B,) sequence KL to the reference, Σ_t k1; None without a reference
+    advantages: torch.Tensor  # (B, R), 0 on padding
+    returns: torch.Tensor  # (B, R) the critic's targets
+    loss_mask: torch.Tensor  # (B, R) float: the tokens that take a loss (`advantages.loss_mask`)

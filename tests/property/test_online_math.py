@@ -93,27 +93,26 @@ def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
     """Through the trainer: the gradient the bonus adds (coef 0.5 minus coef 0) is -0.5·∇ of the aggregated entropy
     of the model's own next-token distributions at the response positions."""
     t = build(tmp_path, "grpo_tiny.yaml", "algo.entropy_coef=0.5", "max_steps=1")
-    exp = t.make_experience(0)
-    n = exp["loss_mask"].shape[0]
-    j = torch.arange(n)
-    num_tokens, num_seqs = float(exp["loss_mask"].sum()), float(n)
+    exp, _ = t.make_experience(0)
+    n = exp.loss_mask.shape[0]
+    num_tokens, num_seqs = float(exp.loss_mask.sum()), float(n)
     t.model.train()
 
     def loss_grads(coef):
         with_algo(t, entropy_coef=coef)
         t.model.zero_grad(set_to_none=True)
-        loss, _ = t.policy_loss(exp, j, "token-mean", num_tokens, num_seqs)
+        loss, _ = t.policy_loss(exp, "token-mean", num_tokens, num_seqs)
         loss.backward()
         return grads(t)
 
     with_bonus, without = loss_grads(0.5), loss_grads(0.0)
-    ro = exp["rollout"]
+    ro = exp.rollout
     t.model.zero_grad(set_to_none=True)
     position_ids = (ro.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = t.model(input_ids=ro.input_ids, attention_mask=ro.attention_mask, position_ids=position_ids).logits
     width = ro.response_ids.shape[1]
     h = entropy_from_logits(logits[:, -width - 1 : -1], t.cfg.generation.temperature)  # (B, R)
-    (-0.5 * aggregate(h, exp["loss_mask"], "token-mean", num_tokens=num_tokens)).backward()
+    (-0.5 * aggregate(h, exp.loss_mask, "token-mean", num_tokens=num_tokens)).backward()
     expected = grads(t)
     assert max(float(e.abs().max()) for e in expected) > 1e-4
     for a, b, e in zip(with_bonus, without, expected):
@@ -126,14 +125,11 @@ def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
 def _pad_response(exp, extra):
     """The same rollout with `extra` more padding columns after every response."""
     pad = lambda x, value=0: torch.nn.functional.pad(x, (0, extra), value=value)  # noqa: E731
-    ro = exp["rollout"]
+    ro = exp.rollout
     padded = dataclasses.replace(ro, response_ids=pad(ro.response_ids, 0), response_mask=pad(ro.response_mask),
                                  sampler_logprobs=pad(ro.sampler_logprobs))
-    out = dict(exp, rollout=padded)
-    for key in ("old_lp", "ref_lp", "values", "adv", "returns", "loss_mask"):
-        if out.get(key) is not None:
-            out[key] = pad(out[key])
-    return out
+    widths = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "loss_mask")
+    return dataclasses.replace(exp, rollout=padded, **{k: pad(getattr(exp, k)) for k in widths if getattr(exp, k) is not None})
 
 
 def _losses_and_grads(t, exp, monkeypatch):
@@ -157,8 +153,8 @@ def _losses_and_grads(t, exp, monkeypatch):
 def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch):
     t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dr_grpo", "optim.lr=0", "max_steps=1",
               "optim.per_device_batch_size=16")
-    exp = t.make_experience(0)
-    assert exp["loss_mask"].shape[1] <= t.cfg.generation.max_new_tokens
+    exp, _ = t.make_experience(0)
+    assert exp.loss_mask.shape[1] <= t.cfg.generation.max_new_tokens
     loss_a, grad_a = _losses_and_grads(t, exp, monkeypatch)
     loss_b, grad_b = _losses_and_grads(t, _pad_response(exp, 7), monkeypatch)
     assert loss_a[0] != 0.0
@@ -201,10 +197,10 @@ def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorit
     t = build(tmp_path, config, f"algo.algorithm={algorithm}", "algo.mask_truncated=true", "kl.coef=0", "algo.rollout_batch_size=1",
               "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
-    exp = t.make_experience(0)
-    mask = exp["rollout"].response_mask.float()
-    assert exp["loss_mask"][3].sum() == 0 and torch.equal(exp["loss_mask"][:3], mask[:3])
-    per_sequence = (exp["adv"][:3] * mask[:3]).sum(1) / mask[:3].sum(1)
+    exp, _ = t.make_experience(0)
+    mask = exp.rollout.response_mask.float()
+    assert exp.loss_mask[3].sum() == 0 and torch.equal(exp.loss_mask[:3], mask[:3])
+    per_sequence = (exp.advantages[:3] * mask[:3]).sum(1) / mask[:3].sum(1)
     if algorithm == "rloo":
         torch.testing.assert_close(per_sequence, torch.full((3,), -4.0 / 3.0))
     else:
@@ -256,18 +252,17 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
               "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
               "optim.per_device_batch_size=8")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
-    exp = t.make_experience(0)
-    kept = exp["loss_mask"].sum(1) > 0
+    exp, _ = t.make_experience(0)
+    kept = exp.loss_mask.sum(1) > 0
     assert kept.tolist() == [False] * 4 + [True, False, True, True]
     assert t.cfg.algo.loss_agg is None and t.algo.default_loss_agg == "token-mean"
-    shifted = dict(exp, old_lp=exp["old_lp"] - math.log(1.25))  # ratio π/π_old = 1.25 at every token
-    j = torch.arange(8)
-    positive = float((exp["loss_mask"] * (exp["adv"] > 0)).sum() / exp["loss_mask"].sum())
+    shifted = dataclasses.replace(exp, old_logprobs=exp.old_logprobs - math.log(1.25))  # ratio π/π_old = 1.25 everywhere
+    positive = float((exp.loss_mask * (exp.advantages > 0)).sum() / exp.loss_mask.sum())
     assert 0 < positive < 1
     t.model.train()
-    _, high = t.policy_loss(shifted, j, "token-mean", 1.0, 8.0)
+    _, high = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
     with_algo(t, clip_eps_high=None)
-    _, symmetric = t.policy_loss(shifted, j, "token-mean", 1.0, 8.0)
+    _, symmetric = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
     assert float(high["val/ratio"]) == pytest.approx(1.25, rel=1e-5)
     assert float(high["policy/clipfrac_avg"]) == 0.0
     assert float(symmetric["policy/clipfrac_avg"]) == pytest.approx(positive, abs=1e-6)
@@ -300,9 +295,9 @@ def test_missing_eos_penalty_is_subtracted(tmp_path, monkeypatch):
     t = build(tmp_path, "rloo_tiny.yaml", "algo.algorithm=rloo", "reward.missing_eos_penalty=2.0", "kl.coef=0", "algo.rollout_batch_size=1",
               "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
-    exp = t.make_experience(0)
-    mask = exp["rollout"].response_mask.float()
-    first = float((exp["adv"][0] * mask[0]).sum() / mask[0].sum())
+    exp, _ = t.make_experience(0)
+    mask = exp.rollout.response_mask.float()
+    first = float((exp.advantages[0] * mask[0]).sum() / mask[0].sum())
     assert first == pytest.approx(1.0 - 5.0 / 3.0, abs=1e-5)
 
 
