@@ -21,7 +21,7 @@ def ppo_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    clip_eps_low: float = 0.2,
+    clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -39,7 +39,7 @@ def ppo_policy_loss(
         logprobs: (B, R) log π_θ of the sampled tokens (requires grad).
         old_logprobs: (B, R) log π_old of the same tokens, from rollout time.
         advantages: (B, R) advantage per token.
-        clip_eps_low: ε_low in (0, 1).
+        clip_eps: ε_low in (0, 1).
         clip_eps_high: ε_high > 0; None means ε_low (symmetric PPO).
         dual_clip: c > 1, or None for no dual clip.
 
@@ -51,9 +51,9 @@ def ppo_policy_loss(
           "approxkl" ½ (log π - log π_old)², the k2 estimate of KL(π_old || π) that TRL logs as policy/approxkl_avg;
           "ratio" ρ.
     """
-    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    if not 0 < clip_eps_low < 1:
-        raise ValueError(f"clip_eps_low must be in (0, 1), got {clip_eps_low}")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
     if not clip_eps_high > 0:
         raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
     if dual_clip is not None and not dual_clip > 1:
@@ -63,7 +63,7 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, R)
     adv = advantages.float()
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
     loss = torch.maximum(unclipped, clipped)
     dual_active = torch.zeros_like(loss, dtype=torch.bool)
     if dual_clip is not None:
@@ -86,7 +86,7 @@ def policy_objective(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    clip_eps_low: float = 0.2,
+    clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -113,7 +113,7 @@ def policy_objective(
         loss: (B, R) fp32, unreduced; metrics: those of `ppo_policy_loss`, plus "surrogate" (the clipped surrogate
         alone, detached).
     """
-    loss, metrics = ppo_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low=clip_eps_low,
+    loss, metrics = ppo_policy_loss(logprobs, old_logprobs, advantages, clip_eps=clip_eps,
                                     clip_eps_high=clip_eps_high, dual_clip=dual_clip)
     metrics["surrogate"] = loss.detach()
     if ref_logprobs is not None and kl_coef:

@@ -29,7 +29,7 @@ import torch
 
 from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
-from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, remove_tree
+from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, remove_tree
 
 logger = logging.getLogger("rlhfkit")
 
@@ -52,7 +52,7 @@ class RunDir:
         """Fail early (before any model loads, writing nothing) if the directory can't be used; return the
         checkpoint to resume from, if any."""
         path, cfg = self.path, self.cfg
-        self.check_writable(path)
+        check_writable(path)
         entries = os.listdir(path) if os.path.isdir(path) else []
         holds_run = any(m in entries for m in RUN_MARKERS) or any(CHECKPOINT_RE.match(e) for e in entries)
         if cfg.resume:
@@ -68,19 +68,6 @@ class RunDir:
                 "pass overwrite=true to replace it or resume=true to continue it"
             )
         return None
-
-    @staticmethod
-    def check_writable(path: str, key: str = "output_dir") -> None:
-        """Fail (writing nothing) unless `path` is a directory, or can be created as one, that we may write into."""
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UserError(f"{key} '{path}' exists and is not a directory")
-        existing = os.path.abspath(path)  # the nearest existing ancestor decides
-        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            raise UserError(f"{key} '{path}' cannot be created: '{existing}' is a file, not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserError(f"{key} '{path}' is not writable: no permission to write in '{existing}'")
 
     def prepare(self, resume_step: int | None) -> None:
         """Create the directory and write the resolved config (main process only, once the model has loaded).

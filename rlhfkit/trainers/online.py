@@ -293,7 +293,7 @@ class OnlineTrainer(Trainer):
         else:
             logprobs, entropy = self.response_logprobs(self.model, batch.rollout), None
         per_token, m = policy_objective(
-            logprobs, batch.old_logprobs, batch.advantages, clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps_high,
+            logprobs, batch.old_logprobs, batch.advantages, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high,
             dual_clip=a.dual_clip, ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None,
             kl_coef=self.kl_ctl.value, entropy=entropy, entropy_coef=a.entropy_coef)
         loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,

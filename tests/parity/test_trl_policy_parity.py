@@ -220,7 +220,7 @@ def test_ppo_policy_and_value_loss_match_trl(seed, cliprange, cliprange_value):
         theirs["padding_mask"], theirs["padding_mask_p1"], cliprange, cliprange_value,
     )
     ours_pg, pg_metrics = ppo_policy_loss(
-        new_logprobs, theirs["logprobs"], theirs["advantages"], clip_eps_low=cliprange
+        new_logprobs, theirs["logprobs"], theirs["advantages"], clip_eps=cliprange
     )
     ours_vf, vf_metrics = value_loss(vpred, theirs["values"], theirs["returns"], clip_range_value=cliprange_value)
 
@@ -328,7 +328,7 @@ def test_grpo_loss_types_match_trl(loss_type, beta, epsilon_high):
 
     per_token_adv = batch["advantages"].unsqueeze(1).expand(B, R)
     loss, metrics = ppo_policy_loss(
-        batch["logprobs"], batch["old_logprobs"], per_token_adv, clip_eps_low=0.2, clip_eps_high=epsilon_high
+        batch["logprobs"], batch["old_logprobs"], per_token_adv, clip_eps=0.2, clip_eps_high=epsilon_high
     )
     if beta:
         loss = loss + beta * kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k3")

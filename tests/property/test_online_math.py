@@ -77,7 +77,7 @@ def test_entropy_bonus_gradient_is_the_exact_entropy_gradient():
     tokens = torch.randint(0, 5, (2, 3))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     new_lp = logprobs_from_logits(logits, tokens)
-    per_token, _ = policy_objective(new_lp, new_lp.detach(), torch.zeros(2, 3), clip_eps_low=0.2,
+    per_token, _ = policy_objective(new_lp, new_lp.detach(), torch.zeros(2, 3), clip_eps=0.2,
                                     entropy=entropy_from_logits(logits), entropy_coef=0.3)
     (got,) = torch.autograd.grad(aggregate(per_token, mask, "token-mean"), logits)
 

@@ -64,7 +64,7 @@ def test_clipping_on_both_sides():
 def test_asymmetric_clip_higher():
     # ε_low = 0.2, ε_high = 0.28: ρ = 1.25 with A = +1 is inside [0.8, 1.28]; ρ = 1.5 clips at 1.28.
     loss, m = ppo_policy_loss(
-        log_ratios(1.25, 1.5, 0.5), torch.zeros(1, 3), t([[1.0, 1.0, -1.0]]), clip_eps_low=0.2, clip_eps_high=0.28
+        log_ratios(1.25, 1.5, 0.5), torch.zeros(1, 3), t([[1.0, 1.0, -1.0]]), clip_eps=0.2, clip_eps_high=0.28
     )
     assert_close(loss, [[-1.25, -1.28, 0.8]])
     assert_close(m["clipfrac"], [[0.0, 1.0, 1.0]])
@@ -86,8 +86,8 @@ def test_dual_clip_caps_negative_advantages():
 
 def test_policy_loss_argument_checks():
     x = torch.zeros(1, 2)
-    with pytest.raises(ValueError, match="clip_eps_low"):
-        ppo_policy_loss(x, x, x, clip_eps_low=1.0)
+    with pytest.raises(ValueError, match="clip_eps"):
+        ppo_policy_loss(x, x, x, clip_eps=1.0)
     with pytest.raises(ValueError, match="clip_eps_high"):
         ppo_policy_loss(x, x, x, clip_eps_high=0.0)
     with pytest.raises(ValueError, match="dual_clip"):
