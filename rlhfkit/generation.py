@@ -6,20 +6,12 @@ measure the gap to the training forward (`token_logprobs`), which is what PPO's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from rlhfkit.config import GenerationConfig
 from rlhfkit.types import PromptBatch, Rollout
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    num_samples: int = 1  # responses per prompt (the group size of RLOO/GRPO)
+SamplingParams = GenerationConfig  # the old name, until every caller passes its `cfg.generation` itself
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +23,7 @@ def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tup
 
 
 @torch.no_grad()
-def generate(model, prompts: PromptBatch, params: SamplingParams, eos_token_id: int, pad_token_id: int) -> Rollout:
+def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id: int, pad_token_id: int) -> Rollout:
     """Sample `params.num_samples` responses per prompt; returns a `Rollout` (rows of one prompt adjacent)."""
     k = params.num_samples
     prompt_ids = prompts.input_ids.repeat_interleave(k, 0)  # (B*k, P)

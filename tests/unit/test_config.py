@@ -1,6 +1,7 @@
 import pytest
 
-from rlhfkit.config import EvalConfig, OnlineConfig, RMConfig, SFTConfig, config_to_yaml, load_config, parse_overrides
+from rlhfkit.config import (DPOConfig, EvalConfig, KTOConfig, OnlineConfig, ORPOConfig, RFTConfig, RMConfig, SFTConfig,
+                            config_to_yaml, load_config, parse_overrides)
 from rlhfkit.errors import ConfigError
 
 REQUIRED = ["model.name_or_path=tiny", "data.train=x.jsonl", "output_dir=out"]
@@ -105,6 +106,23 @@ def test_resolved_config_round_trips(tmp_path):
         (OnlineConfig, "reward.clip=.nan", "config key 'reward.clip': expected a finite number, got nan"),
         (EvalConfig, "seed=-3", "config key 'seed' must be in [0, 2**32), got -3"),
         (OnlineConfig, "algo.allow_new_value_head=true", "config key 'algo.allow_new_value_head' applies only with algo.value_model"),
+        # Each kind of range declared beside a field (`annotated_types`), enforced by the loader with the dotted key.
+        (SFTConfig, "optim.grad_accum_steps=0", "config key 'optim.grad_accum_steps' must be >= 1, got 0"),  # Ge, int
+        (SFTConfig, "optim.lr=-1e-3", "config key 'optim.lr' must be >= 0, got -0.001"),  # Ge, float
+        (OnlineConfig, "generation.temperature=0", "config key 'generation.temperature' must be > 0, got 0.0"),  # Gt
+        (SFTConfig, "data.eval_fraction=1", "config key 'data.eval_fraction' must be in [0, 1), got 1.0"),  # Interval [)
+        (OnlineConfig, "algo.clip_eps=1", "config key 'algo.clip_eps' must be in (0, 1), got 1.0"),  # Interval ()
+        (OnlineConfig, "algo.gamma=-0.5", "config key 'algo.gamma' must be in [0, 1], got -0.5"),  # Interval []
+        (OnlineConfig, "generation.top_p=0", "config key 'generation.top_p' must be in (0, 1] (1.0 = off), got 0.0"),  # + doc note
+        (OnlineConfig, "algo.dual_clip=1", "config key 'algo.dual_clip' must be > 1 or null, got 1.0"),  # optional
+        (SFTConfig, "data.max_samples=0", "config key 'data.max_samples' must be >= 1 or null, got 0"),  # optional int
+        (OnlineConfig, "reward.missing_eos_penalty=-1", "config key 'reward.missing_eos_penalty' must be >= 0 or null "
+                                                        "(subtracted, as in TRL, from the score of a response cut"),
+        (SFTConfig, "optim.adam_betas=[0.9]", "config key 'optim.adam_betas' must have 2 items, got [0.9]"),  # Len
+        (SFTConfig, "optim.adam_betas=[0.9, 1]", "config key 'optim.adam_betas[1]' must be in [0, 1), got 1.0"),  # list item
+        (SFTConfig, "model.lora.dropout=1", "config key 'model.lora.dropout' must be in [0, 1), got 1.0"),  # nested section
+        (OnlineConfig, "kl.horizon=0", "config key 'kl.horizon' must be >= 1, got 0"),
+        (EvalConfig, "max_prompts=0", "config key 'max_prompts' must be >= 1 or null, got 0"),
     ],
 )
 def test_out_of_range_numbers_name_the_key(cls, override, message):
@@ -146,3 +164,50 @@ def test_duplicate_yaml_keys_name_file_line_and_key(tmp_path, text, line, key):
         load_config(SFTConfig, str(path))
     assert f"config file '{path}' line {line}: duplicate key '{key}'" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def _ranged_fields(cls, prefix=""):
+    """(dotted key, a value just outside one declared bound) for every bound of every field under `cls`."""
+    import dataclasses
+    import typing
+
+    from annotated_types import Ge, Gt, Interval, Le, Lt
+
+    outside = {Ge: lambda b, t: b - (1 if t is int else 0.5), Gt: lambda b, t: b, Lt: lambda b, t: b,
+               Le: lambda b, t: b + (1 if t is int else 0.5)}
+    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+        if dataclasses.is_dataclass(tp):
+            yield from _ranged_fields(tp, f"{prefix}{name}.")
+        arms = [tp] if typing.get_origin(tp) is typing.Annotated else typing.get_args(tp)  # itself, or inside `X | None`
+        for base, *meta in (typing.get_args(a) for a in arms if typing.get_origin(a) is typing.Annotated):
+            for c in meta:
+                for b in list(c) if isinstance(c, Interval) else [c] if type(c) in outside else []:
+                    yield f"{prefix}{name}", outside[type(b)](dataclasses.astuple(b)[0], base)
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, RMConfig, DPOConfig, ORPOConfig, KTOConfig, OnlineConfig, RFTConfig, EvalConfig])
+def test_every_declared_range_is_enforced_with_the_dotted_key(cls):
+    required = {EvalConfig: ["model.name_or_path=tiny", "data.eval=e.jsonl", "output_dir=o"],
+                OnlineConfig: REQUIRED + ["reward.function=m:f"], RFTConfig: REQUIRED + ["reward.function=m:f"]}.get(cls, REQUIRED)
+    cases = list(_ranged_fields(cls))
+    assert len(cases) > 10
+    for key, value in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(cls, None, required + [f"{key}={value}"])
+        assert str(err.value).startswith(f"config key '{key}' must "), (key, value, str(err.value))
+
+
+def test_eval_refuses_training_only_fields_of_shared_sections():
+    required = ["model.name_or_path=tiny", "data.eval=e.jsonl", "output_dir=o"]
+    for override, key in [("data.train=t.jsonl", "data.train"), ("reward.normalize=batch", "reward.normalize")]:
+        with pytest.raises(ConfigError, match=f"config key '{key}' is not used by eval"):
+            load_config(EvalConfig, None, required + [override])
+    cfg = load_config(EvalConfig, None, required + ["reward.model=[rm]", "reward.function=m:f"])  # both are judges
+    assert cfg.reward.model == ["rm"] and cfg.data.eval == "e.jsonl"
+
+
+def test_generation_section_is_the_sampling_params():
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.generation import SamplingParams
+
+    assert SamplingParams is GenerationConfig
