@@ -279,11 +279,22 @@ class Reference:
     def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
         """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
         (accelerate-free) policy, used only when the reference is its base."""
+        with self.frozen(policy) as model:
+            logps, _ = sequence_logprobs(model, input_ids, attention_mask, labels)
+        return logps
+
+    def rollout_logprobs(self, policy, rollout, temperature: float = 1.0) -> torch.Tensor:
+        """(B, R) reference log-probs of a `Rollout`'s response tokens (see `rollout_logprobs`), without gradient."""
+        with self.frozen(policy) as model:
+            return rollout_logprobs(model, rollout, temperature)
+
+    @contextlib.contextmanager
+    def frozen(self, policy):
+        """The reference model, under no_grad: the second model, or `policy` with its adapters disabled."""
         if not self.shared and self.model is None:
             raise RuntimeError("the reference model was released after its log-probs were precomputed")
         with torch.no_grad(), policy.disable_adapter() if self.shared else contextlib.nullcontext():
-            logps, _ = sequence_logprobs(policy if self.shared else self.model, input_ids, attention_mask, labels)
-        return logps
+            yield policy if self.shared else self.model
 
     def release(self) -> None:
         """Free a second model once its log-probs are precomputed."""

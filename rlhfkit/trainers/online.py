@@ -35,7 +35,7 @@ from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import policy_objective, value_loss
 from rlhfkit.models import (
-    SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model, rollout_logprobs, save_model,
+    Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model, rollout_logprobs, save_model,
 )
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
@@ -62,9 +62,7 @@ class OnlineTrainer(Trainer):
         self.algo = get_algorithm(a.algorithm)
         policy = load_causal_lm(cfg.model, self.tokenizer)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
-        self.ref = None
-        if self.algo.needs_reference and not cfg.model.lora.enabled:
-            self.ref = load_causal_lm(cfg.model, self.tokenizer, trainable=False).to(acc.device)
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device) if self.algo.needs_reference else None
         self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
         value = self.load_critic(policy) if self.algo.needs_value else None
         if a.disable_dropout:
@@ -152,10 +150,7 @@ class OnlineTrainer(Trainer):
         return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
 
     def reference_logprobs(self, ro: Rollout):
-        if self.ref is not None:
-            return self.response_logprobs(self.ref, ro)
-        with _adapters_disabled(self.accelerator.unwrap_model(self.model)):
-            return self.response_logprobs(self.model, ro)
+        return self.ref.rollout_logprobs(self.accelerator.unwrap_model(self.model), ro, self.cfg.generation.temperature)
 
     @torch.no_grad()
     def make_experience(self, step: int) -> tuple[Experience | None, dict[str, float]]:
@@ -401,10 +396,3 @@ class OnlineTrainer(Trainer):
                     "step": step, "prompt": tok.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=True),
                     "response": tok.decode(ro.response_ids[i][ro.response_mask[i].bool()], skip_special_tokens=True),
                     "score": float(exp.scores[i]), "kl": float(exp.kl[i]) if exp.kl is not None else None}) + "\n")
-
-
-def _adapters_disabled(model):
-    """`disable_adapter()` of a peft model: inside it the model is its frozen base (the LoRA reference)."""
-    if not hasattr(model, "disable_adapter"):
-        raise UserError("a KL reference needs either full fine-tuning (a frozen copy) or LoRA (the base with adapters disabled)")
-    return model.disable_adapter()
