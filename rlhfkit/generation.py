@@ -11,7 +11,6 @@ import torch
 from rlhfkit.config import GenerationConfig
 from rlhfkit.types import PromptBatch, Rollout
 
-SamplingParams = GenerationConfig  # the old name, until every caller passes its `cfg.generation` itself
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,8 @@ from rlhfkit.evaluation.alarms import (
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
-from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.config import GenerationConfig
+from rlhfkit.generation import generate
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import (
@@ -149,7 +150,7 @@ def _summary(s: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(
-    policy, reference, tokenizer, prompts: list[dict], judges: dict[str, Judge], params: SamplingParams,
+    policy, reference, tokenizer, prompts: list[dict], judges: dict[str, Judge], params: GenerationConfig,
     batch_size: int = 16, seed: int = 0, num_examples: int = 16,
 ) -> dict:
     """Sample `policy` and `reference` on `prompts` with the same seed per batch; judge, compare, raise alarms.
@@ -266,7 +267,7 @@ class Evaluator:
             reference = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
         else:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
-        params = SamplingParams(**dataclasses.asdict(cfg.generation))
+        params = cfg.generation
         result = evaluate(policy, reference, tokenizer, prompts, judges, params, cfg.batch_size, cfg.seed,
                           cfg.num_examples)
         # 3. Reward-model accuracy and the training run's alarms; write eval.json (samples last) and print the table.

@@ -126,10 +126,11 @@ class Policy:
         """`n` responses to each prompt, about `size.sample_batch` sequences per call: a list of Rollouts (rows of
         one prompt adjacent)."""
         from rlhfkit.data import collate_prompts
-        from rlhfkit.generation import SamplingParams, generate
+        from rlhfkit.config import GenerationConfig
+        from rlhfkit.generation import generate
 
         torch.manual_seed(seed)
-        params = SamplingParams(max_new_tokens=size.max_new_tokens, temperature=temperature, num_samples=n)
+        params = GenerationConfig(max_new_tokens=size.max_new_tokens, temperature=temperature, num_samples=n)
         tok, rollouts, per_call = self.tokenizer, [], max(1, size.sample_batch // n)
         t0 = time.time()
         for i in range(0, len(self.prompt_ids), per_call):

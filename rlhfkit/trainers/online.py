@@ -30,7 +30,7 @@ from rlhfkit.data import build_datasets, collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import check_alarms, diversity_figures
 from rlhfkit.evaluation.metrics import pearson
-from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.generation import generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import policy_objective, value_loss
@@ -80,7 +80,6 @@ class OnlineTrainer(Trainer):
         k = cfg.kl
         self.kl_ctl = AdaptiveKLController(k.coef, k.target, k.horizon) if k.controller == "adaptive" else FixedKLController(k.coef)
         self.moments = RunningMoments()
-        self.params = SamplingParams(**dataclasses.asdict(cfg.generation))
 
     def load_critic(self, policy):
         """PPO's value model: with LoRA (and no algo.value_model) a second adapter on the policy's own base;
@@ -129,7 +128,7 @@ class OnlineTrainer(Trainer):
         that blew up): the step is then a bad step, not a crash."""
         tok = self.tokenizer
         try:
-            return generate(self.accelerator.unwrap_model(self.model), prompts, self.params, tok.eos_token_id, tok.pad_token_id)
+            return generate(self.accelerator.unwrap_model(self.model), prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
         except RuntimeError as exc:
             if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
                 return None

@@ -14,7 +14,6 @@ The next iteration samples from the fine-tuned policy. Scores include `reward.mi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ from rlhfkit.advantages import penalize_missing_eos
 from rlhfkit.config import RFTConfig
 from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
 from rlhfkit.evaluation.metrics import best_of_n_kl
-from rlhfkit.generation import SamplingParams, generate
+from rlhfkit.generation import generate
 from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
@@ -83,7 +82,6 @@ class RFTTrainer(Trainer):
         optimizer = build_optimizer(policy, cfg)
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         self.model, self.optimizer = acc.prepare(policy, optimizer)
-        self.params = SamplingParams(**dataclasses.asdict(cfg.generation))
         self.start_iteration = self.iterations_done = 0
 
     def extra_state(self) -> dict:
@@ -122,7 +120,7 @@ class RFTTrainer(Trainer):
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
         for start in range(0, len(mine), a.sampling_batch_size):
             examples = [self.prompts[i] for i in mine[start : start + a.sampling_batch_size]]
-            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), self.params,
+            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
                           tok.eos_token_id, tok.pad_token_id)
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
             scores = penalize_missing_eos(self.reward(ro, rows), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)

@@ -204,10 +204,3 @@ def test_eval_refuses_training_only_fields_of_shared_sections():
             load_config(EvalConfig, None, required + [override])
     cfg = load_config(EvalConfig, None, required + ["reward.model=[rm]", "reward.function=m:f"])  # both are judges
     assert cfg.reward.model == ["rm"] and cfg.data.eval == "e.jsonl"
-
-
-def test_generation_section_is_the_sampling_params():
-    from rlhfkit.config import GenerationConfig
-    from rlhfkit.generation import SamplingParams
-
-    assert SamplingParams is GenerationConfig
