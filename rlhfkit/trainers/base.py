@@ -47,6 +47,7 @@ class RunDir:
         self.path = cfg.output_dir
         self.cfg = cfg
         self.moved_aside = False  # this process moved a previous run aside (overwrite=true), not yet committed
+        self.fresh = False  # this process started the run in an absent or empty output_dir (see `discard_failed_start`)
 
     def check(self) -> str | None:
         """Fail early (before any model loads, writing nothing) if the directory can't be used; return the
@@ -84,12 +85,24 @@ class RunDir:
         path = self.path
         if self.cfg.overwrite and os.path.isdir(path) and os.listdir(path):
             self.move_aside()
+        self.fresh = resume_step is None and not (os.path.isdir(path) and os.listdir(path))
         os.makedirs(path, exist_ok=True)
         self.remove_leftovers(resume_step)
         atomic_write_text(os.path.join(path, "config.yaml"), config_to_yaml(self.cfg))
         if resume_step is not None:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 trim_jsonl(os.path.join(path, name), resume_step)
+
+    def discard_failed_start(self) -> None:
+        """A run started in an absent or empty output_dir failed before logging a step or writing a checkpoint: remove
+        what it wrote (config.yaml, an empty metrics.jsonl), so that the same command, fixed, needs no overwrite=true."""
+        path = self.path
+        metrics = os.path.join(path, "metrics.jsonl")
+        progress = checkpoint_dirs(path) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+        if not self.fresh or progress or not os.path.isdir(path):
+            return
+        remove_tree(path)
+        logger.info("removed '%s': the run failed before its first step", path)
 
     def move_aside(self) -> None:
         path, aside = os.path.abspath(self.path), replaced_path(self.path)
@@ -389,13 +402,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
 
 
 def _restores_replaced_run(fit: Callable) -> Callable:
-    """`fit` that, when it fails before the new run committed (see `RunDir.prepare`), puts the run it replaces back."""
+    """`fit` that, when it fails before the new run committed (see `RunDir.prepare`), puts the run it replaces back,
+    or removes what a run started in an empty directory wrote before its first step."""
 
     @functools.wraps(fit)
     def guarded(self, *args, **kwargs):
         try:
             return fit(self, *args, **kwargs)
         except BaseException:
+            self.run_dir.discard_failed_start()
             if self.run_dir.moved_aside:
                 try:
                     self.run_dir.restore_replaced()

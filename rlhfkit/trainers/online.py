@@ -29,6 +29,7 @@ from rlhfkit.config import OnlineConfig
 from rlhfkit.data import build_datasets, collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import check_alarms, diversity_figures
+from rlhfkit.evaluation.dashboard import read_jsonl_rows
 from rlhfkit.evaluation.metrics import pearson
 from rlhfkit.generation import generate
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
@@ -319,7 +320,7 @@ class OnlineTrainer(Trainer):
         """Each step: sample → score → advantages → K epochs of updates → β, log, checkpoint."""
         self.setup()
         bar = self.progress_bar()
-        self.history: list[dict] = []  # this process's rows since start (or resume), for the reward-hacking alarms
+        self.history = self.logged_rows()  # the run's rows so far, for the reward-hacking alarms
         self.raised: set[str] = set()
         for step in range(self.start_step, self.total_steps):
             lr, t0 = self.scheduler.get_last_lr()[0], time.perf_counter()
@@ -336,6 +337,13 @@ class OnlineTrainer(Trainer):
         bar.close()
         self.finish()
         return self.last
+
+    def logged_rows(self) -> list[dict]:
+        """The rows a resumed run logged before its checkpoint (null = NaN), so the alarms see the whole run."""
+        path = os.path.join(self.cfg.output_dir, "metrics.jsonl")
+        if not (self.resume_from and os.path.isfile(path)):
+            return []
+        return [{k: math.nan if v is None else v for k, v in row.items()} for row in read_jsonl_rows(path)]
 
     def progress_bar(self):
         from tqdm.auto import tqdm

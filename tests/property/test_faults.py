@@ -411,3 +411,30 @@ def test_a_killed_overwrite_puts_the_previous_run_back_at_the_next_start(previou
         SFTTrainer(load_config(SFTConfig, "configs/sft_tiny.yaml", [f"output_dir={previous_run}"]))
     assert fingerprint(previous_run) == before
     assert sorted(os.listdir(previous_run.parent)) == ["previous"]
+
+
+# 6. A run that fails before its first logged step leaves nothing behind ------------------------------------------
+
+
+def test_a_failure_before_the_first_step_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A reward function that raises at step 1: exit 2, and output_dir is as it was (absent), so the same command
+    with the function fixed runs without overwrite=true."""
+    (tmp_path / "bad_reward.py").write_text("def reward(prompts, completions):\n    raise KeyError('answer')\n")
+    (tmp_path / "good_reward.py").write_text("def reward(prompts, completions):\n    return [1.0 * len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    args = ["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "max_steps=1", "logging.progress_bar=false",
+            "algo.rollout_batch_size=2"]
+    assert main(args + ["reward.function=bad_reward:reward"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "bad_reward:reward" in errors[0] and "KeyError" in errors[0], errors
+    assert not out.exists()
+    assert main(args + ["reward.function=good_reward:reward"]) == 0
+
+
+def test_a_failure_after_logged_steps_keeps_the_run(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _crash_at(monkeypatch, 2)
+    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=4", *FAST]) == 130
+    assert [r["step"] for r in strict_rows(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "config.yaml").is_file()

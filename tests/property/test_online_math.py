@@ -338,3 +338,16 @@ def test_blown_up_weights_are_bad_steps_not_a_traceback(tmp_path, capsys):
     assert len(errors) == 1 and "max_bad_steps=2" in errors[0], errors
     # Step 1's update blew the weights up (finite, but every log-prob is inf/NaN): that state is never checkpointed.
     assert not list(out.glob("checkpoint-*")) and "holds no checkpoint" in errors[0]
+
+
+def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeypatch):
+    """The reward-hacking alarms read the run's history: after a resume it starts with the rows logged before."""
+    seen = []
+    real = online.check_alarms
+    monkeypatch.setattr(online, "check_alarms", lambda history: seen.append([r["step"] for r in history]) or real(history))
+    args = ["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", "logging.save_steps=2",
+            "algo.table_steps=1", *FAST]
+    assert main(args + ["max_steps=3"]) == 0  # leaves checkpoint-2
+    seen.clear()
+    assert main(args + ["max_steps=4", "resume=true"]) == 0
+    assert seen[-1] == [1, 2, 3, 4]
