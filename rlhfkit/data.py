@@ -5,6 +5,14 @@ Pipeline: `load_records` -> `detect_format` -> `tokenize_records` (validates eac
 `build_datasets` runs the first three for the train and eval splits. `detect_format` alone validates every record
 without tokenizing.
 
+Tokenization is one `datasets.Dataset.map` over the records, so it can run in worker processes (the environment
+variable RLHFKIT_DATA_NUM_PROC, default 1) and, in `build_datasets`, is cached on disk: the cache file is named by a
+datasets fingerprint (`datasets.fingerprint.Hasher`) of the data (a local file's content hash, a hub dataset's own
+fingerprint), the tokenizer (vocabulary, special tokens, chat template), the data.* settings that shape the ids and
+this module's source, so a rerun with the same file, tokenizer and settings reads the ids back instead of
+tokenizing again. The cache lives in $RLHFKIT_CACHE/data (default ~/.cache/rlhfkit/data); delete it to reclaim the
+space, or turn caching off with `datasets.disable_caching()`.
+
 Record formats per kind ("text|messages" = a string or a list of {role, content} dicts, role in system/user/assistant):
     sft         prompt_completion  {prompt: text|messages, completion: text|messages}
                 messages           {messages}: the loss covers every assistant turn
@@ -18,33 +26,37 @@ Record formats per kind ("text|messages" = a string or a list of {role, content}
                 messages           {messages}: every turn is prompt; a final assistant turn is dropped
 
 Every problem is a one-line `DataError` naming the source and where: parse errors name the 1-based line of a .jsonl
-file; validation and tokenization errors name the record, its 0-based index among the loaded records.
+file; validation and tokenization errors name the record, its 0-based index among the loaded records. With worker
+processes, the error reported is the first one a worker meets, not necessarily the earliest record's.
 
-Tokenized examples are dicts of python int lists (the collators turn them into tensors):
-    sft         {"input_ids", "labels"}: labels -100 on prompt tokens, the token id on response tokens
-    preference  {"prompt_ids", "chosen_ids", "rejected_ids", "margin": float}
-    unpaired    {"prompt_ids", "completion_ids", "desirable": bool}
-    prompt      {"prompt_ids", "prompt", "columns"}: "prompt" is the record's own prompt (the string, or the message
-                dicts of the prompt turns), "columns" every other field of the record (all but "prompt" and "messages",
-                e.g. a reference "answer" or test cases); reward functions receive both (`rewards.RewardSource`)
+Tokenized examples are typed dicts of python int lists (`SFTExample`, `PreferenceExample`, `UnpairedExample`,
+`PromptExample` below); the collators turn lists of them into tensors. They stay plain mutable dicts because
+trainers index them (`train_set[i]`) and may add fields (the preference trainer's precomputed reference log-probs).
 Prompts end with the generation prompt; responses are their own tokens only and end at the EOS token.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import math
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from rlhfkit.config import DataConfig
-from rlhfkit.errors import DataError
+from rlhfkit.errors import DataError, UserError
 from rlhfkit.types import PreferenceBatch, PromptBatch, SFTBatch, UnpairedBatch
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger("rlhfkit")
 
@@ -65,6 +77,42 @@ _FORMATS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "prompt": (("prompt", ("prompt",)), ("messages", ("messages",))),
 }
 
+_RECORD = "_rlhfkit_record"  # the one column of a list of records handed to the map: each record as JSON text
+_FLAGS = ("_prompt_truncated", "_response_truncated", "_dropped", "_plain")  # per map row; the statistics count them
+_KEPT, _EMPTY, _IDENTICAL = 0, 1, 2  # "_dropped": kept, dropped for an empty response, dropped for chosen == rejected
+
+
+# The typed examples of each kind, as `build_datasets` returns them (lists of token ids, no padding).
+
+
+class SFTExample(TypedDict):
+    input_ids: list[int]  # (T,) prompt + response tokens
+    labels: list[int]  # (T,) -100 on prompt tokens, the token id on response tokens
+
+
+class PreferenceExample(TypedDict):
+    prompt_ids: list[int]  # (P,)
+    chosen_ids: list[int]  # (R,) ends at EOS unless cut to data.max_length
+    rejected_ids: list[int]  # (R',)
+    margin: float  # the record's margin, 0.0 without one
+
+
+class UnpairedExample(TypedDict):
+    prompt_ids: list[int]  # (P,)
+    completion_ids: list[int]  # (R,)
+    desirable: bool
+
+
+class PromptExample(TypedDict):
+    prompt_ids: list[int]  # (P,) ends with the generation prompt
+    prompt: str | list[dict]  # the record's own prompt: the string, or the message dicts of the prompt turns
+    # Every other field of the record (all but "prompt" and "messages", e.g. a reference "answer" or test cases),
+    # for reward functions (`rewards.RewardSource`); a value JSON cannot hold (a timestamp, bytes) arrives as its str().
+    columns: dict
+
+
+Example = SFTExample | PreferenceExample | UnpairedExample | PromptExample
+
 
 # 1. Loading ----------------------------------------------------------------------------------------------------
 
@@ -76,20 +124,37 @@ def load_records(source: str, split: str = "train", max_samples: int | None = No
     anything else shaped like "name" or "org/name" goes to `datasets.load_dataset(source, split=split)`.
     Keeps the first `max_samples` records; no records at all is an error.
     """
+    _, read = _open(source, split, max_samples)
+    records = read()
+    return records if isinstance(records, list) else records.to_list()
+
+
+def _open(source: str, split: str, max_samples: int | None) -> tuple[str, Callable[[], list[dict] | datasets.Dataset]]:
+    """A fingerprint of `source`'s records (a local file's content hash, a hub dataset's own datasets fingerprint),
+    and the function that reads them (`load_records`, with a hub dataset left a `datasets.Dataset`): a file is only
+    read when its tokenized examples are not cached yet."""
     path = os.path.expanduser(source)
-    where = source
     if os.path.isfile(path):
-        records = _read_file(path, source)
-    elif os.path.isdir(path) or _is_hub_name(source):
-        records = _load_hub(source, split, max_samples)
-        where = f"{source} (split '{split}')"
-    else:
-        raise DataError(f"data file '{source}' not found")
-    if max_samples is not None:
-        records = records[:max_samples]
-    if not records:
+        fingerprint = f"{_file_hash(path)}{os.path.splitext(path)[1].lower()}-{max_samples}"
+        return fingerprint, lambda: _nonempty(_read_file(path, source)[:max_samples], source)
+    if os.path.isdir(path) or _is_hub_name(source):
+        dataset = _nonempty(_load_hub(source, split, max_samples), f"{source} (split '{split}')")
+        return dataset._fingerprint, lambda: dataset
+    raise DataError(f"data file '{source}' not found")
+
+
+def _nonempty(records, where: str):
+    if not len(records):
         raise DataError(f"{where}: no records (empty dataset)")
     return records
+
+
+def _file_hash(path: str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _is_hub_name(source: str) -> bool:
@@ -99,7 +164,7 @@ def _is_hub_name(source: str) -> bool:
     return bool(_HUB_NAME.match(source))
 
 
-def _load_hub(source: str, split: str, max_samples: int | None) -> list[dict]:
+def _load_hub(source: str, split: str, max_samples: int | None) -> datasets.Dataset:
     import datasets
 
     try:
@@ -108,7 +173,7 @@ def _load_hub(source: str, split: str, max_samples: int | None) -> list[dict]:
         raise DataError(f"dataset '{source}' (split '{split}') could not be loaded: {_one_line(e)}") from e
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
-    return dataset.to_list()
+    return dataset
 
 
 def _read_file(path: str, source: str) -> list[dict]:
@@ -198,7 +263,7 @@ def detect_format(records: list[dict], kind: str, source: str) -> str:
     return fmt
 
 
-def _detect(records: list[dict], kind: str, source: str) -> str:
+def _detect(records: list[dict] | datasets.Dataset, kind: str, source: str) -> str:
     """The format of `records`, from the first record's keys (no record is validated)."""
     if kind not in _FORMATS:
         raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
@@ -347,16 +412,16 @@ class _Encoder:
     Without one, text stays raw text (prompt with the tokenizer's special tokens, response + EOS) and message
     lists get a plain "{role}: {content}\\n" rendering (warned about once). Prompt and response are tokenized
     separately and their ids concatenated: re-tokenizing the joined text could merge across the boundary and
-    shift the loss mask.
+    shift the loss mask. `plain` records that the current record had messages rendered without a template (the
+    caller resets it per record and warns once per source).
     """
 
-    def __init__(self, tokenizer, source: str):
+    def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token: set one, so that every response can end at it")
         self.tok = tokenizer
-        self.source = source
         self.template = bool(getattr(tokenizer, "chat_template", None))
-        self.warned = False
+        self.plain = False
 
     def ids(self, text: str, special: bool = False) -> list[int]:
         return self.tok(text, add_special_tokens=special)["input_ids"]
@@ -374,17 +439,12 @@ class _Encoder:
         """The (prompt, response) messages to render, or None for the raw-text path (no template, all text)."""
         if not self.template and isinstance(prompt, str) and (response is None or isinstance(response, str)):
             return None
-        self.warn_plain()
+        self.plain = not self.template
         if isinstance(prompt, str):  # an HH prompt ends with an empty "Assistant:" turn: the generation prompt
             prompt = _hh_messages(prompt)[:-1] if hh else [{"role": "user", "content": prompt}]
         if isinstance(response, str):
             response = _hh_messages(HH_ASSISTANT + response) if hh else [{"role": "assistant", "content": response}]
         return prompt, response or []
-
-    def warn_plain(self) -> None:
-        if not self.template and not self.warned:
-            logger.warning(f"{self.source}: the tokenizer has no chat template; rendering messages as plain 'role: content' lines")
-            self.warned = True
 
     def prompt(self, example: _Example, where: str) -> list[int]:
         messages = self.as_messages(example.prompt, None, example.hh)
@@ -403,7 +463,7 @@ class _Encoder:
 
     def conversation(self, turns: list[dict], where: str) -> list[tuple[list[int], bool]]:
         """Segments (ids, is_response) of a whole conversation, one response segment per assistant turn."""
-        self.warn_plain()
+        self.plain = not self.template
         return self.spans(turns, [(j, j + 1) for j, m in enumerate(turns) if m["role"] == "assistant"], where)
 
     def spans(self, messages: list[dict], spans: list[tuple[int, int]], where: str) -> list[tuple[list[int], bool]]:
@@ -445,21 +505,82 @@ def _hh_messages(transcript: str) -> list[dict]:
 
 
 def tokenize_records(
-    records: list[dict], fmt: str, kind: str, tokenizer, cfg: DataConfig, source: str
-) -> tuple[list[dict], TruncationStats]:
-    """Validates and tokenizes records of format `fmt` into per-example dicts (module docstring); counts what was
-    cut or dropped.
+    records: list[dict] | datasets.Dataset, fmt: str, kind: str, tokenizer, cfg: DataConfig, source: str,
+    cache_file: str | None = None,
+) -> tuple[list[Example], TruncationStats]:
+    """Validates and tokenizes records of format `fmt` into typed examples (module docstring); counts what was cut
+    or dropped, and warns about what the counts alone don't say.
+
+    One `datasets.Dataset.map` of `_encode` over the records (RLHFKIT_DATA_NUM_PROC worker processes); with a
+    `cache_file` (`build_datasets` names one per data, tokenizer and settings) it reads a finished map back from
+    that file instead of tokenizing, or writes it there. Each map row is one record: its example's columns and the
+    flags (`_FLAGS`) that the statistics are counted from, so a cached rerun reports the same statistics.
+    """
+    import datasets
+    from datasets.fingerprint import generate_random_fingerprint
+
+    encoder = _Encoder(tokenizer)
+    if isinstance(records, list):  # arbitrary JSON records, one text column: Arrow needs one type per column
+        records = datasets.Dataset.from_dict({_RECORD: [json.dumps(r, default=str) for r in records]})
+    if cache_file:
+        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    num_proc = _num_proc()
+    features = _features(kind)
+    rows = records.map(
+        _encode_batch,
+        batched=True,
+        with_indices=True,
+        remove_columns=records.column_names,
+        features=features,
+        fn_kwargs={"encoder": encoder, "fmt": fmt, "kind": kind, "cfg": cfg, "source": source, "names": list(features)},
+        num_proc=num_proc if num_proc > 1 else None,
+        cache_file_name=cache_file,
+        new_fingerprint=os.path.basename(cache_file)[: -len(".arrow")] if cache_file else generate_random_fingerprint(),
+        desc=f"tokenizing {source}",
+    )
+    return _examples(rows, kind, source)
+
+
+def _features(kind: str) -> datasets.Features:
+    """The Arrow types of a kind's map rows: its example's columns (token ids as int32 lists), then `_FLAGS`."""
+    from datasets import Features, Sequence, Value
+
+    ids = Sequence(Value("int32"))
+    columns = {
+        "sft": {"input_ids": ids, "labels": ids},
+        "preference": {"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids, "margin": Value("float64")},
+        "unpaired": {"prompt_ids": ids, "completion_ids": ids, "desirable": Value("bool")},
+        "prompt": {"prompt_ids": ids, "prompt": Value("string"), "columns": Value("string")},  # JSON text
+    }[kind]
+    flags = dict(zip(_FLAGS, (Value("bool"), Value("bool"), Value("int8"), Value("bool"))))
+    return Features({**columns, **flags})
+
+
+def _encode_batch(batch: dict[str, list], indices: list[int], *, encoder: _Encoder, fmt: str, kind: str,
+                  cfg: DataConfig, source: str, names: list[str]) -> dict[str, list]:
+    """The map function: a batch of records (a JSON text column, or a hub dataset's own columns) -> rows."""
+    if _RECORD in batch:
+        records = [json.loads(text) for text in batch[_RECORD]]
+    else:
+        records = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    rows = [_encode(encoder, record, i, fmt, kind, cfg, source) for record, i in zip(records, indices)]
+    return {name: [row[name] for row in rows] for name in names}
+
+
+def _encode(encoder: _Encoder, record: dict, i: int, fmt: str, kind: str, cfg: DataConfig, source: str) -> dict:
+    """Validates and tokenizes record `i`: its example's columns plus the `_FLAGS` of what was cut or dropped.
 
     1. A prompt longer than cfg.max_prompt_length keeps its last tokens (truncation="truncate") or is an error.
     2. Responses are cut so that prompt + response <= cfg.max_length.
-    3. A record whose response is then empty, or a pair whose chosen and rejected ids are equal, is dropped.
+    3. A record whose response is then empty, or a pair whose chosen and rejected ids are equal, is dropped: its row
+       stays, flagged, so that the statistics survive the cache; `_examples` leaves it out.
     """
-    encoder = _Encoder(tokenizer, source)
-    stats = TruncationStats(records=len(records))
-    examples: list[dict] = []
-    identical = 0
+    where = f"{source} record {i}"
+    example = _canonical(record, fmt, kind, source, i)
+    encoder.plain = False
+    flags = {"_prompt_truncated": False, "_response_truncated": False, "_dropped": _KEPT}
 
-    def fit_prompt(ids: list[int], where: str) -> list[int]:
+    def fit_prompt(ids: list[int]) -> list[int]:
         if len(ids) <= cfg.max_prompt_length:
             return ids
         if cfg.truncation == "error":
@@ -467,60 +588,72 @@ def tokenize_records(
                 f"{where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length={cfg.max_prompt_length} "
                 "(set data.truncation=truncate to cut it)"
             )
-        stats.prompts_truncated += 1
+        flags["_prompt_truncated"] = True
         return ids[-cfg.max_prompt_length :]
 
-    def fit_responses(prompt_ids: list[int], responses: list[list[int]]) -> list[list[int]]:
+    if kind == "prompt":  # prompt and columns as JSON text: one Arrow type per column, whatever the records hold
+        columns = {"prompt_ids": fit_prompt(encoder.prompt(example, where)), "prompt": json.dumps(example.prompt),
+                   "columns": json.dumps(example.columns, default=str)}
+    elif example.turns is not None:  # SFT conversation: the first segment is the prompt
+        segments = encoder.conversation(example.turns, where)
+        segments[0] = (fit_prompt(segments[0][0]), False)
+        input_ids = [t for ids, _ in segments for t in ids]
+        labels = [t if is_response else IGNORE_INDEX for ids, is_response in segments for t in ids]
+        if len(input_ids) > cfg.max_length:
+            flags["_response_truncated"] = True
+            input_ids, labels = input_ids[: cfg.max_length], labels[: cfg.max_length]
+        if all(label == IGNORE_INDEX for label in labels):
+            flags["_dropped"] = _EMPTY
+        columns = {"input_ids": input_ids, "labels": labels}
+    else:
+        encoded = [encoder.pair(example, response, where) for response in example.responses]
+        prompt_ids = fit_prompt(encoded[0][0])
         room = cfg.max_length - len(prompt_ids)
-        if any(len(r) > room for r in responses):
-            stats.responses_truncated += 1
-        return [r[:room] for r in responses]
-
-    for i, record in enumerate(records):
-        where = f"{source} record {i}"
-        example = _canonical(record, fmt, kind, source, i)
-        if kind == "prompt":
-            examples.append({"prompt_ids": fit_prompt(encoder.prompt(example, where), where), "prompt": example.prompt,
-                             "columns": example.columns})
-        elif example.turns is not None:  # SFT conversation: the first segment is the prompt
-            segments = encoder.conversation(example.turns, where)
-            segments[0] = (fit_prompt(segments[0][0], where), False)
-            input_ids = [t for ids, _ in segments for t in ids]
-            labels = [t if is_response else IGNORE_INDEX for ids, is_response in segments for t in ids]
-            if len(input_ids) > cfg.max_length:
-                stats.responses_truncated += 1
-                input_ids, labels = input_ids[: cfg.max_length], labels[: cfg.max_length]
-            if all(label == IGNORE_INDEX for label in labels):
-                stats.dropped += 1
-                continue
-            examples.append({"input_ids": input_ids, "labels": labels})
+        if any(len(response_ids) > room for _, response_ids in encoded):
+            flags["_response_truncated"] = True
+        responses = [response_ids[:room] for _, response_ids in encoded]
+        if not all(responses):
+            flags["_dropped"] = _EMPTY
+        elif kind == "preference" and responses[0] == responses[1]:
+            flags["_dropped"] = _IDENTICAL
+        if kind == "preference":
+            columns = {"prompt_ids": prompt_ids, "chosen_ids": responses[0], "rejected_ids": responses[1], "margin": example.margin}
+        elif kind == "unpaired":
+            columns = {"prompt_ids": prompt_ids, "completion_ids": responses[0], "desirable": example.desirable}
         else:
-            encoded = [encoder.pair(example, response, where) for response in example.responses]
-            prompt_ids = fit_prompt(encoded[0][0], where)
-            responses = fit_responses(prompt_ids, [response_ids for _, response_ids in encoded])
-            if not all(responses):
-                stats.dropped += 1
-            elif kind == "preference" and responses[0] == responses[1]:
-                stats.dropped += 1
-                identical += 1
-            elif kind == "preference":
-                examples.append(
-                    {"prompt_ids": prompt_ids, "chosen_ids": responses[0], "rejected_ids": responses[1], "margin": example.margin}
-                )
-            elif kind == "unpaired":
-                examples.append({"prompt_ids": prompt_ids, "completion_ids": responses[0], "desirable": example.desirable})
-            else:
-                examples.append({"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + responses[0]})
+            columns = {"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + responses[0]}
+    return {**columns, **flags, "_plain": encoder.plain}
+
+
+def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Example], TruncationStats]:
+    """The kept rows as python examples, the statistics counted from every row's flags, and the warnings."""
+    table = rows.to_dict()
+    dropped = table["_dropped"]
+    stats = TruncationStats(
+        records=len(dropped),
+        prompts_truncated=sum(table["_prompt_truncated"]),
+        responses_truncated=sum(table["_response_truncated"]),
+        dropped=sum(reason != _KEPT for reason in dropped),
+    )
+    if any(table["_plain"]):
+        logger.warning(f"{source}: the tokenizer has no chat template; rendering messages as plain 'role: content' lines")
+    identical = sum(reason == _IDENTICAL for reason in dropped)
     if identical:
         logger.warning(f"{source}: dropped {identical} pairs whose chosen and rejected tokens are identical (after truncation)")
+    names = [name for name in rows.column_names if name not in _FLAGS]
+    examples = [dict(zip(names, values)) for values, reason in zip(zip(*(table[n] for n in names)), dropped) if reason == _KEPT]
+    if kind == "prompt":
+        for example in examples:
+            example["prompt"], example["columns"] = json.loads(example["prompt"]), json.loads(example["columns"])
     if not examples:
         raise DataError(f"{source}: every record was dropped ({stats.summary(source)})")
     return examples, stats
 
 
-def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict] | None]:
+def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
     """Tokenized (train, eval) examples: eval from cfg.eval, else a seeded cfg.eval_fraction of train, else None.
 
+    Each split is tokenized once per data, tokenizer and settings, then read back from the cache (module docstring).
     The held-out fraction is drawn from the tokenized train examples, so error messages keep the file's own record
     numbers; its truncation counts are part of the train file's summary.
     """
@@ -540,13 +673,51 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
     return [ex for j, ex in enumerate(train) if j not in held_out], [ex for j, ex in enumerate(train) if j in held_out]
 
 
-def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[dict]:
-    records = load_records(source, split, cfg.max_samples)
-    fmt = _detect(records, kind, source)
-    examples, stats = tokenize_records(records, fmt, kind, tokenizer, cfg, source)
+def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[Example]:
+    import datasets
+
+    fingerprint, read = _open(source, split, cfg.max_samples)
+    cache_file = _cache_file(kind, fingerprint, cfg, tokenizer)
+    if cache_file and os.path.exists(cache_file):  # tokenized before: the records need not even be read
+        logger.info(f"{source}: reading the tokenized examples back from {cache_file}")
+        examples, stats = _examples(datasets.Dataset.from_file(cache_file), kind, source)
+    else:  # (a map cached by worker processes is in shard files: the map reads them back)
+        records = read()
+        examples, stats = tokenize_records(records, _detect(records, kind, source), kind, tokenizer, cfg, source, cache_file)
     cut = stats.prompts_truncated or stats.responses_truncated or stats.dropped
     logger.log(logging.WARNING if cut else logging.INFO, stats.summary(source))
     return examples
+
+
+def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str | None:
+    """Where the tokenized rows of these records are cached: a file named by a datasets fingerprint of everything
+    that shapes them (the chat template renderer's and tokenizer library's versions too); None when datasets caching
+    is off."""
+    import datasets
+    import tokenizers
+    import transformers
+    from datasets.fingerprint import Hasher
+
+    if not datasets.is_caching_enabled():
+        return None
+    key = Hasher.hash([_source_hash(), transformers.__version__, tokenizers.__version__, kind, fingerprint,
+                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, tokenizer])
+    root = os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
+    return os.path.join(root, "data", f"{kind}-{key}.arrow")
+
+
+@functools.cache
+def _source_hash() -> str:
+    """This module's source: a change to the tokenization code names new cache files."""
+    with open(__file__, "rb") as f:
+        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+def _num_proc() -> int:
+    value = os.environ.get("RLHFKIT_DATA_NUM_PROC", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"environment variable RLHFKIT_DATA_NUM_PROC must be a positive integer, got {value!r}")
+    return int(value)
 
 
 # 4. Collators --------------------------------------------------------------------------------------------------
@@ -565,7 +736,7 @@ def _join(prompts: list[list[int]], responses: list[list[int]], pad_token_id: in
     return _pad(ids, pad_token_id, width), _pad([[1] * len(x) for x in ids], 0, width), _pad(labels, IGNORE_INDEX, width)
 
 
-def collate_sft(examples: list[dict], pad_token_id: int) -> SFTBatch:
+def collate_sft(examples: list[SFTExample], pad_token_id: int) -> SFTBatch:
     """Right padding; labels padded with -100; attention_mask 1 on real tokens."""
     ids = [e["input_ids"] for e in examples]
     return SFTBatch(
@@ -575,7 +746,7 @@ def collate_sft(examples: list[dict], pad_token_id: int) -> SFTBatch:
     )
 
 
-def pack_sft(examples: list[dict], max_length: int) -> list[dict]:
+def pack_sft(examples: list[SFTExample], max_length: int) -> list[SFTExample]:
     """Concatenates SFT examples and cuts the stream into rows of max_length tokens (the last row holds the rest).
 
     Labels travel with their ids, so completion-only masking survives. Classic packing (GPT pre-training, TRL's
@@ -587,7 +758,7 @@ def pack_sft(examples: list[dict], max_length: int) -> list[dict]:
     return [{"input_ids": ids[s : s + max_length], "labels": labels[s : s + max_length]} for s in range(0, len(ids), max_length)]
 
 
-def collate_preference(examples: list[dict], pad_token_id: int) -> PreferenceBatch:
+def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> PreferenceBatch:
     """prompt + chosen and prompt + rejected, both right-padded to ONE common length T so that the trainer can
     concatenate them into a single forward pass."""
     prompts = [e["prompt_ids"] for e in examples]
@@ -607,7 +778,7 @@ def collate_preference(examples: list[dict], pad_token_id: int) -> PreferenceBat
     )
 
 
-def collate_unpaired(examples: list[dict], pad_token_id: int) -> UnpairedBatch:
+def collate_unpaired(examples: list[UnpairedExample], pad_token_id: int) -> UnpairedBatch:
     """KTO batch. The kl_* rows pair prompt i with completion (i + 1) % B, a cyclic shift (TRL pairs each prompt
     with the completions of a reversed/shifted batch); KTO's reference point z0 is estimated from these mismatched
     pairs (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1). A KL row can be longer than data.max_length (prompt i
@@ -633,7 +804,7 @@ def collate_unpaired(examples: list[dict], pad_token_id: int) -> UnpairedBatch:
     )
 
 
-def collate_prompts(examples: list[dict], pad_token_id: int) -> PromptBatch:
+def collate_prompts(examples: list[PromptExample], pad_token_id: int) -> PromptBatch:
     """LEFT padding, so that every prompt ends at the last column and generation continues from there."""
     ids = [e["prompt_ids"] for e in examples]
     return PromptBatch(

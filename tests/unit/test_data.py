@@ -25,7 +25,7 @@ from rlhfkit.data import (
     pack_sft,
     tokenize_records,
 )
-from rlhfkit.errors import DataError
+from rlhfkit.errors import DataError, UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 
 EOS = "<|im_end|>"
@@ -413,3 +413,168 @@ def test_pipeline_validates_each_record_once(tmp_path, tok, monkeypatch):
     records = [{"prompt": f"p{i}", "answer": i} for i in range(3)]
     build_datasets("prompt", DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64), tok, seed=0)
     assert calls == records
+
+
+# 8. Tokenisation through datasets.Dataset.map: the same ids as the list-based implementation, cached on disk --------
+
+TINY_FILES = [("sft", "sft_train"), ("sft", "sft_eval"), ("preference", "pref_train"), ("preference", "pref_eval"),
+              ("unpaired", "unpaired_train"), ("unpaired", "unpaired_eval"), ("prompt", "prompts_train"),
+              ("prompt", "prompts_eval"), ("prompt", "arithmetic_prompts")]
+CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one, please?"},
+         {"role": "assistant", "content": "Green, like grass in the spring."}]
+HH = "\n\nHuman: hi there\n\nAssistant: hello\n\nHuman: tell me a story"
+# Every record format of every kind, with margins, repeated prompt turns, identical pairs and extra columns.
+FORMAT_CASES = [
+    ("sft", "prompt_completion", [{"prompt": "Hi there", "completion": "Hello!"},
+                                  {"prompt": CONVO[:2], "completion": CONVO[2:3]},
+                                  {"prompt": "Q", "completion": [{"role": "user", "content": "Q"}, CONVO[2]]},
+                                  {"prompt": "a long prompt " * 4, "completion": "a long answer " * 4}]),
+    ("sft", "messages", [{"messages": CONVO}, {"messages": CONVO[1:3]}, {"messages": CONVO[:4]}]),
+    ("preference", "pairwise", [{"prompt": "Q", "chosen": "good", "rejected": "bad"},
+                                {"prompt": CONVO[:2], "chosen": CONVO[2:3], "rejected": "Red.", "margin": 2},
+                                {"prompt": "Q", "chosen": [{"role": "user", "content": "Q"}, CONVO[2]], "rejected": "B"},
+                                {"prompt": "p", "chosen": "same", "rejected": "same", "margin": 0.25},
+                                {"prompt": "a long prompt " * 4, "chosen": "yes " * 6, "rejected": "no " * 6}]),
+    ("preference", "hh_rlhf", [{"chosen": HH + "\n\nAssistant: once upon a time", "rejected": HH + "\n\nAssistant: no"},
+                               {"chosen": "Preamble." + HH + "\n\nAssistant: sure", "rejected": "Preamble." + HH + "\n\nAssistant: nah",
+                                "margin": 1.5}]),
+    ("unpaired", "unpaired", [{"prompt": "Q", "completion": "good", "label": True},
+                              {"prompt": CONVO[:2], "completion": CONVO[2:3], "label": False},
+                              {"prompt": "a long prompt " * 4, "completion": "a long answer " * 4, "label": True}]),
+    ("prompt", "prompt", [{"prompt": "3+4=", "answer": "7", "tests": [1, 2]},
+                          {"prompt": CONVO[:2], "id": 3, "score": 0.5, "ok": True, "none": None, "meta": {"a": [1.5]}},
+                          {"prompt": "a long prompt " * 4}]),
+    ("prompt", "messages", [{"messages": CONVO, "answer": 3}, {"messages": CONVO[:2]}]),
+]
+SETTINGS = {"wide": {"max_length": 256, "max_prompt_length": 128}, "tight": {"max_length": 24, "max_prompt_length": 16}}
+
+
+def digest(examples, stats) -> str:
+    import dataclasses
+    import hashlib
+
+    return hashlib.sha256(json.dumps([examples, dataclasses.asdict(stats)], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def current_digests(tokenizer, setting) -> dict[str, str]:
+    """One digest of (examples, truncation stats) per tiny data file and per format case."""
+    out = {}
+    for kind, name in TINY_FILES:
+        source = f"data/tiny/{name}.jsonl"
+        records = load_records(source)
+        examples, stats = tokenize(records, kind, tokenizer, source=source, **SETTINGS[setting])
+        out[name] = digest(examples, stats)
+    for kind, fmt, records in FORMAT_CASES:
+        examples, stats = tokenize(records, kind, tokenizer, **SETTINGS[setting])
+        out[f"{kind}/{fmt}"] = digest(examples, stats)
+    return out
+
+
+# Recorded from the list-based implementation this pipeline replaced (rlhfkit/data.py at 86b7dc1): the ids, masks,
+# margins, labels, prompt/columns and truncation counts of every case above, per tokenizer and setting.
+LIST_BASED_DIGESTS = {
+    "chatml/wide": {
+        "sft_train": "b60873828dedc67b", "sft_eval": "78ce47541586073b", "pref_train": "bb42ed79e6cfbce6",
+        "pref_eval": "ee63ee869863b965", "unpaired_train": "81fd93f2ec07fac9", "unpaired_eval": "04dbe5d571d42a8f",
+        "prompts_train": "9b53e5045645e808", "prompts_eval": "94d7fa98a26f4931", "arithmetic_prompts": "6bb9735940ec6fb7",
+        "sft/prompt_completion": "4b92eccdeaf6954c", "sft/messages": "9731a9e81f9c48d4", "preference/pairwise": "5ed9dad8e3c5bb29",
+        "preference/hh_rlhf": "b87b1893291e0c2a", "unpaired/unpaired": "2e6d0eb1fd4a0c8e", "prompt/prompt": "5625db51426ac6c6",
+        "prompt/messages": "74e5922e1f5e5878",
+    },
+    "chatml/tight": {
+        "sft_train": "ae5a5833b1e3754a", "sft_eval": "913fac069f38b1ab", "pref_train": "1f2c5344a7a2797e",
+        "pref_eval": "dad69521e857d4ef", "unpaired_train": "b7f3ac9b22853d0e", "unpaired_eval": "e7e0606a83974fb1",
+        "prompts_train": "e29ddac3b031084d", "prompts_eval": "b76e78205bd796af", "arithmetic_prompts": "ec50c57123c3decd",
+        "sft/prompt_completion": "705d081a325b9750", "sft/messages": "7a0ba3dc562a066c", "preference/pairwise": "cb1bca91e77e852f",
+        "preference/hh_rlhf": "30e0fbb9c077b26c", "unpaired/unpaired": "9220e08880b1e932", "prompt/prompt": "bf4ca1af7dd0d88c",
+        "prompt/messages": "f36aa558b25c51a7",
+    },
+    "plain/wide": {
+        "sft_train": "93877c4f24ab9056", "sft_eval": "d79abb9db6c7ad0d", "pref_train": "7894cba8cf04df7e",
+        "pref_eval": "8e7d2c934017e890", "unpaired_train": "112301750d67facd", "unpaired_eval": "67b9d30903f0cb51",
+        "prompts_train": "61212e989335b479", "prompts_eval": "4ccab2d164cf20e5", "arithmetic_prompts": "ee730f4716a7f441",
+        "sft/prompt_completion": "cea7eebf01add2d9", "sft/messages": "336f15a37625277b", "preference/pairwise": "cc70fbfa1355eae2",
+        "preference/hh_rlhf": "9cdfb4bb942f9522", "unpaired/unpaired": "f75187b1c0b0271c", "prompt/prompt": "87140913986354c5",
+        "prompt/messages": "d7ff37264d6b0a18",
+    },
+    "plain/tight": {
+        "sft_train": "2c0f51d4adab878d", "sft_eval": "b6084a07b125641e", "pref_train": "422e6726da7f4b0d",
+        "pref_eval": "ee5fdfe282edf209", "unpaired_train": "88662f5e08c97c26", "unpaired_eval": "4508b2ddb016fd22",
+        "prompts_train": "a6c64e458f8db0f0", "prompts_eval": "f99f553122be587b", "arithmetic_prompts": "ee730f4716a7f441",
+        "sft/prompt_completion": "03b89803f8c10974", "sft/messages": "6e47b83be2ffa15f", "preference/pairwise": "06f07da55f3df39c",
+        "preference/hh_rlhf": "f61370a7f3a718c4", "unpaired/unpaired": "dce100e8a8183f4f", "prompt/prompt": "e7f1134f34a7dd33",
+        "prompt/messages": "f920356bd5ae3a1c",
+    },
+}
+
+
+@pytest.mark.parametrize("template", ["chatml", "plain"])
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_token_ids_match_the_list_based_implementation(template, setting):
+    tokenizer = build_tiny_tokenizer()
+    if template == "plain":
+        tokenizer.chat_template = None
+    assert current_digests(tokenizer, setting) == LIST_BASED_DIGESTS[f"{template}/{setting}"]
+
+
+def test_a_second_build_reads_the_cache_instead_of_tokenizing(tmp_path, tok, monkeypatch, caplog):
+    import os
+
+    from rlhfkit import data
+
+    calls = []
+    real = data._encode
+    monkeypatch.setattr(data, "_encode", lambda *a: calls.append(a[2]) or real(*a))
+    records = [{"prompt": "Q", "chosen": "good", "rejected": "bad", "margin": 1},
+               {"prompt": "p", "chosen": "same", "rejected": "same"}, {"prompt": "a" * 40, "chosen": "yes", "rejected": "no"}]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64, max_prompt_length=32)
+    with caplog.at_level(logging.INFO, logger="rlhfkit"):
+        first, _ = build_datasets("preference", cfg, tok, seed=0)
+        assert len(calls) == 3
+        caplog.clear()
+        second, _ = build_datasets("preference", cfg, tok, seed=0)
+    assert len(calls) == 3  # nothing tokenized again
+    assert second == first and [e["margin"] for e in second] == [1.0, 0.0]
+    assert os.listdir(os.path.join(os.environ["RLHFKIT_CACHE"], "data"))
+    # The statistics and warnings come back with the cached rows.
+    messages = [r.message for r in caplog.records]
+    assert any("reading the tokenized examples back from" in m for m in messages)
+    assert any("3 records -> 2 examples; 1 prompts truncated" in m and "1 dropped" in m for m in messages)
+    assert any("dropped 1 pairs whose chosen and rejected tokens are identical" in m for m in messages)
+    # Another setting, tokenizer or file content is tokenized afresh.
+    build_datasets("preference", DataConfig(train=cfg.train, max_length=64, max_prompt_length=16), tok, seed=0)
+    plain = build_tiny_tokenizer()
+    plain.chat_template = None
+    build_datasets("preference", cfg, plain, seed=0)
+    write_jsonl(tmp_path / "p.jsonl", records[:2])
+    build_datasets("preference", cfg, tok, seed=0)
+    assert len(calls) == 3 + 3 + 3 + 2
+
+
+def test_worker_processes_give_the_same_examples_and_errors(tmp_path, tok, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.fingerprint, "_CACHING_ENABLED", False)  # datasets.disable_caching(): tokenize every time
+    records = [{"messages": CONVO[: 3 + i % 3]} for i in range(8)]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "s.jsonl", records), max_length=64, max_prompt_length=32)
+    monkeypatch.setenv("RLHFKIT_DATA_NUM_PROC", "1")
+    one, _ = build_datasets("sft", cfg, tok, seed=0)
+    monkeypatch.setenv("RLHFKIT_DATA_NUM_PROC", "2")
+    assert build_datasets("sft", cfg, tok, seed=0)[0] == one
+    write_jsonl(tmp_path / "s.jsonl", records[:6] + [{"messages": [{"role": "user", "content": "q"}]}] + records[7:])
+    with pytest.raises(DataError, match=r"s\.jsonl record 6: field 'messages' has no assistant turn"):
+        build_datasets("sft", cfg, tok, seed=0)
+    monkeypatch.setenv("RLHFKIT_DATA_NUM_PROC", "two")
+    with pytest.raises(UserError, match="RLHFKIT_DATA_NUM_PROC must be a positive integer, got 'two'"):
+        build_datasets("sft", cfg, tok, seed=0)
+
+
+def test_hub_datasets_are_tokenized_from_their_own_columns(monkeypatch, tok):
+    import datasets
+
+    records = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "5+5=", "answer": "10"}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(records))
+    (a, b), _ = build_datasets("prompt", DataConfig(train="org/name", max_length=64), tok, seed=0)
+    assert a["prompt_ids"] == ids(tok, chat(tok, [{"role": "user", "content": "3+4="}], True))
+    assert (a["prompt"], a["columns"], b["columns"]) == ("3+4=", {"answer": "7"}, {"answer": "10"})
