@@ -1,6 +1,6 @@
 """Peak memory of DPO optimizer steps (forward + backward + AdamW step): LoRA, whose reference is the shared base
 with adapters disabled, against full fine-tuning with a separate frozen reference copy (and, for comparison, full
-fine-tuning with `precompute_ref_logps`, which frees that copy before training).
+fine-tuning with `precompute_ref_logprobs`, which frees that copy before training).
 
 Two steps run, so the peak includes the optimizer state (AdamW allocates it at the first step): the steady state of a
 long run. Gradient checkpointing is on, as in configs/dpo_smollm2.yaml. Without it (--no-checkpointing) activations
@@ -39,7 +39,7 @@ import time
 SETUPS = {
     "lora": ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"],
     "full": [],
-    "full+precompute": ["algo.precompute_ref_logps=true"],
+    "full+precompute": ["algo.precompute_ref_logprobs=true"],
 }
 
 

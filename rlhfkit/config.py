@@ -235,7 +235,7 @@ class DPOOptions:
     simpo_gamma: NonNeg = 0.5  # SimPO's target margin γ in reward units (the paper's γ, TRL's simpo_gamma)
     # Compute the reference log-probs of the train and eval sets once before training, then drop a separate reference
     # copy: no reference forward per step and, for full fine-tuning, no second model in memory while training.
-    precompute_ref_logps: bool = False
+    precompute_ref_logprobs: bool = False
     # The reference model; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
     ref_model: str | None = None
 
@@ -244,8 +244,8 @@ class DPOOptions:
             yield "label_smoothing", f"applies only to loss_type sigmoid (cDPO) or simpo, got loss_type={self.loss_type}"
         if self.loss_type == "simpo" and self.ref_model is not None:
             yield "ref_model", "must be null with loss_type=simpo: SimPO uses no reference model"
-        if self.loss_type == "simpo" and self.precompute_ref_logps:
-            yield "precompute_ref_logps", "must be false with loss_type=simpo: SimPO uses no reference model"
+        if self.loss_type == "simpo" and self.precompute_ref_logprobs:
+            yield "precompute_ref_logprobs", "must be false with loss_type=simpo: SimPO uses no reference model"
         yield from _ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
 
 
@@ -256,8 +256,8 @@ class DPOConfig(TrainConfig):
 
 @dataclass(frozen=True)
 class ORPOOptions:
-    # ORPO (Hong et al. 2024, arXiv 2403.07691): chosen-response NLL + lam · odds-ratio loss; no reference model.
-    lam: NonNeg = 0.1  # λ, the odds-ratio weight (TRL's ORPO `beta`)
+    # ORPO (Hong et al. 2024, arXiv 2403.07691): chosen-response NLL + β · odds-ratio loss; no reference model.
+    beta: NonNeg = 0.1  # the paper's λ, the odds-ratio weight (TRL's ORPO `beta`)
 
 
 @dataclass(frozen=True)

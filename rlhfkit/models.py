@@ -280,8 +280,8 @@ class Reference:
         """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped
         (accelerate-free) policy, used only when the reference is its base."""
         with self.frozen(policy) as model:
-            logps, _ = sequence_logprobs(model, input_ids, attention_mask, labels)
-        return logps
+            logprobs, _ = sequence_logprobs(model, input_ids, attention_mask, labels)
+        return logprobs
 
     def rollout_logprobs(self, policy, rollout, temperature: float = 1.0) -> torch.Tensor:
         """(B, R) reference log-probs of a `Rollout`'s response tokens (see `rollout_logprobs`), without gradient."""

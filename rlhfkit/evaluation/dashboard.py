@@ -35,9 +35,9 @@ PANELS = [
     ("Learning rate", ["lr"], None),
 ]
 
-# The stage is not stored in config.yaml; each stage's `algo` section has a key no other stage has (checked in order:
-# online `algo` also has `lam`, the GAE λ, so `algorithm` comes before ORPO's `lam`).
-STAGE_KEYS = [("loss_type", "dpo"), ("desirable_weight", "kto"), ("lam", "orpo"), ("iterations", "rft"),
+# The stage is not stored in config.yaml; each stage's `algo` section has a key no stage after it in this list has
+# (online `algo` has `algorithm`, read first; DPO and KTO also have ORPO's `beta`, so they come before it).
+STAGE_KEYS = [("loss_type", "dpo"), ("desirable_weight", "kto"), ("beta", "orpo"), ("iterations", "rft"),
               ("margin_scale", "rm"), ("completion_only", "sft")]
 
 

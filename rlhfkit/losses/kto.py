@@ -9,11 +9,11 @@ import torch
 
 
 def kto_loss(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
+    policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
     desirable: torch.Tensor,
-    policy_kl_logps: torch.Tensor | None,
-    ref_kl_logps: torch.Tensor | None,
+    policy_kl_logprobs: torch.Tensor | None,
+    ref_kl_logprobs: torch.Tensor | None,
     *,
     beta: float,
     desirable_weight: float = 1.0,
@@ -33,15 +33,15 @@ def kto_loss(
     Estimating z0:
       - By default z0 is the mean over this micro-batch. Under data parallelism TRL all-gathers the KL term and
         averages across ranks; to reproduce that (or to use the global batch), compute the mean of
-        (policy_kl_logps - ref_kl_logps) over the global batch and pass it as `z0`, with the KL log-probs None.
+        (policy_kl_logprobs - ref_kl_logprobs) over the global batch and pass it as `z0`, with the KL log-probs None.
         A passed z0 is clamped at 0 and detached here too (both idempotent).
       - With B = 1 the estimate rests on a single mismatched pair; this function accepts it, the data layer is
         responsible for requiring larger batches.
 
     Args:
-        policy_logps, ref_logps: (B,) log-probs of each completion, summed over its tokens.
+        policy_logprobs, ref_logprobs: (B,) log-probs of each completion, summed over its tokens.
         desirable: (B,) bool, True where the completion is desirable.
-        policy_kl_logps, ref_kl_logps: (B',) summed log-probs of the mismatched (prompt, completion) pairs; None
+        policy_kl_logprobs, ref_kl_logprobs: (B',) summed log-probs of the mismatched (prompt, completion) pairs; None
             exactly when `z0` is given.
         beta: β > 0.
         desirable_weight, undesirable_weight: λ_D, λ_U >= 0. The paper advises λ_D n_D / (λ_U n_U) in [1, 4/3].
@@ -62,20 +62,20 @@ def kto_loss(
         raise ValueError(
             f"desirable_weight and undesirable_weight must be >= 0, got {desirable_weight}, {undesirable_weight}"
         )
-    kl_given = (policy_kl_logps is not None, ref_kl_logps is not None)
+    kl_given = (policy_kl_logprobs is not None, ref_kl_logprobs is not None)
     if z0 is None and not all(kl_given):
-        raise ValueError("policy_kl_logps and ref_kl_logps are required unless z0 is given")
+        raise ValueError("policy_kl_logprobs and ref_kl_logprobs are required unless z0 is given")
     if z0 is not None and any(kl_given):
-        raise ValueError("pass either z0 or the KL log-probs (policy_kl_logps, ref_kl_logps), not both")
+        raise ValueError("pass either z0 or the KL log-probs (policy_kl_logprobs, ref_kl_logprobs), not both")
 
     # 1. Reference point: mean KL estimate, clamped at 0 (KL >= 0; a negative sample mean is noise), no gradient.
     if z0 is None:
-        z0 = (policy_kl_logps.float() - ref_kl_logps.float()).mean()  # type: ignore[union-attr]
+        z0 = (policy_kl_logprobs.float() - ref_kl_logprobs.float()).mean()  # type: ignore[union-attr]
     z0 = z0.detach().float().clamp(min=0)
 
     # 2. Implicit reward and the value of each completion relative to z0.
-    policy = policy_logps.float()
-    logratios = policy - ref_logps.float()  # (B,)
+    policy = policy_logprobs.float()
+    logratios = policy - ref_logprobs.float()  # (B,)
     is_desirable = desirable.bool()
     # 1 - σ(a) is written σ(-a): the same value, without cancellation when σ(a) is close to 1.
     loss = torch.where(

@@ -37,8 +37,8 @@ def _smoothed_logistic_loss(logits: torch.Tensor, label_smoothing: float) -> tor
 def _pair_metrics(
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
+    chosen_logprobs: torch.Tensor,
+    rejected_logprobs: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The metrics shared by every pairwise loss, named as TRL logs them; each detached, shape (B,)."""
     chosen_rewards = chosen_rewards.detach()
@@ -48,16 +48,16 @@ def _pair_metrics(
         "rewards/rejected": rejected_rewards,
         "rewards/margins": chosen_rewards - rejected_rewards,
         "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-        "logps/chosen": chosen_logps.detach(),
-        "logps/rejected": rejected_logps.detach(),
+        "logps/chosen": chosen_logprobs.detach(),
+        "logps/rejected": rejected_logprobs.detach(),
     }
 
 
 def preference_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None,
-    ref_rejected_logps: torch.Tensor | None,
+    policy_chosen_logprobs: torch.Tensor,
+    policy_rejected_logprobs: torch.Tensor,
+    ref_chosen_logprobs: torch.Tensor | None,
+    ref_rejected_logprobs: torch.Tensor | None,
     *,
     loss_type: str,
     beta: float,
@@ -83,8 +83,8 @@ def preference_loss(
       - label_smoothing with "ipo" or "hinge" raises instead of being silently ignored.
 
     Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) log π(y|x) summed over response tokens.
-        ref_chosen_logps, ref_rejected_logps: (B,) the same under the reference model; None only with
+        policy_chosen_logprobs, policy_rejected_logprobs: (B,) log π(y|x) summed over response tokens.
+        ref_chosen_logprobs, ref_rejected_logprobs: (B,) the same under the reference model; None only with
             `reference_free=True`, which sets log π_ref ≡ 0 (so h = log π(y_w) - log π(y_l)).
         loss_type: one of "sigmoid", "ipo", "hinge".
         beta: β > 0, the KL-regularisation strength (IPO's τ).
@@ -103,19 +103,19 @@ def preference_loss(
         raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}")
     if label_smoothing and loss_type != "sigmoid":
         raise ValueError(f"label_smoothing applies only to loss_type='sigmoid', got loss_type={loss_type!r}")
-    refs_given = (ref_chosen_logps is not None, ref_rejected_logps is not None)
+    refs_given = (ref_chosen_logprobs is not None, ref_rejected_logprobs is not None)
     if reference_free and any(refs_given):
-        raise ValueError("reference_free=True takes no reference log-probs; pass ref_*_logps=None")
+        raise ValueError("reference_free=True takes no reference log-probs; pass ref_*_logprobs=None")
     if not reference_free and not all(refs_given):
-        raise ValueError("ref_chosen_logps and ref_rejected_logps are required unless reference_free=True")
+        raise ValueError("ref_chosen_logprobs and ref_rejected_logprobs are required unless reference_free=True")
 
-    policy_chosen = policy_chosen_logps.float()
-    policy_rejected = policy_rejected_logps.float()
+    policy_chosen = policy_chosen_logprobs.float()
+    policy_rejected = policy_rejected_logprobs.float()
     if reference_free:
         chosen_logratios, rejected_logratios = policy_chosen, policy_rejected
     else:
-        chosen_logratios = policy_chosen - ref_chosen_logps.float()  # type: ignore[union-attr]  # (B,)
-        rejected_logratios = policy_rejected - ref_rejected_logps.float()  # type: ignore[union-attr]  # (B,)
+        chosen_logratios = policy_chosen - ref_chosen_logprobs.float()  # type: ignore[union-attr]  # (B,)
+        rejected_logratios = policy_rejected - ref_rejected_logprobs.float()  # type: ignore[union-attr]  # (B,)
     h = chosen_logratios - rejected_logratios  # (B,)
 
     if loss_type == "sigmoid":
@@ -130,8 +130,8 @@ def preference_loss(
 
 
 def simpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
+    policy_chosen_logprobs: torch.Tensor,
+    policy_rejected_logprobs: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
     *,
@@ -150,7 +150,7 @@ def simpo_loss(
     by β), so TRL's `simpo_gamma` equals this `gamma`.
 
     Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) log π(y|x) summed over response tokens.
+        policy_chosen_logprobs, policy_rejected_logprobs: (B,) log π(y|x) summed over response tokens.
         chosen_lengths, rejected_lengths: (B,) response token counts |y| (int or float).
         beta: β > 0, the reward scale.
         gamma: γ, the target reward margin.
@@ -165,13 +165,13 @@ def simpo_loss(
     _check_beta(beta)
     _check_label_smoothing(label_smoothing)
     # An empty response has summed log-prob 0; dividing by 1 keeps its average 0 instead of 0/0 = NaN.
-    chosen_avg = policy_chosen_logps.float() / chosen_lengths.float().clamp(min=1)  # (B,)
-    rejected_avg = policy_rejected_logps.float() / rejected_lengths.float().clamp(min=1)  # (B,)
+    chosen_avg = policy_chosen_logprobs.float() / chosen_lengths.float().clamp(min=1)  # (B,)
+    rejected_avg = policy_rejected_logprobs.float() / rejected_lengths.float().clamp(min=1)  # (B,)
     chosen_rewards = beta * chosen_avg
     rejected_rewards = beta * rejected_avg
     loss = _smoothed_logistic_loss(chosen_rewards - rejected_rewards - gamma, label_smoothing)
     metrics = _pair_metrics(
-        chosen_rewards, rejected_rewards, policy_chosen_logps.float(), policy_rejected_logps.float()
+        chosen_rewards, rejected_rewards, policy_chosen_logprobs.float(), policy_rejected_logprobs.float()
     )
     return loss, metrics
 
@@ -190,13 +190,13 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def orpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
+    policy_chosen_logprobs: torch.Tensor,
+    policy_rejected_logprobs: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
     chosen_nll: torch.Tensor,
     *,
-    lam: float,
+    beta: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ORPO, Hong et al. 2024, arXiv 2403.07691, eqs. 4-7: SFT plus an odds-ratio penalty, no reference model.
 
@@ -212,10 +212,10 @@ def orpo_loss(
       - The average log-probs are clamped at -1e-6 (see below); TRL does not clamp.
 
     Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) log π(y|x) summed over response tokens.
+        policy_chosen_logprobs, policy_rejected_logprobs: (B,) log π(y|x) summed over response tokens.
         chosen_lengths, rejected_lengths: (B,) response token counts.
         chosen_nll: (B,) per-example NLL of the chosen response (the L_SFT term); gradients flow through it.
-        lam: λ >= 0, the weight of the odds-ratio term.
+        beta: β >= 0, the weight of the odds-ratio term (the paper's λ, TRL's ORPO `beta`).
 
     Returns:
         loss: (B,) per pair, unreduced, fp32.
@@ -225,19 +225,19 @@ def orpo_loss(
             log odds(y_l) (TRL's names for these two quantities), "nll_loss" = chosen_nll, "logps/chosen",
             "logps/rejected" = the summed log-probs as given (TRL logs the averaged ones).
     """
-    if not lam >= 0:
-        raise ValueError(f"lam must be >= 0, got {lam}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
     # A log-prob is <= 0, but one computed in low precision can round to 0 or above, where log(1 - p) is -inf or NaN;
     # -1e-6 (p = 1 - 1e-6 per token on average) is beyond any average token probability worth distinguishing.
-    chosen_avg = (policy_chosen_logps.float() / chosen_lengths.float().clamp(min=1)).clamp(max=-1e-6)  # (B,)
-    rejected_avg = (policy_rejected_logps.float() / rejected_lengths.float().clamp(min=1)).clamp(max=-1e-6)  # (B,)
+    chosen_avg = (policy_chosen_logprobs.float() / chosen_lengths.float().clamp(min=1)).clamp(max=-1e-6)  # (B,)
+    rejected_avg = (policy_rejected_logprobs.float() / rejected_lengths.float().clamp(min=1)).clamp(max=-1e-6)  # (B,)
     log_odds = (chosen_avg - _log1mexp(chosen_avg)) - (rejected_avg - _log1mexp(rejected_avg))  # (B,)
     log_sigmoid_odds = F.logsigmoid(log_odds)
     nll = chosen_nll.float()
-    loss = nll - lam * log_sigmoid_odds
+    loss = nll - beta * log_sigmoid_odds
 
     metrics = _pair_metrics(
-        lam * chosen_avg, lam * rejected_avg, policy_chosen_logps.float(), policy_rejected_logps.float()
+        beta * chosen_avg, beta * rejected_avg, policy_chosen_logprobs.float(), policy_rejected_logprobs.float()
     )
     metrics["log_odds_ratio"] = log_sigmoid_odds.detach()
     metrics["log_odds_chosen"] = log_odds.detach()

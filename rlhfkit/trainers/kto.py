@@ -1,7 +1,7 @@
 """KTO (Ethayarajh et al. 2024, arXiv 2402.01306) on unpaired completions labelled desirable or undesirable.
 
 Each step: the completions through the policy (with gradient); the mismatched (prompt, other completion) pairs that
-estimate the reference point z0 through the policy WITHOUT gradient, as TRL 1.16's `KTOTrainer._compute_kl_logps`
+estimate the reference point z0 through the policy WITHOUT gradient, as TRL 1.16's `KTOTrainer._compute_kl_logprobs`
 does (z0 is detached in the loss anyway, so a graph would only cost memory); both through the reference under no_grad.
 z0 is estimated per micro-batch (TRL averages it over processes; see `kto_loss`).
 
@@ -90,16 +90,16 @@ class KTOTrainer(Trainer):
     def compute_loss(self, model, batch: UnpairedBatch, num_items: float):
         policy = self.accelerator.unwrap_model(model)
         # 1. Completions through the policy (with gradient), mismatched pairs through it without.
-        logps, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B,)
+        logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B,)
         with torch.no_grad(), self.accelerator.autocast():
-            kl_logps, _ = sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)  # (B',)
+            kl_logprobs, _ = sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)  # (B',)
         # 2. Both through the reference.
         with self.accelerator.autocast():
-            ref_logps = self.reference.sequence_logprobs(policy, batch.input_ids, batch.attention_mask, batch.labels)
-            ref_kl_logps = self.reference.sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)
+            ref_logprobs = self.reference.sequence_logprobs(policy, batch.input_ids, batch.attention_mask, batch.labels)
+            ref_kl_logprobs = self.reference.sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)
         algo = self.cfg.algo
         loss, m = kto_loss(
-            logps, ref_logps, batch.desirable, kl_logps, ref_kl_logps, beta=algo.beta,
+            logprobs, ref_logprobs, batch.desirable, kl_logprobs, ref_kl_logprobs, beta=algo.beta,
             desirable_weight=algo.desirable_weight, undesirable_weight=algo.undesirable_weight,
         )
         # 3. Metrics. Per-class sums are divided by B here and by the class fraction in `class_means`, so the base's

@@ -4,7 +4,7 @@ One trainer for all of them: `rlhfkit dpo` (the method is `algo.loss_type`) and 
 and rejected through the policy in ONE forward ((2B, T), split back into halves). The reference log-probs come from
 a frozen model under no_grad — with LoRA the policy's own base with its adapters disabled (no second copy), else a
 second model (`algo.ref_model`, or the policy's starting weights) — or were computed once before training
-(`algo.precompute_ref_logps`) and ride in the batch. SimPO and ORPO are reference-free: they load no reference model.
+(`algo.precompute_ref_logprobs`) and ride in the batch. SimPO and ORPO are reference-free: they load no reference model.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ REFERENCE_FREE = ("simpo", "orpo")
 class PairsWithRefs(PreferenceBatch):
     """A PreferenceBatch with the precomputed reference log-probs of its pairs (None when computed per step)."""
 
-    ref_chosen_logps: torch.Tensor | None = None  # (B,)
-    ref_rejected_logps: torch.Tensor | None = None  # (B,)
+    ref_chosen_logprobs: torch.Tensor | None = None  # (B,)
+    ref_rejected_logprobs: torch.Tensor | None = None  # (B,)
 
 
 def concat_pairs(batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,11 +61,11 @@ class PreferenceTrainer(Trainer):
 
     def setup(self) -> None:
         super().setup()
-        if self.reference is not None and self.cfg.algo.precompute_ref_logps:
-            self.precompute_ref_logps()
+        if self.reference is not None and self.cfg.algo.precompute_ref_logprobs:
+            self.precompute_ref_logprobs()
 
     @torch.no_grad()
-    def precompute_ref_logps(self) -> None:
+    def precompute_ref_logprobs(self) -> None:
         """Store each pair's reference log-probs in its example dict (the collator carries them into the batch), then
         free a second reference model. Every process computes every example: simple, and done once."""
         from tqdm.auto import tqdm
@@ -81,14 +81,14 @@ class PreferenceTrainer(Trainer):
                 ref = self.reference.sequence_logprobs(policy, *concat_pairs(batch))
             ref_chosen, ref_rejected = ref.float().cpu().chunk(2)
             for example, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist()):
-                example["ref_chosen_logps"], example["ref_rejected_logps"] = c, r
+                example["ref_chosen_logprobs"], example["ref_rejected_logprobs"] = c, r
         self.reference.release()
 
     def collate(self, examples) -> PairsWithRefs:
         batch = collate_preference(examples, self.tokenizer.pad_token_id)
         refs = {}
-        if "ref_chosen_logps" in examples[0]:
-            refs = {k: torch.tensor([e[k] for e in examples], dtype=torch.float32) for k in ("ref_chosen_logps", "ref_rejected_logps")}
+        if "ref_chosen_logprobs" in examples[0]:
+            refs = {k: torch.tensor([e[k] for e in examples], dtype=torch.float32) for k in ("ref_chosen_logprobs", "ref_rejected_logprobs")}
         return PairsWithRefs(**vars(batch), **refs)
 
     def count(self, batch: PairsWithRefs) -> int:
@@ -98,21 +98,21 @@ class PreferenceTrainer(Trainer):
         algo, method = self.cfg.algo, self.method
         # 1. Chosen and rejected through the policy in one forward: (2B, T) -> (2B,), split back into halves.
         input_ids, attention_mask, labels = concat_pairs(batch)
-        logps, lengths = sequence_logprobs(model, input_ids, attention_mask, labels)
-        chosen, rejected = logps.chunk(2)  # (B,) each
+        logprobs, lengths = sequence_logprobs(model, input_ids, attention_mask, labels)
+        chosen, rejected = logprobs.chunk(2)  # (B,) each
         chosen_len, rejected_len = lengths.chunk(2)  # (B,) response tokens
         # 2. The loss of the method.
         if method == "orpo":
             chosen_nll = -chosen / chosen_len.clamp(min=1)  # per-example mean NLL of the chosen response
-            loss, metrics = orpo_loss(chosen, rejected, chosen_len, rejected_len, chosen_nll, lam=algo.lam)
+            loss, metrics = orpo_loss(chosen, rejected, chosen_len, rejected_len, chosen_nll, beta=algo.beta)
         elif method == "simpo":
             loss, metrics = simpo_loss(
                 chosen, rejected, chosen_len, rejected_len, beta=algo.beta, gamma=algo.simpo_gamma,
                 label_smoothing=algo.label_smoothing,
             )
         else:
-            if batch.ref_chosen_logps is not None:
-                ref_chosen, ref_rejected = batch.ref_chosen_logps, batch.ref_rejected_logps
+            if batch.ref_chosen_logprobs is not None:
+                ref_chosen, ref_rejected = batch.ref_chosen_logprobs, batch.ref_rejected_logprobs
             else:
                 with self.accelerator.autocast():
                     ref = self.reference.sequence_logprobs(self.accelerator.unwrap_model(model), input_ids, attention_mask, labels)

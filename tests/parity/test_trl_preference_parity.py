@@ -19,7 +19,7 @@ Deliberate differences, adapted here:
   - SimPO: TRL's `simpo_gamma` is the paper's γ (it subtracts simpo_gamma/β, then scales by β); we pass the same
     value. (The SimPO authors' code takes γ/β as `gamma_beta_ratio`; TRL does not.)
   - ORPO: TRL's single batch NLL (prompt + response, token mean) vs our per-example `chosen_nll`; we pass per-example
-    NLLs whose mean is TRL's scalar. TRL's `beta` is our `lam`.
+    NLLs whose mean is TRL's scalar. TRL's `beta` is our `beta`.
   - KTO: TRL orders its losses desirable-first, returns only their mean, and averages z0 over ranks; on one process
     z0 equals our micro-batch mean, so the batch means (and z0, mean rewards per class) are compared.
 """
@@ -205,15 +205,15 @@ def test_simpo_matches_trl_cpo_simpo(beta, gamma, label_smoothing):
 # ORPO
 
 
-@pytest.mark.parametrize("lam", [0.1, 1.0])
-def test_orpo_matches_trl_odds_ratio_loss(lam):
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_orpo_matches_trl_odds_ratio_loss(beta):
     policy_c, policy_r, _, _ = random_logps(5)
     lengths_c, lengths_r = random_lengths(5)
     g = torch.Generator().manual_seed(55)
     policy_c, policy_r = leaf(policy_c), leaf(policy_r)
     nll = leaf(torch.rand(B, generator=g) * 3)
-    ours, m = orpo_loss(policy_c, policy_r, lengths_c, lengths_r, nll, lam=lam)
-    trl_self = types.SimpleNamespace(beta=lam, accelerator=_IdentityAccelerator())
+    ours, m = orpo_loss(policy_c, policy_r, lengths_c, lengths_r, nll, beta=beta)
+    trl_self = types.SimpleNamespace(beta=beta, accelerator=_IdentityAccelerator())
     losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen = ORPOTrainer.odds_ratio_loss(
         trl_self, policy_c / lengths_c, policy_r / lengths_r
     )

@@ -68,7 +68,7 @@ def test_hinge_hand_computed():
     assert_close(loss, [0.5, 0.0, 2.0])
 
 
-def test_reference_free_uses_policy_logps_only():
+def test_reference_free_uses_policy_logprobs_only():
     loss, m = preference_loss(t(-1.0), t(-1.0), None, None, loss_type="sigmoid", beta=0.1, reference_free=True)
     assert_close(loss, [LN2])
     assert_close(m["rewards/chosen"], [-0.1])
@@ -159,7 +159,7 @@ def test_orpo_hand_computed():
     rejected = t(2 * math.log(0.2), 4 * math.log(0.2))
     len_c, len_r = torch.tensor([3, 2]), torch.tensor([2, 4])
     nll = t(0.7, 1.5)
-    loss, m = orpo_loss(chosen, rejected, len_c, len_r, nll, lam=0.5)
+    loss, m = orpo_loss(chosen, rejected, len_c, len_r, nll, beta=0.5)
     assert_close(loss, [0.7 + 0.5 * math.log(1.25), 1.5 + 0.5 * LN2])
     assert_close(m["log_odds_chosen"], [math.log(4.0), 0.0])
     assert_close(m["log_odds_ratio"], [math.log(0.8), -LN2])
@@ -170,22 +170,22 @@ def test_orpo_hand_computed():
     assert_close(m["logps/chosen"], chosen)
 
 
-def test_orpo_is_finite_at_extreme_logps_and_swap_flips():
+def test_orpo_is_finite_at_extreme_logprobs_and_swap_flips():
     chosen = torch.tensor([0.0, -1e-9, -200.0, -0.01], requires_grad=True)
     rejected = torch.tensor([-200.0, -3.0, 0.0, -0.02], requires_grad=True)
     lengths = torch.tensor([1, 1, 2, 1])
-    loss, m = orpo_loss(chosen, rejected, lengths, lengths, torch.zeros(4), lam=1.0)
+    loss, m = orpo_loss(chosen, rejected, lengths, lengths, torch.zeros(4), beta=1.0)
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()
-    _, swapped = orpo_loss(rejected, chosen, lengths, lengths, torch.zeros(4), lam=1.0)
+    _, swapped = orpo_loss(rejected, chosen, lengths, lengths, torch.zeros(4), beta=1.0)
     assert_close(swapped["log_odds_chosen"], -m["log_odds_chosen"])
-    with pytest.raises(ValueError, match="lam must be >= 0"):
-        orpo_loss(chosen, rejected, lengths, lengths, torch.zeros(4), lam=-1.0)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        orpo_loss(chosen, rejected, lengths, lengths, torch.zeros(4), beta=-1.0)
 
 
 def test_orpo_gradient_flows_through_nll():
     nll = torch.tensor([0.3, 0.4], requires_grad=True)
-    loss, _ = orpo_loss(t(-1.0, -2.0), t(-3.0, -4.0), torch.tensor([1, 1]), torch.tensor([1, 1]), nll, lam=0.1)
+    loss, _ = orpo_loss(t(-1.0, -2.0), t(-3.0, -4.0), torch.tensor([1, 1]), torch.tensor([1, 1]), nll, beta=0.1)
     loss.sum().backward()
     assert_close(nll.grad, [1.0, 1.0])
 
@@ -253,17 +253,17 @@ def _all_losses(requires_grad: bool):
     g = torch.Generator().manual_seed(3)
     B = 4
 
-    def logps():
+    def logprobs():
         return (-torch.rand(B, generator=g) * 49 - 1).half().requires_grad_(requires_grad)
 
     lengths = torch.randint(1, 20, (B,), generator=g)
     desirable = torch.tensor([True, False, True, False])
-    yield preference_loss(logps(), logps(), logps(), logps(), loss_type="sigmoid", beta=0.1, label_smoothing=0.1)
-    yield preference_loss(logps(), logps(), logps(), logps(), loss_type="ipo", beta=0.1)
-    yield preference_loss(logps(), logps(), logps(), logps(), loss_type="hinge", beta=0.1)
-    yield simpo_loss(logps(), logps(), lengths, lengths, beta=2.0, gamma=1.0)
-    yield orpo_loss(logps(), logps(), lengths, lengths, -logps() / 50, lam=0.1)
-    yield kto_loss(logps(), logps(), desirable, logps(), logps(), beta=0.1)
+    yield preference_loss(logprobs(), logprobs(), logprobs(), logprobs(), loss_type="sigmoid", beta=0.1, label_smoothing=0.1)
+    yield preference_loss(logprobs(), logprobs(), logprobs(), logprobs(), loss_type="ipo", beta=0.1)
+    yield preference_loss(logprobs(), logprobs(), logprobs(), logprobs(), loss_type="hinge", beta=0.1)
+    yield simpo_loss(logprobs(), logprobs(), lengths, lengths, beta=2.0, gamma=1.0)
+    yield orpo_loss(logprobs(), logprobs(), lengths, lengths, -logprobs() / 50, beta=0.1)
+    yield kto_loss(logprobs(), logprobs(), desirable, logprobs(), logprobs(), beta=0.1)
 
 
 def test_shapes_dtypes_and_detached_metrics():

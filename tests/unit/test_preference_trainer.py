@@ -86,14 +86,14 @@ def test_step0_policy_equals_reference_so_rewards_are_0(tmp_path, case):
 
 
 def test_precomputed_reference_equals_on_the_fly(tmp_path, dpo):
-    pre = make_trainer(tmp_path / "pre", ["algo.precompute_ref_logps=true"])
+    pre = make_trainer(tmp_path / "pre", ["algo.precompute_ref_logprobs=true"])
     assert pre.reference.model is None  # the copy is freed once its log-probs are stored
-    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(pre.train_set[0]) and "ref_chosen_logps" in pre.eval_set[0]
+    assert {"ref_chosen_logprobs", "ref_rejected_logprobs"} <= set(pre.train_set[0]) and "ref_chosen_logprobs" in pre.eval_set[0]
     # The stored values equal the reference forward of the on-the-fly trainer.
     batch = first_batch(dpo)
     on_the_fly = dpo.reference.sequence_logprobs(dpo.model, *concat_pairs(batch))
     stored = first_batch(pre).to("cpu")  # .to keeps the extra fields
-    torch.testing.assert_close(torch.cat([stored.ref_chosen_logps, stored.ref_rejected_logps]), on_the_fly, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat([stored.ref_chosen_logprobs, stored.ref_rejected_logprobs]), on_the_fly, rtol=0, atol=1e-5)
     # ... so the first optimizer step has the same loss (and a fresh on-the-fly trainer, the same step).
     fresh = make_trainer(tmp_path / "fly")
     assert pre.train_step(0)["loss"] == pytest.approx(fresh.train_step(0)["loss"], abs=1e-6)
@@ -149,11 +149,11 @@ def test_kto_class_means_are_exact_across_micro_batches(tmp_path):
     (batch,) = big.micro_batches(0)  # the 16 rows of step 0, the same rows as small's 4 micro-batches
     m_big, m_small = big.train_step(0), small.train_step(0)
     # By hand: the step-0 policy is the frozen reference, so its log-probs give the class means.
-    logps = big.reference.sequence_logprobs(big.model, batch.input_ids, batch.attention_mask, batch.labels)
+    logprobs = big.reference.sequence_logprobs(big.model, batch.input_ids, batch.attention_mask, batch.labels)
     desirable = batch.desirable
     assert 0 < desirable.sum() < 16
-    assert m_big["logps/chosen"] == pytest.approx(logps[desirable].mean().item(), rel=1e-5)
-    assert m_big["logps/rejected"] == pytest.approx(logps[~desirable].mean().item(), rel=1e-5)
+    assert m_big["logps/chosen"] == pytest.approx(logprobs[desirable].mean().item(), rel=1e-5)
+    assert m_big["logps/rejected"] == pytest.approx(logprobs[~desirable].mean().item(), rel=1e-5)
     for name in ("logps/chosen", "logps/rejected", "kl", "loss", "rewards/accuracies"):
         assert m_small[name] == pytest.approx(m_big[name], rel=1e-5, abs=1e-7), name
     assert "desirable_fraction" not in m_big and "rewards/margins" in m_big
@@ -173,11 +173,11 @@ BAD = {
     "kto beta 0": (["kto", "--config", "configs/kto_tiny.yaml", "algo.beta=0"], "config key 'algo.beta' must be > 0"),
     "kto beta negative": (["kto", "--config", "configs/kto_tiny.yaml", "algo.beta=-1"], "config key 'algo.beta' must be > 0"),
     "dpo beta 0": (["dpo", "--config", "configs/dpo_tiny.yaml", "algo.beta=0"], "config key 'algo.beta' must be > 0"),
-    "simpo with precompute": (["dpo", "--config", "configs/simpo_tiny.yaml", "algo.precompute_ref_logps=true"],
-                              "config key 'algo.precompute_ref_logps' must be false with loss_type=simpo"),
+    "simpo with precompute": (["dpo", "--config", "configs/simpo_tiny.yaml", "algo.precompute_ref_logprobs=true"],
+                              "config key 'algo.precompute_ref_logprobs' must be false with loss_type=simpo"),
     "ipo with label smoothing": (["dpo", "--config", "configs/ipo_tiny.yaml", "algo.label_smoothing=0.1"],
                                  "config key 'algo.label_smoothing' applies only to"),
-    "orpo negative lambda": (["orpo", "--config", "configs/orpo_tiny.yaml", "algo.lam=-0.1"], "config key 'algo.lam' must be >= 0"),
+    "orpo negative lambda": (["orpo", "--config", "configs/orpo_tiny.yaml", "algo.beta=-0.1"], "config key 'algo.beta' must be >= 0"),
 }
 
 
