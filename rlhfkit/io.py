@@ -19,6 +19,12 @@ from rlhfkit.errors import UserError
 TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes (removed at the next start in output_dir)
 
 
+def cache_dir() -> str:
+    """Where rlhfkit caches what it builds once (converted GGUF models, the tiny model, tokenised datasets):
+    $RLHFKIT_CACHE, else ~/.cache/rlhfkit."""
+    return os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write `data` to a temporary file beside `path`, then rename it into place."""
     parent = os.path.dirname(path) or "."

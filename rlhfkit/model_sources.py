@@ -27,7 +27,7 @@ from transformers import (
 
 from rlhfkit.config import ModelConfig
 from rlhfkit.errors import UserError
-from rlhfkit.io import atomic_dir
+from rlhfkit.io import atomic_dir, cache_dir
 
 logger = logging.getLogger("rlhfkit")
 
@@ -40,11 +40,6 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def cache_dir() -> str:
-    """Where converted and built models are cached: $RLHFKIT_CACHE, else ~/.cache/rlhfkit."""
-    return os.environ.get("RLHFKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhfkit")
 
 
 def from_pretrained(auto_cls, path: str, **kwargs):

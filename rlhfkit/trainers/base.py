@@ -520,10 +520,13 @@ class Trainer:
 
         from rlhfkit.models import load_tokenizer
 
+        from accelerate import PartialState
+
         cfg = self.cfg
         set_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.load_data()
+        with PartialState().main_process_first():  # one process tokenises into the cache; the others then read it
+            self.tokenizer = load_tokenizer(cfg.model)
+            self.load_data()
         self.accelerator = self.make_accelerator()
         self.world = self.accelerator.num_processes
         set_seed(cfg.seed)
