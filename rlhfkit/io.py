@@ -9,12 +9,16 @@ This module imports only the standard library (and `rlhfkit.errors`).
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import Iterator
 
 from rlhfkit.errors import UserError
+
+logger = logging.getLogger("rlhfkit")
 
 TMP_PREFIX = ".tmp-"  # every temporary file or directory rlhfkit writes (removed at the next start in output_dir)
 
@@ -99,3 +103,20 @@ def check_writable(path: str, key: str = "output_dir") -> None:
         raise UserError(f"{key} '{path}' cannot be created: '{existing}' is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{key} '{path}' is not writable: no permission to write in '{existing}'")
+
+
+def read_jsonl_rows(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file (metrics.jsonl, samples.jsonl), skipping with a warning any line that is not
+    JSON — the half-written last line of a run killed (or out of disk) while writing it."""
+    rows, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
+    if bad:
+        logger.warning("%s: skipped %d half-written or non-JSON line(s)", path, bad)
+    return rows

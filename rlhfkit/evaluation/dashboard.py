@@ -8,7 +8,6 @@ so no display and no global figure state are involved, and written atomically.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os
@@ -16,7 +15,7 @@ import os
 import yaml
 
 from rlhfkit.errors import UserError
-from rlhfkit.io import atomic_write_bytes
+from rlhfkit.io import atomic_write_bytes, read_jsonl_rows
 
 logger = logging.getLogger("rlhfkit")
 
@@ -52,23 +51,6 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise UserError(f"'{run_dir}' has no metrics.jsonl: not an rlhfkit run directory, or the run logged nothing")
     return read_jsonl_rows(path)
-
-
-def read_jsonl_rows(path: str) -> list[dict]:
-    """The JSON objects of a run's JSONL file (metrics.jsonl, samples.jsonl), skipping with a warning any line that
-    is not JSON (the half-written last line of a run killed while writing it)."""
-    rows, bad = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                bad += 1
-    if bad:
-        logger.warning(f"{path}: skipped {bad} line(s) that are not JSON")
-    return rows
 
 
 def read_config(run_dir: str) -> dict:

@@ -16,9 +16,9 @@ from itertools import zip_longest
 
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.dashboard import (
-    metric_series, read_config, read_jsonl_rows, read_metrics, run_title, write_dashboard,
+    metric_series, read_config, read_metrics, run_title, write_dashboard,
 )
-from rlhfkit.io import atomic_write_bytes
+from rlhfkit.io import atomic_write_bytes, read_jsonl_rows
 
 logger = logging.getLogger("rlhfkit")
 MAX_SAMPLES = 8  # sample pairs shown

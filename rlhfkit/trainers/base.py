@@ -29,7 +29,7 @@ import torch
 
 from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
-from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, remove_tree
+from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
 
 logger = logging.getLogger("rlhfkit")
 
@@ -175,23 +175,9 @@ def commit_replacement(output_dir: str) -> None:
 
 def trim_jsonl(path: str, step: int) -> None:
     """Keep the rows of `path` logged at or before `step`; drop a half-written line (a kill or a full disk)."""
-    if not os.path.exists(path):
-        return
-    kept, torn = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                torn += 1
-                continue
-            if row.get("step", 0) <= step:
-                kept.append(line.rstrip("\n") + "\n")
-    if torn:
-        logger.warning("%s: dropped %d half-written line(s)", path, torn)
-    atomic_write_text(path, "".join(kept))
+    if os.path.exists(path):
+        kept = [row for row in read_jsonl_rows(path) if row.get("step", 0) <= step]
+        atomic_write_text(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
 
 
 # 2. Metrics ----------------------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ from rlhfkit.config import OnlineConfig
 from rlhfkit.data import build_datasets, collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import check_alarms, diversity_figures
-from rlhfkit.evaluation.dashboard import read_jsonl_rows
 from rlhfkit.evaluation.metrics import pearson
 from rlhfkit.generation import generate
+from rlhfkit.io import read_jsonl_rows
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import policy_objective, value_loss
