@@ -44,6 +44,9 @@ class AdvantageInput:
         whiten: whiten the advantages over the batch's valid tokens as a last step ("gae", "rloo", "grpo",
             "dr_grpo"). The REINFORCE++ estimators always whiten: the global normalisation is the method.
         eps: added to the group standard deviation ("grpo"); TRL uses 1e-4.
+        all_reduce: under data parallelism, sums a tensor over all processes: whitening (and REINFORCE++'s global
+            normalisation) then uses the statistics of the whole global batch, as one process holding it would.
+            Group statistics need none: a prompt's samples are always on one process.
     """
 
     rewards: torch.Tensor  # (B, R)
@@ -55,6 +58,7 @@ class AdvantageInput:
     lam: float = 0.95
     whiten: bool = False
     eps: float = 1e-4
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.rewards.dim() != 2:
@@ -238,11 +242,11 @@ def _gae(
 
 
 def _whitened_return_to_go(
-    rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float, all_reduce=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++'s (advantages, returns): the γ-discounted return-to-go, whitened over the batch's valid tokens."""
     returns = _gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)  # V = 0, λ = 1: return-to-go
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, mask, all_reduce=all_reduce), returns
 
 
 def _require(value: torch.Tensor | None, field: str, estimator: str) -> torch.Tensor:
@@ -251,10 +255,10 @@ def _require(value: torch.Tensor | None, field: str, estimator: str) -> torch.Te
     return value
 
 
-def _finish(advantages: torch.Tensor, mask: torch.Tensor, whiten: bool) -> torch.Tensor:
-    """Optionally whiten over the valid tokens; 0 on padding either way."""
+def _finish(advantages: torch.Tensor, mask: torch.Tensor, whiten: bool, all_reduce=None) -> torch.Tensor:
+    """Optionally whiten over the valid tokens (of every process, with `all_reduce`); 0 on padding either way."""
     if whiten:
-        return masked_whiten(advantages, mask)
+        return masked_whiten(advantages, mask, all_reduce=all_reduce)
     return torch.where(mask, advantages, 0.0)
 
 
@@ -279,7 +283,7 @@ def gae(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.where(mask, _require(inp.values, "values", "gae").float(), 0.0)
     advantages = _gae(inp.rewards.float(), values, mask, inp.gamma, inp.lam)
     returns = advantages + values
-    return _finish(advantages, mask, inp.whiten), returns
+    return _finish(advantages, mask, inp.whiten, inp.all_reduce), returns
 
 
 @register_estimator("rloo")
@@ -296,7 +300,7 @@ def rloo(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     mean, _, size = group_stats(sequence_returns, group_ids)
     baseline = (mean * size - sequence_returns) / (size - 1)  # mean of the other k - 1 samples
     advantages = _broadcast(sequence_returns - baseline, mask)
-    return _finish(advantages, mask, inp.whiten), _broadcast(sequence_returns, mask)
+    return _finish(advantages, mask, inp.whiten, inp.all_reduce), _broadcast(sequence_returns, mask)
 
 
 def _group_relative(inp: AdvantageInput, scale_by_std: bool, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +310,7 @@ def _group_relative(inp: AdvantageInput, scale_by_std: bool, name: str) -> tuple
     per_sequence = scores - mean
     if scale_by_std:
         per_sequence = per_sequence / (std + inp.eps)
-    return _finish(_broadcast(per_sequence, mask), mask, inp.whiten), _broadcast(scores, mask)
+    return _finish(_broadcast(per_sequence, mask), mask, inp.whiten, inp.all_reduce), _broadcast(scores, mask)
 
 
 @register_estimator("grpo")
@@ -339,7 +343,7 @@ def reinforce_pp(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     then whitened over all valid tokens of the batch (mean 0, unbiased variance 1). returns = G_t (before whitening).
     """
     mask = inp.response_mask.bool()
-    return _whitened_return_to_go(inp.rewards.float(), mask, inp.gamma)
+    return _whitened_return_to_go(inp.rewards.float(), mask, inp.gamma, inp.all_reduce)
 
 
 @register_estimator("reinforce_pp_baseline")
@@ -351,4 +355,4 @@ def reinforce_pp_baseline(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tens
     mask = inp.response_mask.bool()
     mean, _, _ = group_stats(inp.scores, _require(inp.group_ids, "group_ids", "reinforce_pp_baseline"))
     rewards = inp.rewards.float() - _last_valid(mask) * mean.unsqueeze(-1)  # (B, R)
-    return _whitened_return_to_go(rewards, mask, inp.gamma)
+    return _whitened_return_to_go(rewards, mask, inp.gamma, inp.all_reduce)

@@ -9,6 +9,8 @@ This module imports only torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
@@ -49,14 +51,27 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var * n / (n - 1) if unbiased else var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the valid positions, with the unbiased variance (as TRL's `masked_whiten`).
 
     shift_mean=False adds the mean back (rescale only), as used to whiten rewards without moving their mean.
     Masked-out positions are set to 0, so nothing downstream reads a whitened padding value.
+
+    all_reduce: under data parallelism, a function returning the sum of a tensor over all processes. The mean and
+    variance are then those of every process's valid positions — what one process holding the whole batch would
+    compute — not this shard's alone.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    if all_reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        m, xf = mask.bool(), x.float()
+        n, total = all_reduce(torch.stack([m.sum().float(), xf[m].sum()]))  # global count and sum
+        if n < 2:
+            raise ValueError(f"masked_var needs at least 2 valid positions, got {int(n)}")
+        mean = total / n
+        var = all_reduce(((xf[m] - mean) ** 2).sum()) / (n - 1)
     whitened = (x.float() - mean) * torch.rsqrt(var + 1e-8)  # 1e-8: a constant batch gives 0, not a division by 0
     if not shift_mean:
         whitened = whitened + mean

@@ -279,22 +279,26 @@ class RunningMoments:
 
 
 def normalize_scores(
-    scores: Tensor, mode: str, running: RunningMoments | None = None, clip: float | None = None, eps: float = 1e-8
+    scores: Tensor, mode: str, running: RunningMoments | None = None, clip: float | None = None, eps: float = 1e-8,
+    population: Tensor | None = None,
 ) -> Tensor:
     """Normalise then clip a batch of scores (B,).
 
     Modes: "none"; "batch" z-score over this batch; "running" z-score with moments of every score so far (updated
     with this batch first); "minmax" to [0, 1] over this batch. `clip` bounds the result to [-clip, clip].
+    `population` (default: `scores`) is the batch whose statistics are used: under data parallelism, the scores of
+    every process gathered, so each process normalises as one process holding the whole batch would.
     """
     x = scores.float()
+    p = x if population is None else population.float()
     if mode == "batch":
-        x = (x - x.mean()) / (x.std(unbiased=False) + eps)
+        x = (x - p.mean()) / (p.std(unbiased=False) + eps)
     elif mode == "running":
         assert running is not None, "running normalisation needs a RunningMoments"
-        running.update(x)
+        running.update(p)
         x = (x - running.mean) / (running.var**0.5 + eps)
     elif mode == "minmax":
-        x = (x - x.min()) / (x.max() - x.min() + eps)
+        x = (x - p.min()) / (p.max() - p.min() + eps)
     elif mode != "none":
         raise ValueError(f"unknown normalisation {mode!r}")
     return x.clamp(-clip, clip) if clip is not None else x

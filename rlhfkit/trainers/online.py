@@ -141,12 +141,13 @@ class OnlineTrainer(Trainer):
         (B, R) entropies of the distributions they were drawn from."""
         return rollout_logprobs(model, ro, self.cfg.generation.temperature, with_entropy)
 
-    def values_of(self, ro: Rollout):
-        """(B, R) critic values V(s_t) of the state before each response token."""
-        if isinstance(self.accelerator.unwrap_model(self.value), SharedBaseCritic):
-            v = self.value(ro.input_ids, ro.attention_mask)  # (B, T)
+    def values_of(self, critic, ro: Rollout):
+        """(B, R) values V(s_t) of the state before each response token, from `critic` (the prepared critic for the
+        update, its unwrapped module for no-grad forwards)."""
+        if isinstance(self.accelerator.unwrap_model(critic), SharedBaseCritic):
+            v = critic(ro.input_ids, ro.attention_mask)  # (B, T)
         else:
-            v = token_scores(self.value, ro.input_ids, ro.attention_mask)  # (B, T)
+            v = token_scores(critic, ro.input_ids, ro.attention_mask)  # (B, T)
         return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
 
     def reference_logprobs(self, ro: Rollout):
@@ -154,32 +155,36 @@ class OnlineTrainer(Trainer):
 
     @torch.no_grad()
     def make_experience(self, step: int) -> tuple[Experience | None, dict[str, float]]:
-        """Step `step`'s experience and its rollout statistics; None for the experience when anything it holds is
-        not finite (the step is then skipped, and counted)."""
+        """Step `step`'s experience and its rollout statistics (over every process); None for the experience when
+        anything it holds is not finite on any process (the step is then skipped everywhere, and counted)."""
         cfg, acc, mb = self.cfg, self.accelerator, self.cfg.optim.per_device_batch_size
         prompts, examples = self.prompts_for(step)
         t0 = time.perf_counter()
         ro = self.sample(prompts.to(acc.device))  # 1. sample
         stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
-        if ro is None:
+        if not self.on_every_process(ro is not None):
             return None, stats
         rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
         scores = self.reward(ro, rows).float()  # 2. score: (B,), once for the whole rollout batch
-        # 3. No-grad forwards without dropout: with unchanged weights they give exactly the update forward's values.
-        for module in (self.model, self.value):
+        # 3. No-grad forwards without dropout, on the unwrapped modules (no DDP collectives): with unchanged weights
+        # they give exactly the update forward's values.
+        policy = acc.unwrap_model(self.model)
+        critic = acc.unwrap_model(self.value) if self.value is not None else None
+        for module in (policy, critic):
             if module is not None:
                 module.eval()
         chunks = [ro.select(slice(i, i + mb)) for i in range(0, ro.response_ids.shape[0], mb)]
         cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
-        old_logprobs = cat(lambda c: self.response_logprobs(self.model, c))
+        old_logprobs = cat(lambda c: self.response_logprobs(policy, c))
         ref_logprobs = cat(self.reference_logprobs) if self.algo.needs_reference else None
-        values = cat(self.values_of) if self.value is not None else None
-        finite = all(torch.isfinite(t).all() for t in (scores, old_logprobs, ref_logprobs) if t is not None)
-        # 4. Shaped scores, per-token rewards, advantages.
+        values = cat(lambda c: self.values_of(critic, c)) if critic is not None else None
+        finite = self.on_every_process(all(torch.isfinite(t).all() for t in (scores, old_logprobs, ref_logprobs) if t is not None))
+        # 4. Shaped scores, per-token rewards, advantages — statistics over the global batch, as one process would.
         mask = ro.response_mask.float()
         shaped = penalize_missing_eos(scores, ro.has_eos, cfg.reward.missing_eos_penalty)
         # The running moments see only finite batches: one NaN must not poison every later step.
-        shaped = normalize_scores(shaped, cfg.reward.normalize, self.moments if finite else RunningMoments(), cfg.reward.clip)
+        shaped = normalize_scores(shaped, cfg.reward.normalize, self.moments if finite else RunningMoments(), cfg.reward.clip,
+                                  population=self.gather(shaped))
         kl_coef = self.kl_ctl.value
         kl = kl_penalty(old_logprobs, ref_logprobs, "k1") * mask if ref_logprobs is not None else torch.zeros_like(mask)  # (B, R)
         rewards = per_token_rewards(shaped, kl, mask, kl_coef if self.algo.kl_in_reward else 0.0)
@@ -187,42 +192,70 @@ class OnlineTrainer(Trainer):
         # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
         advantages, returns = compute_advantages(self.algo.advantage, AdvantageInput(
             rewards=rewards, scores=shaped, response_mask=mask, values=values, group_ids=ro.group_ids,
-            gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten))
+            gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten,
+            all_reduce=(lambda t: acc.reduce(t, "sum")) if self.world > 1 else None))
         exp = Experience(
             rollout=ro, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
             kl=kl.sum(1) if ref_logprobs is not None else None, advantages=advantages, returns=returns,
             loss_mask=loss_mask(mask, ro.has_eos, shaped, ro.group_ids, mask_truncated=cfg.algo.mask_truncated,
                                 drop_zero_variance_groups=cfg.algo.dynamic_filtering))
         stats.update(self.rollout_stats(exp, rows, shaped, kl_coef))
-        return (exp if finite and bool(torch.isfinite(advantages).all()) else None), stats
+        finite = self.on_every_process(finite and bool(torch.isfinite(advantages).all()))
+        return (exp if finite else None), stats
+
+    def on_every_process(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process: every decision that changes control flow is taken on it, so the
+        processes never fall out of step (one all-reduce)."""
+        if self.world == 1:
+            return bool(flag)
+        return self.accelerator.reduce(torch.tensor(float(not flag), device=self.accelerator.device), "sum").item() == 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
+        return self.accelerator.gather(x) if self.world > 1 else x
 
     def rollout_stats(self, exp: Experience, rows: list[dict], shaped: torch.Tensor, kl_coef: float) -> dict[str, float]:
-        """What the rollout measured (README: the online metric table); KL figures only where there is a reference."""
+        """What the rollout measured, over every process's rows (README: the online metric table); KL figures only
+        where there is a reference."""
+        from accelerate.utils import gather_object
+
         ro, mask = exp.rollout, exp.rollout.response_mask.float()
-        texts = self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)
-        stats = {
-            "objective/scores": exp.scores.mean(),
-            "objective/entropy": (-exp.old_logprobs * mask).sum(1).mean(),
-            "response/length_avg": mask.sum(1).mean(), "response/eos_rate": ro.has_eos.float().mean(),
-            "policy/sampler_logprob_gap": masked_mean((ro.sampler_logprobs - exp.old_logprobs).abs(), mask),
-            # Evidence for the reward-hacking alarms (rlhfkit.evaluation.alarms).
-            "response/empty_rate": ((mask.sum(1) - ro.has_eos.float()) <= 0).float().mean(),
-            "response/score_length_corr": pearson(exp.scores.tolist(), mask.sum(1).tolist()),
-            **diversity_figures(texts, ro.group_ids.tolist()),  # distinct-2, words per response, top share
-        }
+        per_row = {"scores": exp.scores, "shaped": shaped, "length": mask.sum(1), "eos": ro.has_eos.float(),
+                   "entropy": (-exp.old_logprobs * mask).sum(1),
+                   "gap": ((ro.sampler_logprobs - exp.old_logprobs).abs() * mask).sum(1)}  # (B,) each
         if exp.kl is not None:
-            stats.update({"objective/kl": exp.kl.mean(), "objective/kl_coef": kl_coef,
-                          "objective/rlhf_reward": (shaped - kl_coef * exp.kl).mean()})
+            per_row["kl"] = exp.kl
         gold = self.reward.gold(ro, rows)
         if gold is not None:
-            stats["objective/gold"] = gold.mean()
+            per_row["gold"] = gold.to(mask.device)
+        g = {k: self.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
+        texts = self.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)
+        groups = (ro.group_ids + self.accelerator.process_index * self.cfg.algo.rollout_batch_size).tolist()
+        if self.world > 1:
+            texts, groups = gather_object(texts), gather_object(groups)
+        stats = {
+            "objective/scores": g["scores"].mean(),
+            "objective/entropy": g["entropy"].mean(),
+            "response/length_avg": g["length"].mean(), "response/eos_rate": g["eos"].mean(),
+            "policy/sampler_logprob_gap": g["gap"].sum() / g["length"].sum().clamp(min=1),
+            # Evidence for the reward-hacking alarms (rlhfkit.evaluation.alarms).
+            "response/empty_rate": ((g["length"] - g["eos"]) <= 0).float().mean(),
+            "response/score_length_corr": pearson(g["scores"].tolist(), g["length"].tolist()),
+            **diversity_figures(texts, groups),  # distinct-2, words per response, top share
+        }
+        if "kl" in g:
+            stats.update({"objective/kl": g["kl"].mean(), "objective/kl_coef": kl_coef,
+                          "objective/rlhf_reward": (g["shaped"] - kl_coef * g["kl"]).mean()})
+        if "gold" in g:
+            stats["objective/gold"] = g["gold"].mean()
         return {k: float(v) for k, v in stats.items()}
 
     # 5. Updates -----------------------------------------------------------------------------------------------
     def update(self, exp: Experience) -> dict[str, float]:
         """`algo.ppo_epochs` passes of `algo.num_minibatches` optimizer steps over the experience. Returns the
-        loss-mask-weighted means of the losses' metrics, or a `faults/...` entry when a loss or the gradient is not
-        finite (the remaining updates are skipped)."""
+        loss-mask-weighted means of the losses' metrics over every process, or a `faults/...` entry when a loss or
+        the gradient is not finite on any process (that step and the remaining ones are skipped everywhere).
+        Early stopping on `algo.target_kl` reads the approx-KL of the whole minibatch, all processes."""
         cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
         n = exp.loss_mask.shape[0]
         mb_size, micro = n // a.num_minibatches, cfg.optim.per_device_batch_size
@@ -239,7 +272,8 @@ class OnlineTrainer(Trainer):
                 mask = exp.loss_mask[idx]
                 counts = acc.reduce(torch.stack([mask.sum(), torch.tensor(float(len(idx)), device=mask.device)]), "sum")
                 num_tokens, num_seqs = (counts / self.world).clamp(min=1).tolist()  # DDP averages: per-process share
-                mb_kl = 0.0
+                # (non-finite losses, approx-KL · tokens, tokens) of this minibatch on this process
+                control = torch.zeros(3, device=mask.device)
                 for i in range(0, len(idx), micro):
                     batch = exp.select(idx[i : i + micro])
                     parts = {}
@@ -250,31 +284,37 @@ class OnlineTrainer(Trainer):
                         losses.append(lambda: self.critic_loss(batch, num_tokens))
                     for term in losses:
                         loss, term_parts = term()
-                        if not torch.isfinite(loss):
-                            self.optimizer.zero_grad(set_to_none=True)
-                            return {"faults/nonfinite_loss": 1.0}
+                        # Backward even when the loss is not finite: every process runs the same collectives, and
+                        # the decision below is taken on all of them together.
+                        control[0] += float(not torch.isfinite(loss))
                         acc.backward(loss)
                         parts.update(term_parts)
                     w = float(batch.loss_mask.sum())
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
                     sums["_w"] = sums.get("_w", 0.0) + w
-                    mb_kl += float(parts["policy/approxkl_avg"]) * w
+                    control[1:] += torch.tensor([float(parts["policy/approxkl_avg"]) * w, w], device=control.device)
                 max_norm = cfg.optim.max_grad_norm
                 norm = acc.clip_grad_norm_(self.optimizer_params(), max_norm if max_norm is not None else math.inf)
-                if norm is not None and acc.scaler is None and not math.isfinite(float(norm)):
+                bad_norm = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
+                control = acc.reduce(control, "sum") if self.world > 1 else control
+                if control[0] > 0 or bad_norm:
                     self.optimizer.zero_grad(set_to_none=True)
-                    return {"faults/nonfinite_gradient": 1.0}
+                    return {"faults/nonfinite_loss" if control[0] > 0 else "faults/nonfinite_gradient": 1.0}
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                if a.target_kl is not None and mb_kl / max(float(mask.sum()), 1.0) > a.target_kl:
+                if a.target_kl is not None and control[1] / control[2].clamp(min=1.0) > a.target_kl:
                     early_stopped = 1.0
                     break
             if early_stopped:
                 break
-        w = max(sums.pop("_w", 0.0), 1.0)
-        return {**{k: v / w for k, v in sums.items()}, "policy/early_stopped": early_stopped}
+        keys = sorted(sums)  # the same keys on every process
+        totals = torch.tensor([sums[k] for k in keys], device=exp.loss_mask.device)
+        totals = (acc.reduce(totals, "sum") if self.world > 1 else totals).tolist()
+        out = dict(zip(keys, totals))
+        w = max(out.pop("_w", 0.0), 1.0)
+        return {**{k: v / w for k, v in out.items()}, "policy/early_stopped": early_stopped}
 
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -302,7 +342,7 @@ class OnlineTrainer(Trainer):
     def critic_loss(self, batch: Experience, num_tokens: float):
         """Clipped value loss of a micro-batch (token mean over the minibatch's global token count), times vf_coef."""
         a, mask = self.cfg.algo, batch.loss_mask
-        vl, vm = value_loss(self.values_of(batch.rollout), batch.values, batch.returns, clip_range_value=a.clip_range_value)
+        vl, vm = value_loss(self.values_of(self.value, batch.rollout), batch.values, batch.returns, clip_range_value=a.clip_range_value)
         loss = a.vf_coef * aggregate(vl, mask, "token-mean", num_tokens=num_tokens)
         return loss, {"loss/value_avg": masked_mean(vl.detach(), mask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], mask)}
 
@@ -310,10 +350,10 @@ class OnlineTrainer(Trainer):
     def policy_is_finite(self, exp: Experience) -> bool:
         """Whether the policy, as updated, still gives finite log-probs on a micro-batch of this step's rollout (one
         no-grad forward, before a checkpoint: weights that blew up can be finite while every output is inf/NaN)."""
-        self.model.eval()
+        policy = self.accelerator.unwrap_model(self.model)
+        policy.eval()
         rollout = exp.rollout.select(slice(0, self.cfg.optim.per_device_batch_size))
-        finite = torch.isfinite(self.response_logprobs(self.model, rollout)).all().float()
-        return bool(self.accelerator.reduce(finite, "min") > 0)
+        return self.on_every_process(bool(torch.isfinite(self.response_logprobs(policy, rollout)).all()))
 
     # 6. The loop ----------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -328,8 +368,8 @@ class OnlineTrainer(Trainer):
             t1 = time.perf_counter()
             out = self.update(exp) if exp is not None else {"faults/nonfinite_rollout": 1.0}  # 5. updates
             bad = self.count_bad_step(step + 1, out)
-            if not bad and exp.kl is not None:  # 6. β follows the measured KL (adaptive controller)
-                self.kl_ctl.update(float(exp.kl.mean()), exp.kl.numel() * self.world)
+            if not bad and exp.kl is not None:  # 6. β follows the KL measured over every process (adaptive controller)
+                self.kl_ctl.update(stats["objective/kl"], exp.kl.numel() * self.world)
             stats.update(out, lr=lr, episodes=(step + 1) * self.cfg.algo.rollout_batch_size * self.cfg.generation.num_samples
                          * self.world, **{"faults/skipped_total": self.bad_steps, "time/rollout_s": t1 - t0,
                                           "time/update_s": time.perf_counter() - t1})

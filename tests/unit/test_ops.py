@@ -184,3 +184,34 @@ def test_k3_is_clamped_finite_with_finite_gradient():
 def test_kl_unknown_kind_raises():
     with pytest.raises(ValueError, match="kind"):
         kl_penalty(t([0.0]), t([0.0]), "k4")
+
+
+def test_masked_whiten_with_all_reduce_uses_the_global_batch():
+    """Two shards of one batch, each whitened with an all_reduce that adds the other shard's sums, give exactly the
+    whitening of the whole batch (not each shard's own statistics)."""
+    from rlhfkit.ops import masked_whiten
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5) * 3 + 1
+    mask = torch.rand(6, 5) > 0.3
+    whole = masked_whiten(x, mask)
+    shards = [(x[:3], mask[:3]), (x[3:], mask[3:])]
+
+    def summing_with(other_x, other_mask):
+        state = {}
+
+        def all_reduce(t):
+            m = other_mask.bool()
+            if "mean" not in state:  # first call: (count, sum)
+                out = t + torch.stack([m.sum().float(), other_x.float()[m].sum()])
+                state["mean"] = out[1] / out[0]
+                return out
+            return t + ((other_x.float()[m] - state["mean"]) ** 2).sum()  # second: squared deviations
+
+        return all_reduce
+
+    for i, (xi, mi) in enumerate(shards):
+        other = shards[1 - i]
+        got = masked_whiten(xi, mi, all_reduce=summing_with(*other))
+        torch.testing.assert_close(got, whole[:3] if i == 0 else whole[3:], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(masked_whiten(x[:3], mask[:3]), whole[:3])  # each shard's own statistics differ
