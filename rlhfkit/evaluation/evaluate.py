@@ -37,6 +37,7 @@ from rlhfkit.evaluation.metrics import (
 from rlhfkit.config import GenerationConfig
 from rlhfkit.generation import generate
 from rlhfkit.io import atomic_write_text, check_writable
+from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.rewards import (
     EnsembleScorer, RewardFunction, call_reward_function, load_reward_function, load_reward_scorer,
@@ -241,12 +242,12 @@ class Evaluator:
             raise UserError(f"run_dir '{cfg.run_dir}' holds no metrics.jsonl")
 
     def fit(self) -> dict[str, float]:
-        from accelerate import PartialState
-
         cfg = self.cfg
-        # 1. Everything that can fail on bad input before the policy loads: paths, data, judges.
+        # 1. Everything that can fail on bad input before the policy loads: the launch, paths, data, judges.
+        state = distributed_state()
+        log_launch(state)
         self.check()
-        device = PartialState().device
+        device = state.device
         tokenizer = load_tokenizer(cfg.model)
         prompts, _ = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer, cfg.seed)
         pairs = []

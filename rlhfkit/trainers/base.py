@@ -30,6 +30,7 @@ import torch
 from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
+from rlhfkit.launch import distributed_state, log_launch, start_run
 
 logger = logging.getLogger("rlhfkit")
 
@@ -404,6 +405,8 @@ def _restores_replaced_run(fit: Callable) -> Callable:
                     logger.warning("could not put the previous run back in '%s' (%s): it is in %s", self.run_dir.path,
                                    exc, replaced_path(self.run_dir.path))
             raise
+        finally:
+            self.run_lock.release()  # last: the cleanup above still runs under the lock
 
     return guarded
 
@@ -422,16 +425,20 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = RunDir(cfg)
-        self.recover_run_dir()
-        self.resume_from = self.run_dir.check()
-        check_report_to(cfg.logging.report_to)
+        # The launch checked and output_dir locked (by the main process, until `fit` ends) before anything reads it.
+        self.run_lock = start_run(cfg.output_dir)
+        try:
+            self.recover_run_dir()
+            self.resume_from = self.run_dir.check()
+            check_report_to(cfg.logging.report_to)
+        except BaseException:
+            self.run_lock.release()
+            raise
 
     def recover_run_dir(self) -> None:
         """Before `check` looks at output_dir: put back a run that an overwrite=true run, killed before its first
         checkpoint, had moved aside (the main process does it; the others wait)."""
-        from accelerate import PartialState
-
-        state = PartialState()
+        state = distributed_state()
         if state.is_main_process:
             self.run_dir.restore_replaced()
         state.wait_for_everyone()
@@ -506,14 +513,13 @@ class Trainer:
 
         from rlhfkit.models import load_tokenizer
 
-        from accelerate import PartialState
-
         cfg = self.cfg
         set_seed(cfg.seed)
-        with PartialState().main_process_first():  # one process tokenises into the cache; the others then read it
+        with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
             self.tokenizer = load_tokenizer(cfg.model)
             self.load_data()
         self.accelerator = self.make_accelerator()
+        log_launch(self.accelerator)
         self.world = self.accelerator.num_processes
         set_seed(cfg.seed)
         self.build()

@@ -34,6 +34,7 @@ LAYERS = [
     "rlhfkit.algorithms",
     "rlhfkit.kl",
     "rlhfkit.config",
+    "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
     "rlhfkit.data",
