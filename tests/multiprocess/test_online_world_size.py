@@ -3,11 +3,13 @@
 Sampling is made a function of (step, prompt) (see deterministic_run.py), so both layouts draw the same responses;
 then the rewards, the global whitening and normalisation, the global-count loss normalisation and DDP's gradient
 averaging must give the same updates: the same metrics (global means, logged once) and the same final weights.
-A non-finite reward on one process only skips the step on both and stops the run cleanly (no hang).
+A non-finite reward on one process only skips the step on both and stops the run cleanly (no hang). A 2-process
+checkpoint resumes on 2 processes or on 1 (same global batch) to the uninterrupted run's end.
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -103,3 +105,41 @@ def test_nonfinite_reward_on_one_process_stops_both_cleanly(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("rlhfkit: error:")]
     assert len(errors) == 2 and all("stopping at step 2" in e for e in errors), r.stderr[-3000:]
     assert [row["step"] for row in rows(out)] == [1]
+
+
+RESUME_COMMON = ["grpo", "--config", "configs/grpo_tiny.yaml", "logging.progress_bar=false", "optim.lr=1e-2",
+                 "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "logging.save_steps=2"]
+TWO = ["algo.rollout_batch_size=2", "optim.per_device_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """An uninterrupted 4-step 2-process GRPO run, and one stopped after step 3 (its newest checkpoint: step 2)."""
+    root = tmp_path_factory.mktemp("resume")
+    full, cut = str(root / "full"), str(root / "cut")
+    for out, steps in ((full, 4), (cut, 3)):
+        r = run([*RESUME_COMMON, *TWO, f"output_dir={out}", f"max_steps={steps}"], 2)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return full, cut
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_processes", [2, 1], ids=["same-world-size", "two-to-one"])
+def test_resume_of_a_two_process_run(resume_processes, two_process_runs, tmp_path):
+    """The checkpoint of a 2-process run resumed — on 2 processes, or on 1 with the same global batch
+    (rollout_batch_size 4 instead of 2 per process) — ends where the uninterrupted 2-process run ends."""
+    full, cut = two_process_runs
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(cut, resumed_dir)
+    layout = TWO if resume_processes == 2 else ["algo.rollout_batch_size=4", "optim.per_device_batch_size=8"]
+    resumed = run([*RESUME_COMMON, *layout, f"output_dir={resumed_dir}", "max_steps=4", "resume=true"], resume_processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = rows(full), rows(resumed_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for r1, r2 in zip(a, b):
+        for key in COMPARED:
+            if key in r1:
+                assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r1["step"], key)
+    w1, w2 = weights(full), weights(resumed_dir)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
