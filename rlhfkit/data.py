@@ -778,19 +778,22 @@ def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> 
     )
 
 
-def collate_unpaired(examples: list[UnpairedExample], pad_token_id: int) -> UnpairedBatch:
-    """KTO batch. The kl_* rows pair prompt i with completion (i + 1) % B, a cyclic shift (TRL pairs each prompt
-    with the completions of a reversed/shifted batch); KTO's reference point z0 is estimated from these mismatched
-    pairs (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1). A KL row can be longer than data.max_length (prompt i
-    with another prompt's room for its completion); it is only used for the z0 estimate."""
-    if len(examples) < 2:
+def collate_unpaired(examples: list[UnpairedExample], pad_token_id: int,
+                     partners: list[UnpairedExample] | None = None) -> UnpairedBatch:
+    """KTO batch. The kl_* rows pair prompt i with the completion of `partners[i]`: by default example (i + 1) % B of
+    this batch, a cyclic shift (TRL pairs each prompt with the completions of a reversed/shifted batch). KTO's
+    reference point z0 is estimated from these mismatched pairs (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1); the
+    KTO trainer passes partners drawn from a larger set (the step's global batch, the eval set), so that the pairs do
+    not depend on how that set is split into micro-batches and processes. A KL row can be longer than
+    data.max_length (prompt i with another prompt's room for its completion); it is only used for the z0 estimate."""
+    if partners is None and len(examples) < 2:
         raise ValueError(
             f"collate_unpaired needs at least 2 examples per batch, got {len(examples)}: KTO's reference point z0 "
             "is estimated from mismatched (prompt, completion) pairs within the batch"
         )
     prompts = [e["prompt_ids"] for e in examples]
     completions = [e["completion_ids"] for e in examples]
-    shifted = completions[1:] + completions[:1]  # completion (i + 1) % B
+    shifted = completions[1:] + completions[:1] if partners is None else [p["completion_ids"] for p in partners]
     input_ids, attention_mask, labels = _join(prompts, completions, pad_token_id)  # (B, T) each
     kl_input_ids, kl_attention_mask, kl_labels = _join(prompts, shifted, pad_token_id)  # (B, T') each
     return UnpairedBatch(

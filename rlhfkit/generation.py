@@ -6,11 +6,22 @@ measure the gap to the training forward (`token_logprobs`), which is what PPO's 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.types import PromptBatch, Rollout
 
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Sample under `seed` without disturbing the caller's random state: a batch drawn under its own seed gives the
+    same responses whichever process draws it, and after whatever was drawn before it."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

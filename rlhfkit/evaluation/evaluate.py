@@ -3,7 +3,9 @@
 `evaluate(...)` is the core, usable from Python on loaded models; `Evaluator` is the `rlhfkit eval` stage around it
 (load models, prompts and judges from an `EvalConfig`, add reward-model accuracy and a run's alarms, write
 `output_dir/eval.json`, print a summary table). Sampling goes through `generation.generate` and log-probs through
-`models.rollout_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs.
+`models.rollout_logprobs`, as in online RL, so the KL here is the `objective/kl` a training run logs. Launched on
+several processes, `rlhfkit eval` shares the generation batches out among them (`sample`: the same samples as one
+process) and the main process alone judges, writes eval.json and prints the table.
 
 A judge is any `judge(rollout, examples) -> list[float]`: one score per row of the rollout, higher is better, where
 `examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`). Each judge is called once per model,
@@ -15,7 +17,6 @@ share the policy's tokenizer).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
 from rlhfkit.config import GenerationConfig
-from rlhfkit.generation import generate
+from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
@@ -76,15 +77,6 @@ class RewardModelJudge:
 
 
 # 2. The core -------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """Sample under `seed` without disturbing the caller's random state."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -173,22 +165,54 @@ def evaluate(
     None without one), "kl" ({mean, std} of the per-sequence KL(policy || reference) in nats on policy samples, or
     None), "win_rate" ({judge: P(policy beats reference)}), "alarms" ([{name, message, source}]), "samples".
     """
+    samples = sample(policy, reference, tokenizer, prompts, params, batch_size, seed)
+    return compare(*samples, tokenizer, prompts, judges, params, num_examples)
+
+
+@torch.no_grad()
+def sample(policy, reference, tokenizer, prompts: list[dict], params: GenerationConfig, batch_size: int = 16,
+           seed: int = 0, state=None) -> tuple[list[Rollout], list[Rollout], list[float]]:
+    """`evaluate`'s sampling: the policy's and the reference's rollouts (one per batch of `batch_size` prompts, batch
+    i drawn under seed `seed + i` by both) and the per-sequence KL(policy || reference) of the policy's samples.
+
+    With `state` (accelerate's, several processes) process r samples batches r, r + world, ... and every process
+    returns all of them in batch order, on its own device: the same samples as one process.
+    """
     if not prompts:
         raise UserError("no prompts to evaluate")
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
     device = next(policy.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    pol_parts, ref_parts, kls = [], [], []
+    parts = []  # (batch index, policy rollout, reference rollout or None, KLs) of this process's batches
     for i, start in enumerate(range(0, len(prompts), batch_size)):
+        if i % world != rank:
+            continue
         batch = collate_prompts(prompts[start : start + batch_size], pad).to(device)
-        with _seeded(seed + i):
+        with seeded(seed + i):
             ro = generate(policy, batch, params, eos, pad)
-        pol_parts.append(ro)
+        ref_ro, kls = None, []
         if reference is not None:
-            with _seeded(seed + i):
-                ref_parts.append(generate(reference, batch, params, eos, pad))
+            with seeded(seed + i):
+                ref_ro = generate(reference, batch, params, eos, pad)
             lp = rollout_logprobs(policy, ro, params.temperature)  # (B, R)
             ref_lp = rollout_logprobs(reference, ro, params.temperature)  # (B, R)
-            kls.extend(sequence_kl(lp, ref_lp, ro.response_mask).tolist())
+            kls = sequence_kl(lp, ref_lp, ro.response_mask).tolist()
+        parts.append((i, ro, ref_ro, kls))
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        def to(ro: Rollout | None, where) -> Rollout | None:
+            return ro.to(where) if ro is not None else None
+
+        gathered = gather_object([(i, to(ro, "cpu"), to(ref_ro, "cpu"), kls) for i, ro, ref_ro, kls in parts])
+        parts = [(i, to(ro, device), to(ref_ro, device), kls) for i, ro, ref_ro, kls in sorted(gathered, key=lambda p: p[0])]
+    return ([ro for _, ro, _, _ in parts], [ref_ro for _, _, ref_ro, _ in parts if ref_ro is not None],
+            [kl for *_, kls in parts for kl in kls])
+
+
+def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float], tokenizer, prompts: list[dict],
+            judges: dict[str, Judge], params: GenerationConfig, num_examples: int = 16) -> dict:
+    """`evaluate`'s figures from `sample`'s rollouts and KLs: judge, summarise, compare, raise alarms."""
     # Judges once per model, on all of its samples (a judge may batch its work or normalise over the batch).
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
     pol = _samples(pol_parts, tokenizer, judges, rows)
@@ -249,10 +273,11 @@ class Evaluator:
         self.check()
         device = state.device
         tokenizer = load_tokenizer(cfg.model)
-        prompts, _ = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer, cfg.seed)
-        pairs = []
-        if cfg.preference_data:
-            pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
+        with state.main_process_first():  # one process tokenises into the cache; the others then read it
+            prompts, _ = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer, cfg.seed)
+            pairs = []
+            if cfg.preference_data:
+                pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
         scorers = self.load_scorers(tokenizer, device)
         judges: dict[str, Judge] = {name: RewardModelJudge(s, cfg.batch_size) for name, s in scorers.items()}
         specs = [(cfg.reward.function.rpartition(":")[2], cfg.reward.function, "reward.function")] if cfg.reward.function else []
@@ -269,9 +294,14 @@ class Evaluator:
         else:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
-        result = evaluate(policy, reference, tokenizer, prompts, judges, params, cfg.batch_size, cfg.seed,
-                          cfg.num_examples)
-        # 3. Reward-model accuracy and the training run's alarms; write eval.json (samples last) and print the table.
+        parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state)
+        # 3. The main process judges and compares, adds reward-model accuracy and the training run's alarms, writes
+        # eval.json (samples last) and prints the table; every process returns the headline figures.
+        return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device))
+
+    def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device) -> dict[str, float]:
+        cfg = self.cfg
+        result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples)
         accuracy = {name: self.rm_accuracy(scorer, pairs, tokenizer.pad_token_id, device)
                     for name, scorer in scorers.items()} if pairs else {}
         if cfg.run_dir:
@@ -318,6 +348,24 @@ class Evaluator:
             chosen.append(scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100))
             rejected.append(scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
         return reward_model_accuracy(torch.cat(chosen), torch.cat(rejected))
+
+
+def _on_main_process(state, fn: Callable):
+    """`fn()` on the main process; its result, or the UserError it raised, on every process (so that none waits for
+    a main process that stopped)."""
+    result, error = None, None
+    if state.is_main_process:
+        try:
+            result = fn()
+        except UserError as exc:
+            error = str(exc)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        result, error = broadcast_object_list([result, error])
+    if error is not None:
+        raise UserError(error)
+    return result
 
 
 def _same_tokenizer(other, tokenizer, what: str) -> None:

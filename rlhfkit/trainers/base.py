@@ -574,36 +574,38 @@ class Trainer:
         return Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
                            project_dir=cfg.output_dir)
 
-    def micro_batches(self, step: int) -> list:
-        """This process's micro-batches for optimizer step `step`.
-
-        See `step_indices`: the batches of any step are a pure function of the step.
-        """
+    def micro_batch_positions(self, step: int) -> tuple[list[int], list[range]]:
+        """The dataset indices of optimizer step `step` over all processes (`step_indices`) and, per micro-batch, the
+        positions in them that this process holds: micro-batch a is the a-th slice of per_device_batch_size × world
+        positions, and process r holds its r-th part. Any world size with the same global batch (per-device batch ×
+        processes × accumulation) trains on the same examples in the same steps."""
         o = self.cfg.optim
         per_micro = o.per_device_batch_size * self.world
         order = self.step_indices(step, len(self.train_set), per_micro * o.grad_accum_steps)
-        rank = self.accelerator.process_index
-        batches = []
-        for a in range(o.grad_accum_steps):
-            chunk = order[a * per_micro : (a + 1) * per_micro]
-            mine = chunk[rank * o.per_device_batch_size : (rank + 1) * o.per_device_batch_size]
-            batches.append(self.collate([self.train_set[i] for i in mine]))
-        return batches
+        first = self.accelerator.process_index * o.per_device_batch_size
+        return order, [range(a * per_micro + first, a * per_micro + first + o.per_device_batch_size)
+                       for a in range(o.grad_accum_steps)]
+
+    def micro_batches(self, step: int) -> list:
+        """This process's micro-batches for optimizer step `step`: a pure function of the step (see `step_indices`)."""
+        order, positions = self.micro_batch_positions(step)
+        return [self.collate([self.train_set[order[p]] for p in mine]) for mine in positions]
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics: item-weighted means
+        over the global batch (every micro-batch of every process), as one process holding it all would log them.
 
         A non-finite loss (on any process) or gradient norm skips the update: see `skip_step`.
         """
         acc, model = self.accelerator, self.model
+        model.train()
         micro = self.micro_batches(step)
         counts = [self.count(b) for b in micro]
         total = acc.reduce(torch.tensor(float(sum(counts)), device=acc.device), reduction="sum").item()
         # DDP averages gradients over processes; scaling by world size turns that average back into the global sum.
         per_process = total / self.world
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # metric -> this process's item-weighted sum
         nonfinite_losses = torch.zeros((), device=acc.device)
-        model.train()
         for i, (batch, n) in enumerate(zip(micro, counts)):
             sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(model)
             with sync:
@@ -611,17 +613,21 @@ class Trainer:
                 acc.backward(loss)
             nonfinite_losses += (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * n
-        out = {k: v / max(sum(counts), 1) for k, v in sums.items()}
-        # The gradient norm, clipped to optim.max_grad_norm when set (max_norm = inf only measures it). Under fp16 an
-        # overflowing gradient is the loss scaler's business: it skips that update itself and lowers the scale.
+                sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32, device=acc.device).detach() * n
+        # The gradient norm, clipped to optim.max_grad_norm when set (max_norm = inf only measures it): global already,
+        # computed on the all-reduced gradients. Under fp16 an overflowing gradient is the loss scaler's business: it
+        # skips that update itself and lowers the scale.
         max_norm = self.cfg.optim.max_grad_norm
         norm = acc.clip_grad_norm_(model.parameters(), max_norm if max_norm is not None else math.inf)
+        bad_grad = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
+        # One sum over processes: the metric sums and the fault count. The skip is decided on it, so every process
+        # skips the same steps and DDP replicas stay identical.
+        keys = sorted(sums)
+        totals = acc.reduce(torch.stack([sums[k] for k in keys] + [nonfinite_losses + float(bad_grad)]), reduction="sum")
+        out = {k: totals[i].item() / max(total, 1) for i, k in enumerate(keys)}
+        bad = totals[-1].item() > 0
         if max_norm is not None:
             out["grad_norm"] = float(norm)
-        bad_grad = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
-        # Decided on the sum over processes: every process skips the same steps, so DDP replicas stay identical.
-        bad = acc.reduce(nonfinite_losses + float(bad_grad), reduction="sum").item() > 0
         out["lr"] = self.scheduler.get_last_lr()[0]
         if bad:
             self.skip_step(step, bool(nonfinite_losses.item()), bad_grad)
@@ -651,23 +657,33 @@ class Trainer:
             raise UserError(f"stopping at step {step + 1}: {self.bad_steps} optimizer steps skipped for a non-finite loss "
                             f"or gradient (max_bad_steps={cfg.max_bad_steps}); {last_checkpoint_note(cfg.output_dir)}")
 
+    def eval_batches(self):
+        """This process's share of the eval set (every world-size-th example), in batches of per_device_batch_size."""
+        bs, shard = self.cfg.optim.per_device_batch_size, self.eval_set[self.accelerator.process_index :: self.world]
+        return (self.collate(shard[start : start + bs]) for start in range(0, len(shard), bs))
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Item-weighted means of `compute_loss` metrics over this process's shard of the eval set."""
-        acc, model = self.accelerator, self.model
-        model.eval()
-        bs, rank = self.cfg.optim.per_device_batch_size, acc.process_index
-        shard = self.eval_set[rank :: self.world]
+        """Item-weighted means of `compute_loss` metrics over the whole eval set (every process's share)."""
+        from accelerate.utils import broadcast_object_list
+
+        acc = self.accelerator
+        # The module itself, not its DDP wrapper: a DDP forward may sync buffers with the other processes, whose shares
+        # of the eval set can hold fewer batches (or none).
+        model = acc.unwrap_model(self.model)
+        self.model.eval()
         sums: dict[str, torch.Tensor] = {}
-        for start in range(0, len(shard), bs):
-            batch = self.collate(shard[start : start + bs])
+        for batch in self.eval_batches():
             n = self.count(batch)
             loss, metrics = self.compute_loss(model, batch.to(acc.device), float(n))
             for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, torch.zeros((), device=acc.device)) + v.detach().float() * n
-            sums["_n"] = sums.get("_n", torch.zeros((), device=acc.device)) + n
-        keys = sorted(sums)
-        totals = acc.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
+                sums[k] = sums.get(k, 0.0) + v.detach().float() * n
+            sums["_n"] = sums.get("_n", 0.0) + torch.tensor(float(n), device=acc.device)
+        # The main process names the metrics: a process whose share is empty (an eval set smaller than the world
+        # size) adds zeros to the same sums.
+        keys = broadcast_object_list([sorted(sums)])[0] if self.world > 1 else sorted(sums)
+        zero = torch.zeros((), device=acc.device)
+        totals = acc.reduce(torch.stack([sums.get(k, zero) for k in keys]), reduction="sum")
         n = totals[keys.index("_n")].item()
         return {f"eval/{k}": totals[i].item() / n for i, k in enumerate(keys) if k != "_n"}
 
@@ -721,7 +737,8 @@ class Trainer:
                 ev = self.evaluate()
                 self.metrics.log(done, ev)
                 last.update(ev)
-                bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+                if self.accelerator.is_main_process:
+                    bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in ev.items()))
             if log.save_steps and done % log.save_steps == 0 and done < self.total_steps:
                 self.checkpoint(done)
         bar.close()

@@ -1,9 +1,13 @@
 """KTO (Ethayarajh et al. 2024, arXiv 2402.01306) on unpaired completions labelled desirable or undesirable.
 
-Each step: the completions through the policy (with gradient); the mismatched (prompt, other completion) pairs that
-estimate the reference point z0 through the policy WITHOUT gradient, as TRL 1.16's `KTOTrainer._compute_kl_logprobs`
-does (z0 is detached in the loss anyway, so a graph would only cost memory); both through the reference under no_grad.
-z0 is estimated per micro-batch (TRL averages it over processes; see `kto_loss`).
+Each step: the reference point z0 first, from mismatched (prompt, other completion) pairs through the policy WITHOUT
+gradient, as TRL 1.16's `KTOTrainer._compute_kl_logprobs` does (z0 is detached in the loss anyway, so a graph would
+only cost memory), and through the reference; then the completions through the policy (with gradient) and the
+reference. z0 is ONE estimate per optimizer step over its whole global batch: each example is paired with the next
+example's completion in the step's global order, every process computes its own rows' pairs and the sums are added
+over processes. So the pairs, z0 and the loss do not depend on how the global batch is split into micro-batches and
+processes: 2 processes × B equal 1 × 2B and B × 2 accumulation steps (TRL estimates z0 per micro-batch, averaged
+over processes). Evaluation uses one z0 over the whole eval set, paired the same way (example i with example i + 1).
 
 Logged metrics: `loss`, `kl` (z0), `rewards/chosen` and `logps/chosen` (means over desirable rows),
 `rewards/rejected` and `logps/rejected` (over undesirable rows), `rewards/margins` (their difference, as TRL logs it)
@@ -16,6 +20,7 @@ eval set; a training step holding no row of a class logs 0 for that class. A cla
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +34,19 @@ from rlhfkit.types import UnpairedBatch
 logger = logging.getLogger("rlhfkit")
 
 CLASSES = {"chosen": True, "rejected": False}  # metric suffix -> label
+
+
+@dataclass
+class UnpairedWithZ0(UnpairedBatch):
+    """An UnpairedBatch with the reference point of the set it belongs to (the step's global batch, the eval set)."""
+
+    z0: torch.Tensor | None = None  # () mean log π(y'|x) − log π_ref(y'|x) over that set's mismatched pairs
+
+
+def next_partners(examples: list[dict]) -> list[dict]:
+    """KTO's mismatched partner of each example: the next one, cyclically (`collate_unpaired`'s in-batch pairing, over
+    a whole set)."""
+    return examples[1:] + examples[:1]
 
 
 class KTOTrainer(Trainer):
@@ -71,38 +89,63 @@ class KTOTrainer(Trainer):
             logger.warning(f"{self.cfg.data.eval or source} (eval): every example has the same label")
         return list(CLASSES)
 
-    def collate(self, examples) -> UnpairedBatch:
-        if len(examples) > 1:
-            return collate_unpaired(examples, self.tokenizer.pad_token_id)
-        # A lone example (only the tail of the eval set: training batches are always full) has no mismatched partner
-        # of its own; borrow another example's completion for the two KL rows and keep only its own main row.
-        partner = next(e for e in self.train_set if e is not examples[0])
-        pair = collate_unpaired([examples[0], partner], self.tokenizer.pad_token_id)
-        return UnpairedBatch(
-            input_ids=pair.input_ids[:1], attention_mask=pair.attention_mask[:1], labels=pair.labels[:1],
-            desirable=pair.desirable[:1], kl_input_ids=pair.kl_input_ids, kl_attention_mask=pair.kl_attention_mask,
-            kl_labels=pair.kl_labels,
-        )
+    def collate(self, examples, partners=None) -> UnpairedBatch:
+        return collate_unpaired(examples, self.tokenizer.pad_token_id, partners)
+
+    def micro_batches(self, step: int) -> list[UnpairedWithZ0]:
+        """This process's micro-batches of step `step`, each example paired with the next one of the step's global
+        batch, with the step's z0 (the same on every process)."""
+        order, positions = self.micro_batch_positions(step)
+        examples = [self.train_set[i] for i in order]  # the global batch
+        partners = next_partners(examples)
+        batches = [self.collate([examples[p] for p in mine], [partners[p] for p in mine]) for mine in positions]
+        z0 = self.reference_point(batches)
+        return [UnpairedWithZ0(**vars(b), z0=z0) for b in batches]
+
+    def eval_batches(self):
+        """This process's share of the eval set (as the base's), each example paired with the next one of the eval set,
+        with one z0 over the whole eval set."""
+        n, bs, rank = len(self.eval_set), self.cfg.optim.per_device_batch_size, self.accelerator.process_index
+        mine = list(range(rank, n, self.world))
+        chunks = [mine[start : start + bs] for start in range(0, len(mine), bs)]
+
+        def batch(chunk: list[int]) -> UnpairedBatch:
+            return self.collate([self.eval_set[i] for i in chunk], [self.eval_set[(i + 1) % n] for i in chunk])
+
+        z0 = self.reference_point(batch(c) for c in chunks)
+        return (UnpairedWithZ0(**vars(batch(c)), z0=z0) for c in chunks)
+
+    @torch.no_grad()
+    def reference_point(self, batches) -> torch.Tensor:
+        """KTO's z0 before clamping: the mean of log π(y'|x) − log π_ref(y'|x) over the mismatched rows of `batches`
+        and of every other process's batches (a collective: every process calls it, with or without rows)."""
+        acc = self.accelerator
+        policy = acc.unwrap_model(self.model)
+        sums = torch.zeros(2, device=acc.device)  # summed log-ratio, rows
+        for b in batches:
+            b = b.to(acc.device)
+            with acc.autocast():
+                logprobs, _ = sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)  # (B,)
+                ref_logprobs = self.reference.sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)
+            sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), torch.tensor(float(len(logprobs)))])
+        sums = acc.reduce(sums, reduction="sum")
+        return sums[0] / sums[1].clamp(min=1)
 
     def count(self, batch: UnpairedBatch) -> int:
         return batch.input_ids.shape[0]
 
-    def compute_loss(self, model, batch: UnpairedBatch, num_items: float):
+    def compute_loss(self, model, batch: UnpairedWithZ0, num_items: float):
         policy = self.accelerator.unwrap_model(model)
-        # 1. Completions through the policy (with gradient), mismatched pairs through it without.
+        # 1. Completions through the policy (with gradient) and the reference; z0 came with the batch.
         logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B,)
-        with torch.no_grad(), self.accelerator.autocast():
-            kl_logprobs, _ = sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)  # (B',)
-        # 2. Both through the reference.
         with self.accelerator.autocast():
             ref_logprobs = self.reference.sequence_logprobs(policy, batch.input_ids, batch.attention_mask, batch.labels)
-            ref_kl_logprobs = self.reference.sequence_logprobs(policy, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_labels)
         algo = self.cfg.algo
         loss, m = kto_loss(
-            logprobs, ref_logprobs, batch.desirable, kl_logprobs, ref_kl_logprobs, beta=algo.beta,
-            desirable_weight=algo.desirable_weight, undesirable_weight=algo.undesirable_weight,
+            logprobs, ref_logprobs, batch.desirable, None, None, beta=algo.beta, desirable_weight=algo.desirable_weight,
+            undesirable_weight=algo.undesirable_weight, z0=batch.z0,
         )
-        # 3. Metrics. Per-class sums are divided by B here and by the class fraction in `class_means`, so the base's
+        # 2. Metrics. Per-class sums are divided by B here and by the class fraction in `class_means`, so the base's
         # B-weighted averaging over micro-batches and processes yields exact class means.
         rewards = m["rewards/chosen"] + m["rewards/rejected"]  # (B,) β·r on every row
         correct = torch.where(batch.desirable, rewards > algo.beta * m["kl"], rewards < algo.beta * m["kl"])

@@ -20,13 +20,14 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 
 from rlhfkit.advantages import penalize_missing_eos
 from rlhfkit.config import RFTConfig
 from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
 from rlhfkit.evaluation.metrics import best_of_n_kl
-from rlhfkit.generation import generate
+from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
@@ -107,21 +108,32 @@ class RFTTrainer(Trainer):
         return self.cfg.max_steps if self.cfg.max_steps > 0 else math.ceil(self.cfg.num_epochs * self.steps_per_epoch)
 
     # 1-3. Sample, score, keep the best ------------------------------------------------------------------------
+    def sampling_seed(self, iteration: int, batch: int) -> int:
+        """The seed of sampling batch `batch` of iteration `iteration`: whichever process draws it, and whatever was
+        drawn before, its responses are the same (so the world size and a resume change nothing)."""
+        return int(np.random.SeedSequence([self.cfg.seed, iteration, batch]).generate_state(1)[0])
+
     @torch.no_grad()
     def best_of_n(self, iteration: int) -> tuple[list[dict], dict[str, float]]:
-        """The SFT examples of every process (the same list on each) and the iteration's metrics; writes the
-        kept rows to rft_iter{iteration + 1}.jsonl."""
+        """The SFT examples of every process (the same list on each, in prompt order) and the iteration's metrics;
+        writes the kept rows to rft_iter{iteration + 1}.jsonl.
+
+        The iteration's prompts are cut into sampling batches of `algo.sampling_batch_size`; process r samples and
+        scores batches r, r + world, ... (each under its own seed, `sampling_seed`), and the kept samples are gathered
+        back into batch order: any world size keeps the same samples as one process.
+        """
         from accelerate.utils import gather_object
 
         cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
         chosen = self.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
-        mine = chosen[acc.process_index :: self.world]
+        starts = list(range(0, len(chosen), a.sampling_batch_size))
         policy = acc.unwrap_model(self.model)
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
-        for start in range(0, len(mine), a.sampling_batch_size):
-            examples = [self.prompts[i] for i in mine[start : start + a.sampling_batch_size]]
-            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
-                          tok.eos_token_id, tok.pad_token_id)
+        for b in range(acc.process_index, len(starts), self.world):
+            examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + a.sampling_batch_size]]
+            with seeded(self.sampling_seed(iteration, b)):
+                ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
+                              tok.eos_token_id, tok.pad_token_id)
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
             scores = penalize_missing_eos(self.reward(ro, rows), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             best = select_best(scores, ro.group_ids)  # (G,)
@@ -138,12 +150,12 @@ class RFTTrainer(Trainer):
                     continue
                 prompt = ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()
                 response = ro.response_ids[i][ro.response_mask[i].bool()].tolist()
-                kept.append({"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response,
-                             "prompt": tok.decode(prompt, skip_special_tokens=True),
-                             "completion": tok.decode(response, skip_special_tokens=True), "score": s})
+                kept.append((b, {"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response,
+                                 "prompt": tok.decode(prompt, skip_special_tokens=True),
+                                 "completion": tok.decode(response, skip_special_tokens=True), "score": s}))
         sums[4] = len(kept)
         sums = acc.reduce(sums, reduction="sum")
-        kept = gather_object(kept)
+        kept = [e for _, e in sorted(gather_object(kept), key=lambda be: be[0])]  # batch order (a stable sort)
         if acc.is_main_process:
             rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
             atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
@@ -170,7 +182,8 @@ class RFTTrainer(Trainer):
             self.metrics.log(step, stats)
             last.update(stats)
             summary = ", ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration")
-            bar.write(f"iteration {iteration + 1}: {summary}")
+            if acc.is_main_process:
+                bar.write(f"iteration {iteration + 1}: {summary}")
             if not self.train_set:
                 logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune on",
                                iteration + 1, cfg.algo.min_score)

@@ -9,6 +9,7 @@ import torch
 import rlhfkit.trainers.preference as preference
 from rlhfkit.cli import main
 from rlhfkit.config import DPOConfig, KTOConfig, ORPOConfig, load_config
+from rlhfkit.data import collate_unpaired
 from rlhfkit.models import load_causal_lm, sequence_logprobs, token_logprobs
 from rlhfkit.trainers.kto import KTOTrainer
 from rlhfkit.trainers.preference import PreferenceTrainer, concat_pairs
@@ -144,8 +145,8 @@ def test_grad_accumulation_equals_one_large_batch(tmp_path):
 
 
 def test_kto_class_means_are_exact_across_micro_batches(tmp_path):
-    big = make_trainer(tmp_path / "big", ["data.eval=null", "optim.per_device_batch_size=16"], stage="kto")
-    small = make_trainer(tmp_path / "small", ["data.eval=null", "optim.per_device_batch_size=4", "optim.grad_accum_steps=4"], stage="kto")
+    big = make_trainer(tmp_path / "big", ["data.eval=null", "optim.per_device_batch_size=16", "optim.warmup_steps=0"], stage="kto")
+    small = make_trainer(tmp_path / "small", ["data.eval=null", "optim.per_device_batch_size=4", "optim.grad_accum_steps=4", "optim.warmup_steps=0"], stage="kto")
     (batch,) = big.micro_batches(0)  # the 16 rows of step 0, the same rows as small's 4 micro-batches
     m_big, m_small = big.train_step(0), small.train_step(0)
     # By hand: the step-0 policy is the frozen reference, so its log-probs give the class means.
@@ -157,14 +158,24 @@ def test_kto_class_means_are_exact_across_micro_batches(tmp_path):
     for name in ("logps/chosen", "logps/rejected", "kl", "loss", "rewards/accuracies"):
         assert m_small[name] == pytest.approx(m_big[name], rel=1e-5, abs=1e-7), name
     assert "desirable_fraction" not in m_big and "rewards/margins" in m_big
+    # Step 1 (the policy has moved, z0 > 0): z0 is one estimate over the step's 16 rows either way.
+    m_big, m_small = big.train_step(1), small.train_step(1)
+    assert m_big["kl"] > 0
+    for name in ("logps/chosen", "logps/rejected", "kl", "loss", "rewards/accuracies"):
+        assert m_small[name] == pytest.approx(m_big[name], rel=1e-5, abs=1e-7), name
 
 
-def test_kto_lone_eval_example_borrows_a_kl_partner(tmp_path):
-    trainer = make_trainer(tmp_path, ["data.eval=null", "max_steps=1"], stage="kto")
-    batch = trainer.collate(trainer.train_set[5:6])
-    assert batch.input_ids.shape[0] == 1 and batch.kl_input_ids.shape[0] == 2
-    loss, metrics = trainer.compute_loss(trainer.model, batch, 1.0)
-    assert math.isfinite(loss.item()) and all(math.isfinite(float(v)) for v in metrics.values())
+def test_kto_lone_eval_example_pairs_with_the_next_eval_example(tmp_path):
+    trainer = make_trainer(tmp_path, ["data.eval=null", "max_steps=1", "optim.per_device_batch_size=2"], stage="kto")
+    trainer.eval_set = trainer.train_set[:3]  # batches of 2 and 1
+    first, lone = trainer.eval_batches()
+    assert first.input_ids.shape[0] == 2 and lone.input_ids.shape[0] == 1
+    assert first.z0 == lone.z0  # one reference point over the whole eval set
+    # Example 2 is paired with example 0's completion (the next one, cyclically).
+    paired = collate_unpaired(trainer.eval_set[2:3], trainer.tokenizer.pad_token_id, trainer.eval_set[:1])
+    assert torch.equal(lone.kl_input_ids, paired.kl_input_ids)
+    metrics = trainer.evaluate()
+    assert metrics and all(math.isfinite(v) for v in metrics.values())
 
 
 BAD = {

@@ -1,0 +1,83 @@
+"""Run a list of rlhfkit CLI jobs in one process, one after another: under `torchrun` every process runs the same list
+(one process group, started once, serves every job), and the tests import `run_job` to run the single-process
+comparison in-process.
+
+    torchrun --nproc_per_node 2 tests/multiprocess/driver.py JOBS.json RESULTS_DIR
+
+A job is {"argv": [stage, "--config", FILE, key=value, ...]} plus optional
+  "copy": [SRC, DST]    the main process copies directory SRC to DST first (a run to resume), the others wait;
+  "nan": {"rank": R, "steps": [S, ...]}   the process of rank R (every process when R is null) multiplies its
+                        training loss by NaN at the given steps (1-based), to test a fault seen by one process only.
+Each process writes RESULTS_DIR/rank{R}.json: the exit status of every job, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+
+
+@contextlib.contextmanager
+def nan_loss(rank: int | None, steps: list[int]):
+    """Poison the training loss of every offline stage (and RFT) on process `rank` at 1-based `steps`."""
+    from rlhfkit.trainers import base, kto, preference, reward, rft, sft
+
+    classes = [sft.SFTTrainer, reward.RewardTrainer, preference.PreferenceTrainer, kto.KTOTrainer, rft.RFTTrainer]
+    saved = [(cls, cls.compute_loss) for cls in classes] + [(base.Trainer, base.Trainer.train_step)]
+    original_step = base.Trainer.train_step
+
+    def train_step(self, step):
+        self._poisoned = step + 1 in steps and rank in (None, self.accelerator.process_index)
+        return original_step(self, step)
+
+    def poisoned(compute_loss):
+        def compute(self, model, batch, num_items):
+            loss, metrics = compute_loss(self, model, batch, num_items)
+            return (loss * float("nan") if model.training and getattr(self, "_poisoned", False) else loss), metrics
+
+        return compute
+
+    base.Trainer.train_step = train_step
+    for cls, fn in saved[:-1]:
+        cls.compute_loss = poisoned(fn)
+    try:
+        yield
+    finally:
+        for cls, fn in saved:
+            if cls is base.Trainer:
+                cls.train_step = fn
+            else:
+                cls.compute_loss = fn
+
+
+def run_job(job: dict) -> int:
+    """Run one job through `rlhfkit.cli.main`; return its exit status."""
+    import torch.distributed as dist
+
+    from rlhfkit.cli import main
+
+    if "copy" in job:
+        # No process state of our own: rlhfkit's must be the first (a copy job follows a job that started it).
+        assert not os.environ.get("WORLD_SIZE") or dist.is_initialized(), "a copy job cannot come first"
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.copytree(*job["copy"])
+        if dist.is_initialized():
+            dist.barrier()
+    nan = job.get("nan")
+    with nan_loss(nan["rank"], nan["steps"]) if nan else contextlib.nullcontext():
+        return main(job["argv"])
+
+
+if __name__ == "__main__":
+    jobs_file, results = sys.argv[1:3]
+    with open(jobs_file, encoding="utf-8") as f:
+        jobs = json.load(f)
+    codes = []
+    rank = os.environ.get("RANK", "0")
+    for job in jobs:
+        codes.append(run_job(job))
+        with open(os.path.join(results, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(codes, f)
