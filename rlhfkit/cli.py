@@ -40,12 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _process_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun, accelerate launch, MPI); 0 when launched alone."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("rlhfkit: %(message)s"))
     log = logging.getLogger("rlhfkit")
     log.handlers[:] = [handler]
-    log.setLevel(logging.INFO)
+    # Under torchrun / accelerate launch, information is logged once (process 0); warnings and errors by every process.
+    log.setLevel(logging.INFO if _process_rank() == 0 else logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
@@ -64,7 +73,8 @@ def run_command(stage: str, config: str | None, overrides: list[str], print_conf
     t0 = time.time()
     result = run_stage(stage, cfg)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in result.items() if k.startswith(("loss", "eval/", "accuracy")))
-    print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {cfg.output_dir}" + (f" ({summary})" if summary else ""))
+    if _process_rank() == 0:
+        print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {cfg.output_dir}" + (f" ({summary})" if summary else ""))
     return result
 
 
