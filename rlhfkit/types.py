@@ -127,11 +127,14 @@ class Experience(_TensorBatch):
 
     rollout: Rollout
     # no-grad forwards, without dropout, of the weights that sampled
-    old_logprobs: torch.Tensor  # (B, R) fp32 log π_old of the response tokens, 0 on padding
+    # (B, R) fp32 log π_old of the response tokens, 0 on padding. None until the update when one pass is made over the
+    # experience and no KL is in the reward: π_old is then the update forward's own (detached) log-probs.
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None  # (B, R) log π_ref; None for methods without a reference
     values: torch.Tensor | None  # (B, R) critic values V(s_t); None without a critic
     # the learning signal
     scores: torch.Tensor  # (B,) raw rewards (before the EOS penalty and normalisation)
+    shaped_scores: torch.Tensor  # (B,) after the EOS penalty, normalisation and clipping: what the advantages see
     kl: torch.Tensor | None  # (B,) sequence KL to the reference, Σ_t k1; None without a reference
     advantages: torch.Tensor  # (B, R), 0 on padding
     returns: torch.Tensor  # (B, R) the critic's targets

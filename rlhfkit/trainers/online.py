@@ -175,7 +175,7 @@ class OnlineTrainer(Trainer):
                 module.eval()
         chunks = [ro.select(slice(i, i + mb)) for i in range(0, ro.response_ids.shape[0], mb)]
         cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
-        old_logprobs = cat(lambda c: self.response_logprobs(policy, c))
+        old_logprobs = None if self.one_pass() else cat(lambda c: self.response_logprobs(policy, c))
         ref_logprobs = cat(self.reference_logprobs) if self.algo.needs_reference else None
         values = cat(lambda c: self.values_of(critic, c)) if critic is not None else None
         finite = self.on_every_process(all(torch.isfinite(t).all() for t in (scores, old_logprobs, ref_logprobs) if t is not None))
@@ -186,8 +186,9 @@ class OnlineTrainer(Trainer):
         shaped = normalize_scores(shaped, cfg.reward.normalize, self.moments if finite else RunningMoments(), cfg.reward.clip,
                                   population=self.gather(shaped))
         kl_coef = self.kl_ctl.value
-        kl = kl_penalty(old_logprobs, ref_logprobs, "k1") * mask if ref_logprobs is not None else torch.zeros_like(mask)  # (B, R)
-        rewards = per_token_rewards(shaped, kl, mask, kl_coef if self.algo.kl_in_reward else 0.0)
+        kl = sequence_kl(old_logprobs, ref_logprobs, mask)  # (B,) or None
+        rewards = per_token_rewards(shaped, _token_kl(old_logprobs, ref_logprobs, mask), mask,
+                                    kl_coef if self.algo.kl_in_reward else 0.0)
         whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else self.algo.whiten_by_default
         # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
         advantages, returns = compute_advantages(self.algo.advantage, AdvantageInput(
@@ -196,12 +197,21 @@ class OnlineTrainer(Trainer):
             all_reduce=(lambda t: acc.reduce(t, "sum")) if self.world > 1 else None))
         exp = Experience(
             rollout=ro, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
-            kl=kl.sum(1) if ref_logprobs is not None else None, advantages=advantages, returns=returns,
+            shaped_scores=shaped, kl=kl, advantages=advantages, returns=returns,
             loss_mask=loss_mask(mask, ro.has_eos, shaped, ro.group_ids, mask_truncated=cfg.algo.mask_truncated,
                                 drop_zero_variance_groups=cfg.algo.dynamic_filtering))
-        stats.update(self.rollout_stats(exp, rows, shaped, kl_coef))
+        stats.update(self.rollout_stats(exp, rows))
+        if old_logprobs is not None:
+            stats.update(self.policy_stats(exp, kl_coef))
         finite = self.on_every_process(finite and bool(torch.isfinite(advantages).all()))
         return (exp if finite else None), stats
+
+    def one_pass(self) -> bool:
+        """One pass over the experience (ppo_epochs × num_minibatches = 1) and no KL in the reward: π_old is then the
+        update forward's own log-probs, detached (the ratio is 1 by definition), so the separate no-grad forward is
+        skipped, as TRL's GRPO does; `update` fills `old_logprobs` in for the statistics."""
+        a = self.cfg.algo
+        return a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
 
     def on_every_process(self, flag: bool) -> bool:
         """Whether `flag` holds on every process: every decision that changes control flow is taken on it, so the
@@ -214,17 +224,12 @@ class OnlineTrainer(Trainer):
         """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
         return self.accelerator.gather(x) if self.world > 1 else x
 
-    def rollout_stats(self, exp: Experience, rows: list[dict], shaped: torch.Tensor, kl_coef: float) -> dict[str, float]:
-        """What the rollout measured, over every process's rows (README: the online metric table); KL figures only
-        where there is a reference."""
+    def rollout_stats(self, exp: Experience, rows: list[dict]) -> dict[str, float]:
+        """What the rollout measured, over every process's rows (README: the online metric table)."""
         from accelerate.utils import gather_object
 
         ro, mask = exp.rollout, exp.rollout.response_mask.float()
-        per_row = {"scores": exp.scores, "shaped": shaped, "length": mask.sum(1), "eos": ro.has_eos.float(),
-                   "entropy": (-exp.old_logprobs * mask).sum(1),
-                   "gap": ((ro.sampler_logprobs - exp.old_logprobs).abs() * mask).sum(1)}  # (B,) each
-        if exp.kl is not None:
-            per_row["kl"] = exp.kl
+        per_row = {"scores": exp.scores, "length": mask.sum(1), "eos": ro.has_eos.float()}  # (B,) each
         gold = self.reward.gold(ro, rows)
         if gold is not None:
             per_row["gold"] = gold.to(mask.device)
@@ -235,19 +240,30 @@ class OnlineTrainer(Trainer):
             texts, groups = gather_object(texts), gather_object(groups)
         stats = {
             "objective/scores": g["scores"].mean(),
-            "objective/entropy": g["entropy"].mean(),
             "response/length_avg": g["length"].mean(), "response/eos_rate": g["eos"].mean(),
-            "policy/sampler_logprob_gap": g["gap"].sum() / g["length"].sum().clamp(min=1),
             # Evidence for the reward-hacking alarms (rlhfkit.evaluation.alarms).
             "response/empty_rate": ((g["length"] - g["eos"]) <= 0).float().mean(),
             "response/score_length_corr": pearson(g["scores"].tolist(), g["length"].tolist()),
             **diversity_figures(texts, groups),  # distinct-2, words per response, top share
         }
+        if "gold" in g:
+            stats["objective/gold"] = g["gold"].mean()
+        return {k: float(v) for k, v in stats.items()}
+
+    def policy_stats(self, exp: Experience, kl_coef: float) -> dict[str, float]:
+        """What π_old's log-probs measure, over every process's rows: entropy, sampler gap, and — where there is a
+        reference — the KL, β and the KL-regularised reward."""
+        ro, mask = exp.rollout, exp.rollout.response_mask.float()
+        per_row = {"entropy": (-exp.old_logprobs * mask).sum(1), "length": mask.sum(1),
+                   "gap": ((ro.sampler_logprobs - exp.old_logprobs).abs() * mask).sum(1), "shaped": exp.shaped_scores}
+        if exp.kl is not None:
+            per_row["kl"] = exp.kl
+        g = {k: self.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
+        stats = {"objective/entropy": g["entropy"].mean(),
+                 "policy/sampler_logprob_gap": g["gap"].sum() / g["length"].sum().clamp(min=1)}
         if "kl" in g:
             stats.update({"objective/kl": g["kl"].mean(), "objective/kl_coef": kl_coef,
                           "objective/rlhf_reward": (g["shaped"] - kl_coef * g["kl"]).mean()})
-        if "gold" in g:
-            stats["objective/gold"] = g["gold"].mean()
         return {k: float(v) for k, v in stats.items()}
 
     # 5. Updates -----------------------------------------------------------------------------------------------
@@ -265,6 +281,8 @@ class OnlineTrainer(Trainer):
         for module in (self.model, self.value):
             if module is not None:
                 module.train()
+        one_pass = exp.old_logprobs is None  # π_old = this pass's own log-probs, kept for the statistics
+        kept = torch.zeros_like(exp.loss_mask) if one_pass else None
         for _epoch in range(a.ppo_epochs):
             perm = torch.randperm(n, device=exp.loss_mask.device)
             for m in range(a.num_minibatches):
@@ -275,7 +293,8 @@ class OnlineTrainer(Trainer):
                 # (non-finite losses, approx-KL · tokens, tokens) of this minibatch on this process
                 control = torch.zeros(3, device=mask.device)
                 for i in range(0, len(idx), micro):
-                    batch = exp.select(idx[i : i + micro])
+                    rows = idx[i : i + micro]
+                    batch = exp.select(rows)
                     parts = {}
                     # Policy and value losses are backpropagated one at a time: with a shared-base critic,
                     # gradient checkpointing recomputes each forward under the adapter active at backward time.
@@ -289,6 +308,8 @@ class OnlineTrainer(Trainer):
                         control[0] += float(not torch.isfinite(loss))
                         acc.backward(loss)
                         parts.update(term_parts)
+                    if one_pass:
+                        kept[rows] = parts.pop("_logprobs")
                     w = float(batch.loss_mask.sum())
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -314,6 +335,9 @@ class OnlineTrainer(Trainer):
         totals = (acc.reduce(totals, "sum") if self.world > 1 else totals).tolist()
         out = dict(zip(keys, totals))
         w = max(out.pop("_w", 0.0), 1.0)
+        if one_pass:
+            exp.old_logprobs = kept
+            exp.kl = sequence_kl(kept, exp.ref_logprobs, exp.rollout.response_mask.float())
         return {**{k: v / w for k, v in out.items()}, "policy/early_stopped": early_stopped}
 
     def optimizer_params(self):
@@ -327,8 +351,9 @@ class OnlineTrainer(Trainer):
             logprobs, entropy = self.response_logprobs(self.model, batch.rollout, with_entropy=True)
         else:
             logprobs, entropy = self.response_logprobs(self.model, batch.rollout), None
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         per_token, m = policy_objective(
-            logprobs, batch.old_logprobs, batch.advantages, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high,
+            logprobs, old, batch.advantages, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high,
             dual_clip=a.dual_clip, ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None,
             kl_coef=self.kl_ctl.value, entropy=entropy, entropy_coef=a.entropy_coef)
         loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -337,6 +362,8 @@ class OnlineTrainer(Trainer):
                    "policy/clipfrac_avg": masked_mean(m["clipfrac"], mask), "val/ratio": masked_mean(m["ratio"], mask)}
         if entropy is not None:
             metrics["policy/entropy_avg"] = masked_mean(entropy.detach(), mask)
+        if batch.old_logprobs is None:
+            metrics["_logprobs"] = old  # π_old of a one-pass update, for `update` to keep
         return loss, metrics
 
     def critic_loss(self, batch: Experience, num_tokens: float):
@@ -366,8 +393,12 @@ class OnlineTrainer(Trainer):
             lr, t0 = self.scheduler.get_last_lr()[0], time.perf_counter()
             exp, stats = self.make_experience(step)  # 1-4. sample, score, no-grad forwards, advantages
             t1 = time.perf_counter()
+            kl_coef = self.kl_ctl.value
+            one_pass = exp is not None and exp.old_logprobs is None
             out = self.update(exp) if exp is not None else {"faults/nonfinite_rollout": 1.0}  # 5. updates
             bad = self.count_bad_step(step + 1, out)
+            if one_pass and not bad:  # π_old came from the update's forward
+                stats.update(self.policy_stats(exp, kl_coef))
             if not bad and exp.kl is not None:  # 6. β follows the KL measured over every process (adaptive controller)
                 self.kl_ctl.update(stats["objective/kl"], exp.kl.numel() * self.world)
             stats.update(out, lr=lr, episodes=(step + 1) * self.cfg.algo.rollout_batch_size * self.cfg.generation.num_samples
@@ -443,3 +474,17 @@ class OnlineTrainer(Trainer):
                     "step": step, "prompt": tok.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=True),
                     "response": tok.decode(ro.response_ids[i][ro.response_mask[i].bool()], skip_special_tokens=True),
                     "score": float(exp.scores[i]), "kl": float(exp.kl[i]) if exp.kl is not None else None}) + "\n")
+
+
+def sequence_kl(logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """(B,) Σ_t k1 KL of the sampled responses to the reference; None without a reference or before π_old is known."""
+    if logprobs is None or ref_logprobs is None:
+        return None
+    return (kl_penalty(logprobs, ref_logprobs, "k1") * mask).sum(1)
+
+
+def _token_kl(logprobs, ref_logprobs, mask) -> torch.Tensor:
+    """(B, R) k1 KL per token for the per-token rewards; zeros where it is not measured (no KL in the reward)."""
+    if logprobs is None or ref_logprobs is None:
+        return torch.zeros_like(mask)
+    return kl_penalty(logprobs, ref_logprobs, "k1") * mask

@@ -228,6 +228,7 @@ def test_lora_dropout_lr_zero_gives_ratio_one_at_every_step(stage, tmp_path, mon
     out = tmp_path / "dropout"
     assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true",
                  "model.lora.r=4", "model.lora.dropout=0.1", "optim.lr=0", "max_steps=1", "algo.disable_dropout=false",
+                 "algo.ppo_epochs=2",
                  *FAST]) == 0
     assert abs(rows_of(out / "metrics.jsonl")[0]["policy/approxkl_avg"]) > 1e-6
 
@@ -256,7 +257,10 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
     kept = exp.loss_mask.sum(1) > 0
     assert kept.tolist() == [False] * 4 + [True, False, True, True]
     assert t.cfg.algo.loss_agg is None and t.algo.default_loss_agg == "token-mean"
-    shifted = dataclasses.replace(exp, old_logprobs=exp.old_logprobs - math.log(1.25))  # ratio π/π_old = 1.25 everywhere
+    assert exp.old_logprobs is None  # one pass over the experience: π_old is the update forward's own log-probs
+    with torch.no_grad():
+        old = t.response_logprobs(t.model, exp.rollout)
+    shifted = dataclasses.replace(exp, old_logprobs=old - math.log(1.25))  # ratio π/π_old = 1.25 everywhere
     positive = float((exp.loss_mask * (exp.advantages > 0)).sum() / exp.loss_mask.sum())
     assert 0 < positive < 1
     t.model.train()
@@ -351,3 +355,33 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     seen.clear()
     assert main(args + ["max_steps=4", "resume=true"]) == 0
     assert seen[-1] == [1, 2, 3, 4]
+
+
+def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
+    """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
+    micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
+    from safetensors.torch import load_file
+
+    calls = []
+    real = online.OnlineTrainer.response_logprobs
+
+    def counting(self, model, ro, with_entropy=False):
+        calls.append(ro.response_ids.shape[0])
+        return real(self, model, ro, with_entropy)
+
+    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
+    args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", *FAST]
+    assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
+    lean_rows = sum(calls)
+    calls.clear()
+    monkeypatch.setattr(online.OnlineTrainer, "one_pass", lambda self: False)
+    assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
+    assert sum(calls) - lean_rows == 2 * 16  # the skipped pass: 2 steps × 16 rows (the reference's forwards remain)
+    lean, two = rows_of(tmp_path / "lean" / "metrics.jsonl"), rows_of(tmp_path / "two" / "metrics.jsonl")
+    for r1, r2 in zip(lean, two):
+        for key, value in r2.items():
+            if not key.startswith("time/"):
+                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("lean", "two"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
