@@ -105,6 +105,14 @@ class Rollout(_TensorBatch):
     # log-probs of the sampled tokens as the sampler saw them (for the sampler/trainer gap metric only)
     sampler_logprobs: torch.Tensor  # (B, R) fp32, 0 on padding
 
+    def trimmed(self) -> "Rollout":
+        """The same rows with the response columns cut to the longest response among them (at least 1): a micro-batch
+        costs its own length, not the rollout's. Padding columns carry no information (mask 0, log-prob 0)."""
+        width = max(int(self.response_mask.sum(1).max()), 1)
+        return Rollout(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask, response_ids=self.response_ids[:, :width],
+                       response_mask=self.response_mask[:, :width], group_ids=self.group_ids, has_eos=self.has_eos,
+                       sampler_logprobs=self.sampler_logprobs[:, :width])
+
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P + R)
         return torch.cat([self.prompt_ids, self.response_ids], 1)
@@ -139,3 +147,12 @@ class Experience(_TensorBatch):
     advantages: torch.Tensor  # (B, R), 0 on padding
     returns: torch.Tensor  # (B, R) the critic's targets
     loss_mask: torch.Tensor  # (B, R) float: the tokens that take a loss (`advantages.loss_mask`)
+
+    def trimmed(self) -> "Experience":
+        """The same rows with every (B, R) tensor cut to the longest response among them (see `Rollout.trimmed`)."""
+        rollout = self.rollout.trimmed()
+        width = rollout.response_ids.shape[1]
+        cut = lambda x: x[:, :width] if x is not None else None  # noqa: E731
+        return Experience(rollout=rollout, old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs),
+                          values=cut(self.values), scores=self.scores, shaped_scores=self.shaped_scores, kl=self.kl,
+                          advantages=cut(self.advantages), returns=cut(self.returns), loss_mask=cut(self.loss_mask))

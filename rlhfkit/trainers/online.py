@@ -173,8 +173,10 @@ class OnlineTrainer(Trainer):
         for module in (policy, critic):
             if module is not None:
                 module.eval()
-        chunks = [ro.select(slice(i, i + mb)) for i in range(0, ro.response_ids.shape[0], mb)]
-        cat = lambda f: torch.cat([f(c) for c in chunks])  # noqa: E731
+        # Each micro-batch is cut to its own longest response, its outputs padded back to the rollout's width.
+        chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
+        width = ro.response_ids.shape[1]
+        cat = lambda f: torch.cat([_pad_to(f(c), width) for c in chunks])  # noqa: E731
         old_logprobs = None if self.one_pass() else cat(lambda c: self.response_logprobs(policy, c))
         ref_logprobs = cat(self.reference_logprobs) if self.algo.needs_reference else None
         values = cat(lambda c: self.values_of(critic, c)) if critic is not None else None
@@ -294,7 +296,7 @@ class OnlineTrainer(Trainer):
                 control = torch.zeros(3, device=mask.device)
                 for i in range(0, len(idx), micro):
                     rows = idx[i : i + micro]
-                    batch = exp.select(rows)
+                    batch = exp.select(rows).trimmed()  # at its own longest response
                     parts = {}
                     # Policy and value losses are backpropagated one at a time: with a shared-base critic,
                     # gradient checkpointing recomputes each forward under the adapter active at backward time.
@@ -309,7 +311,7 @@ class OnlineTrainer(Trainer):
                         acc.backward(loss)
                         parts.update(term_parts)
                     if one_pass:
-                        kept[rows] = parts.pop("_logprobs")
+                        kept[rows] = _pad_to(parts.pop("_logprobs"), kept.shape[1])
                     w = float(batch.loss_mask.sum())
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -488,3 +490,8 @@ def _token_kl(logprobs, ref_logprobs, mask) -> torch.Tensor:
     if logprobs is None or ref_logprobs is None:
         return torch.zeros_like(mask)
     return kl_penalty(logprobs, ref_logprobs, "k1") * mask
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, r) -> (b, width) with zeros on the right (a trimmed micro-batch's outputs back at the rollout's width)."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))

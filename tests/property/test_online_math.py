@@ -23,6 +23,7 @@ from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 from rlhfkit.trainers import online
 from rlhfkit.trainers.online import OnlineTrainer
+from rlhfkit.types import Experience
 
 FAST = ["logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4", "algo.num_minibatches=1"]
 
@@ -155,6 +156,8 @@ def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch)
               "optim.per_device_batch_size=16")
     exp, _ = t.make_experience(0)
     assert exp.loss_mask.shape[1] <= t.cfg.generation.max_new_tokens
+    # Micro-batches are cut to their own longest response; with that off, the loss really runs at both widths.
+    monkeypatch.setattr(Experience, "trimmed", lambda self: self)
     loss_a, grad_a = _losses_and_grads(t, exp, monkeypatch)
     loss_b, grad_b = _losses_and_grads(t, _pad_response(exp, 7), monkeypatch)
     assert loss_a[0] != 0.0
@@ -370,7 +373,7 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
         return real(self, model, ro, with_entropy)
 
     monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
-    args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", *FAST]
+    args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4", *FAST]
     assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
     lean_rows = sum(calls)
     calls.clear()
@@ -383,5 +386,49 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
             if not key.startswith("time/"):
                 assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("lean", "two"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monkeypatch):
+    """Each micro-batch is cut to its longest response: forwards at narrower widths than the rollout's, and the same
+    metrics and weights as without the cut."""
+    from safetensors.torch import load_file
+
+    widths = []
+    real = online.OnlineTrainer.response_logprobs
+
+    def spy(self, model, ro, with_entropy=False):
+        widths.append((ro.response_ids.shape[1], int(ro.response_mask.sum(1).max())))
+        return real(self, model, ro, with_entropy)
+
+    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", spy)
+    real_generate = online.generate
+
+    def varied_lengths(*a, **k):  # a random tiny model seldom ends early: cut row i after 3 + i % 7 tokens
+        ro = real_generate(*a, **k)
+        n, width = ro.response_ids.shape
+        lengths = torch.tensor([min(3 + i % 7, width) for i in range(n)])
+        mask = (torch.arange(width) < lengths[:, None]).long()
+        return dataclasses.replace(ro, response_mask=mask, response_ids=ro.response_ids.masked_fill(mask == 0, 0),
+                                   sampler_logprobs=ro.sampler_logprobs * mask, has_eos=torch.ones(n, dtype=torch.bool))
+
+    monkeypatch.setattr(online, "generate", varied_lengths)
+    args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
+            "optim.per_device_batch_size=2",
+            "logging.progress_bar=false", "algo.rollout_batch_size=8", "algo.num_minibatches=1"]
+    assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 0
+    assert all(width == longest for width, longest in widths)  # no forward pays for columns of padding only
+    monkeypatch.setattr(Experience, "trimmed", lambda self: self)
+    monkeypatch.setattr(online.Rollout, "trimmed", lambda self: self)
+    widths.clear()
+    assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
+    assert any(width > longest for width, longest in widths)  # the comparison run does pay for them
+    cut, full = rows_of(tmp_path / "cut" / "metrics.jsonl"), rows_of(tmp_path / "full" / "metrics.jsonl")
+    for r1, r2 in zip(cut, full):
+        for key, value in r2.items():
+            if not key.startswith("time/"):
+                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cut", "full"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
