@@ -40,6 +40,21 @@ def build(tmp_path, config, *overrides):
     return trainer
 
 
+def assert_same_run(a, b):
+    """Two run directories with the same metrics (wall times aside) and the same final weights."""
+    from safetensors.torch import load_file
+
+    rows_a, rows_b = rows_of(a / "metrics.jsonl"), rows_of(b / "metrics.jsonl")
+    assert len(rows_a) == len(rows_b)
+    for r1, r2 in zip(rows_a, rows_b):
+        for key, value in r2.items():
+            if not key.startswith("time/"):
+                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    w1, w2 = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+
+
 def with_algo(trainer, **changes):
     trainer.cfg = dataclasses.replace(trainer.cfg, algo=dataclasses.replace(trainer.cfg.algo, **changes))
 
@@ -363,8 +378,6 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
 def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
     """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
     micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
-    from safetensors.torch import load_file
-
     calls = []
     real = online.OnlineTrainer.response_logprobs
 
@@ -380,21 +393,12 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
     monkeypatch.setattr(online.OnlineTrainer, "one_pass", lambda self: False)
     assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
     assert sum(calls) - lean_rows == 2 * 16  # the skipped pass: 2 steps × 16 rows (the reference's forwards remain)
-    lean, two = rows_of(tmp_path / "lean" / "metrics.jsonl"), rows_of(tmp_path / "two" / "metrics.jsonl")
-    for r1, r2 in zip(lean, two):
-        for key, value in r2.items():
-            if not key.startswith("time/"):
-                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("lean", "two"))
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+    assert_same_run(tmp_path / "lean", tmp_path / "two")
 
 
 def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monkeypatch):
     """Each micro-batch is cut to its longest response: forwards at narrower widths than the rollout's, and the same
     metrics and weights as without the cut."""
-    from safetensors.torch import load_file
-
     widths = []
     real = online.OnlineTrainer.response_logprobs
 
@@ -424,11 +428,4 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
     widths.clear()
     assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
     assert any(width > longest for width, longest in widths)  # the comparison run does pay for them
-    cut, full = rows_of(tmp_path / "cut" / "metrics.jsonl"), rows_of(tmp_path / "full" / "metrics.jsonl")
-    for r1, r2 in zip(cut, full):
-        for key, value in r2.items():
-            if not key.startswith("time/"):
-                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    w1, w2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cut", "full"))
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+    assert_same_run(tmp_path / "cut", tmp_path / "full")
