@@ -298,18 +298,22 @@ class OnlineTrainer(Trainer):
                     rows = idx[i : i + micro]
                     batch = exp.select(rows).trimmed()  # at its own longest response
                     parts = {}
-                    # Policy and value losses are backpropagated one at a time: with a shared-base critic,
-                    # gradient checkpointing recomputes each forward under the adapter active at backward time.
                     losses = [lambda: self.policy_loss(batch, agg, num_tokens, num_seqs)]
                     if self.value is not None:
                         losses.append(lambda: self.critic_loss(batch, num_tokens))
-                    for term in losses:
-                        loss, term_parts = term()
+                    # A shared-base critic's loss is backpropagated on its own: gradient checkpointing recomputes
+                    # each forward under the adapter active at backward time. Otherwise one backward of the sum.
+                    groups = [[t] for t in losses] if self.shared_critic() else [losses]
+                    for group in groups:
+                        loss = 0.0
+                        for term in group:
+                            term_loss, term_parts = term()
+                            loss = loss + term_loss
+                            parts.update(term_parts)
                         # Backward even when the loss is not finite: every process runs the same collectives, and
                         # the decision below is taken on all of them together.
                         control[0] += float(not torch.isfinite(loss))
                         acc.backward(loss)
-                        parts.update(term_parts)
                     if one_pass:
                         kept[rows] = _pad_to(parts.pop("_logprobs"), kept.shape[1])
                     w = float(batch.loss_mask.sum())
@@ -341,6 +345,10 @@ class OnlineTrainer(Trainer):
             exp.old_logprobs = kept
             exp.kl = sequence_kl(kept, exp.ref_logprobs, exp.rollout.response_mask.float())
         return {**{k: v / w for k, v in out.items()}, "policy/early_stopped": early_stopped}
+
+    def shared_critic(self) -> bool:
+        """Whether the critic is a second adapter on the policy's base (`SharedBaseCritic`)."""
+        return self.value is not None and isinstance(self.accelerator.unwrap_model(self.value), SharedBaseCritic)
 
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -429,3 +429,30 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
     assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
     assert any(width > longest for width, longest in widths)  # the comparison run does pay for them
     assert_same_run(tmp_path / "cut", tmp_path / "full")
+
+
+def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_path, monkeypatch):
+    """PPO with its own critic model: one backward of policy + value loss per micro-batch (two with a shared-base
+    critic), and the same metrics and weights as two backwards."""
+    calls = []
+    real = online.OnlineTrainer.update
+
+    def counting(self, exp):
+        backward = self.accelerator.backward
+        self.accelerator.backward = lambda loss, **k: calls.append(1) or backward(loss, **k)
+        try:
+            return real(self, exp)
+        finally:
+            self.accelerator.backward = backward
+
+    monkeypatch.setattr(online.OnlineTrainer, "update", counting)
+    args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
+            "optim.per_device_batch_size=4", "logging.progress_bar=false", "algo.rollout_batch_size=8",
+            "algo.num_minibatches=1", "algo.ppo_epochs=1"]
+    assert main(args + [f"output_dir={tmp_path / 'one'}"]) == 0
+    assert len(calls) == 2 * 2  # 2 steps × 2 micro-batches
+    calls.clear()
+    monkeypatch.setattr(online.OnlineTrainer, "shared_critic", lambda self: True)  # one backward per loss
+    assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
+    assert len(calls) == 2 * 2 * 2
+    assert_same_run(tmp_path / "one", tmp_path / "two")
