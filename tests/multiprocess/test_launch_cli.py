@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -101,23 +100,25 @@ def rows(run_dir) -> list[dict]:
 
 
 def test_simulated_two_machine_run_equals_one_process(tmp_path):
-    """`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1}` with a c10d rendezvous on localhost: one torchrun
+    """`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1}` with a static rendezvous on 127.0.0.1: one torchrun
     agent per "machine", as on two hosts. 2 x per_device_batch_size 8 must give the weights of 1 x 16."""
     steps = ["max_steps=3"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main([*SFT, *steps, f"output_dir={one}", "optim.per_device_batch_size=16"]) == 0
-    endpoint, run_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
+    port = free_port()
     agents, logs = [], []
     for node in (0, 1):
         logs.append(open(tmp_path / f"node{node}.log", "w+"))
+        # Static rendezvous on machine 0's address (127.0.0.1, not "localhost": no IPv6/IPv4 ambiguity).
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
-               str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, "--rdzv_conf",
-               f"is_host={int(node == 0)}", "-m", "rlhfkit.cli", *SFT, *steps, f"output_dir={two}",
-               "optim.per_device_batch_size=8"]
+               str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "rlhfkit.cli", *SFT, *steps,
+               f"output_dir={two}", "optim.per_device_batch_size=8"]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="1"), stdout=logs[-1],
                                        stderr=subprocess.STDOUT))
     try:
         codes = [agent.wait(timeout=TIMEOUT_S) for agent in agents]
+    except subprocess.TimeoutExpired:
+        codes = ["timed out"]
     finally:
         for agent in agents:
             agent.kill()
@@ -126,7 +127,7 @@ def test_simulated_two_machine_run_equals_one_process(tmp_path):
         log.seek(0)
         text.append(log.read())
         log.close()
-    assert codes == [0, 0], "\n".join(text)
+    assert codes == [0, 0], "\n".join(f"--- machine {i}:\n{t[-4000:]}" for i, t in enumerate(text))
     # The start line, from the main process only (machine 0).
     assert "rlhfkit: launch: world size 2 (2 machines x 1 process), backend gloo, distributed type MULTI_CPU" in text[0]
     assert "rlhfkit: launch:" not in text[1]
