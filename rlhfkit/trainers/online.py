@@ -186,7 +186,7 @@ class OnlineTrainer(Trainer):
         shaped = penalize_missing_eos(scores, ro.has_eos, cfg.reward.missing_eos_penalty)
         # The running moments see only finite batches: one NaN must not poison every later step.
         shaped = normalize_scores(shaped, cfg.reward.normalize, self.moments if finite else RunningMoments(), cfg.reward.clip,
-                                  population=self.gather(shaped))
+                                  population=self.gather(shaped) if cfg.reward.normalize != "none" else None)
         kl_coef = self.kl_ctl.value
         kl = sequence_kl(old_logprobs, ref_logprobs, mask)  # (B,) or None
         rewards = per_token_rewards(shaped, _token_kl(old_logprobs, ref_logprobs, mask), mask,
