@@ -125,6 +125,16 @@ class GenerationConfig:
     top_k: Annotated[int, Ge(0), doc("0 = off")] = 0
     top_p: Annotated[float, Interval(gt=0, le=1), doc("1.0 = off")] = 1.0
     num_samples: PosInt = 1  # responses per prompt: the group size k of RLOO/GRPO (>= 2 there)
+    # "rlhfkit": our decode loop over transformers' KV cache (samples the trained density only; the model's own
+    # generation_config plays no part); "hf": transformers' `generate`, the reference it is tested against.
+    engine: Literal["rlhfkit", "hf"] = "rlhfkit"
+    # With engine "rlhfkit": a static KV cache and a compiled one-token step (on a GPU, CUDA graphs through
+    # torch.compile mode "reduce-overhead"); each new batch shape compiles once, so it pays off over many steps.
+    compile: bool = False
+
+    def check(self):
+        if self.compile and self.engine != "rlhfkit":
+            yield "compile", "compiles rlhfkit's decode loop: needs generation.engine=rlhfkit"
 
 
 @dataclass(frozen=True)

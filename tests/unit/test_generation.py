@@ -1,10 +1,15 @@
-"""generate(): the sampler's log-probs of the sampled tokens, read one step at a time (no (B, R, V) logits kept)."""
+"""generate(): rlhfkit's decode loop against transformers' `generate` (same tokens under the same seed, greedy, early
+EOS, left padding, the static-cache and compiled paths), the sampled distribution (a χ² test), and the sampler's
+log-probs, read one step at a time (no (B, R, V) logits kept)."""
+
+import math
 
 import pytest
 import torch
 
+import rlhfkit.generation as generation
 from rlhfkit.config import GenerationConfig, ModelConfig
-from rlhfkit.generation import generate
+from rlhfkit.generation import decode, generate, truncate_logits
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.types import PromptBatch
 
@@ -45,7 +50,7 @@ def test_sampler_logprobs_equal_the_full_logits_computation(tiny, top_k):
     assert (ro.sampler_logprobs * ro.response_mask).abs().sum() > 0
 
 
-def test_generate_keeps_no_full_logits(tiny, monkeypatch):
+def test_hf_engine_keeps_no_full_logits(tiny, monkeypatch):
     model, tok = tiny
     seen = {}
     real = model.generate
@@ -55,5 +60,138 @@ def test_generate_keeps_no_full_logits(tiny, monkeypatch):
         return real(**kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
-    generate(model, prompts(tok), GenerationConfig(max_new_tokens=4), tok.eos_token_id, tok.pad_token_id)
-    assert not seen.get("output_logits") and not seen.get("output_scores")
+    generate(model, prompts(tok), GenerationConfig(max_new_tokens=4, engine="hf"), tok.eos_token_id, tok.pad_token_id)
+    assert seen and not seen.get("output_logits") and not seen.get("output_scores")
+
+
+def test_decode_loop_computes_the_last_position_logits_only(tiny, monkeypatch):
+    """Every forward of the loop asks for one position's logits, and transformers' `generate` is never called."""
+    model, tok = tiny
+    calls = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(kw.get("logits_to_keep")) or real(*a, **kw))
+    monkeypatch.setattr(model, "generate", lambda **kw: pytest.fail("transformers' generate was called"))
+    ro = generate(model, prompts(tok), GenerationConfig(max_new_tokens=5), tok.eos_token_id, tok.pad_token_id)
+    assert calls == [1] * ro.response_ids.shape[1]  # a prefill, then one step per further token
+
+
+def both_engines(model, tok, batch, seed=0, eos=None, eager_static=False, **params):
+    """(rlhfkit's rollout, transformers' rollout) drawn under the same seed."""
+    eos = tok.eos_token_id if eos is None else eos
+    out = []
+    for engine, compile_ in (("rlhfkit", eager_static), ("hf", False)):
+        torch.manual_seed(seed)
+        out.append(generate(model, batch, GenerationConfig(engine=engine, compile=compile_, **params), eos, tok.pad_token_id))
+    return out
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("params", [dict(), dict(top_k=5), dict(top_p=0.8, temperature=0.7), dict(num_samples=3, temperature=1.3)])
+def test_same_seed_same_tokens_as_transformers_generate(tiny, monkeypatch, static, params):
+    """Left-padded prompts of different lengths: the same tokens and log-probs as transformers' `generate`, with and
+    without truncation, through the dynamic and the static KV cache."""
+    model, tok = tiny
+    if static:
+        monkeypatch.setattr(generation, "_compiled_step", lambda model, forward, cuda: forward)
+    ours, ref = both_engines(model, tok, prompts(tok), eager_static=static, max_new_tokens=12, **params)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    assert torch.equal(ours.response_mask, ref.response_mask)
+    torch.testing.assert_close(ours.sampler_logprobs, ref.sampler_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_equals_transformers_greedy_generate(tiny, monkeypatch, static):
+    """top_k=1 is greedy decoding: the tokens of transformers' `generate(do_sample=False)`."""
+    model, tok = tiny
+    if static:
+        monkeypatch.setattr(generation, "_compiled_step", lambda model, forward, cuda: forward)
+    batch = prompts(tok)
+    torch.manual_seed(3)
+    ours = generate(model, batch, GenerationConfig(max_new_tokens=10, top_k=1, compile=static), tok.eos_token_id,
+                    tok.pad_token_id)
+    greedy = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=False,
+                            max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert torch.equal(ours.response_ids, greedy[:, batch.input_ids.shape[1]:])
+
+
+def test_early_eos_stops_each_row_and_the_loop(tiny):
+    """With the commonest token as EOS, rows finish at different steps: each is padded after its EOS, and the loop
+    stops when the last row finishes (short of max_new_tokens); all of it as transformers does."""
+    model, tok = tiny
+    batch = prompts(tok)
+    torch.manual_seed(0)
+    free = generate(model, batch, GenerationConfig(max_new_tokens=30, num_samples=4), tok.eos_token_id, tok.pad_token_id)
+    eos = int(free.response_ids.flatten().mode().values)
+    ours, ref = both_engines(model, tok, batch, eos=eos, max_new_tokens=250, num_samples=4)
+    assert torch.equal(ours.response_ids, ref.response_ids) and torch.equal(ours.has_eos, ref.has_eos)
+    lengths = ours.response_mask.sum(1)
+    assert ours.has_eos.all() and len(set(lengths.tolist())) > 1, lengths
+    assert ours.response_ids.shape[1] == int(lengths.max()) < 250
+    after = torch.arange(ours.response_ids.shape[1]) >= lengths[:, None]
+    assert after.any() and (ours.response_ids[after] == tok.pad_token_id).all() and (ours.sampler_logprobs[after] == 0).all()
+
+
+def test_compiled_step_gives_the_same_tokens(tiny):
+    """`generation.compile` for real (torch.compile of the one-token step over a StaticCache; inductor on CPU, where
+    a GPU would add CUDA graphs): the same tokens as transformers' `generate`."""
+    model, tok = tiny
+    ours, ref = both_engines(model, tok, prompts(tok), eager_static=True, max_new_tokens=6, num_samples=2)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    torch.testing.assert_close(ours.sampler_logprobs, ref.sampler_logprobs, rtol=1e-4, atol=1e-4)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The χ² quantile at 1 - 0.001 (z = 3.09) by the Wilson–Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's χ² of `counts` against `probs`, bins with an expected count under 5 pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.5, top_k=8), dict(top_p=0.6)])
+def test_sampled_tokens_follow_the_configured_distribution(tiny, params):
+    """8000 first tokens of one prompt (a 103-token vocabulary) against softmax(truncate(logits / τ)): χ² under the
+    0.999 quantile, and far over it against the untempered, untruncated distribution (the test can tell them apart).
+    Truncated tokens are never drawn. The final norm is scaled by 8 so the random model's logits are far from flat."""
+    import copy
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    cfg = GenerationConfig(max_new_tokens=1, **params)
+    ids = torch.tensor([tok("hello there", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].float()
+    target = truncate_logits((logits / cfg.temperature)[None], cfg.top_k, cfg.top_p)[0].softmax(-1)
+    torch.manual_seed(0)
+    n = 8000
+    tokens, logprobs = decode(model, ids.expand(n, -1), torch.ones(n, ids.shape[1], dtype=torch.long), cfg,
+                              tok.eos_token_id, tok.pad_token_id)
+    counts = torch.bincount(tokens[:, 0], minlength=logits.shape[0]).float()
+    assert counts[target == 0].sum() == 0
+    stat, df = chi2(counts, target)
+    assert stat < chi2_critical(df), (stat, df)
+    wrong, wrong_df = chi2(counts, logits.softmax(-1))
+    assert wrong > 10 * chi2_critical(wrong_df)
+    # The recorded log-prob is the untruncated tempered density of the drawn token.
+    torch.testing.assert_close(logprobs[:, 0], torch.log_softmax(logits / cfg.temperature, -1)[tokens[:, 0]])
+
+
+def test_truncate_logits_by_hand():
+    """Scores [3, 2, 1, 0]: top-2 keeps {0, 1}; probabilities ≈ [.644, .237, .087, .032], so top_p 0.85 keeps the
+    first two (0.881 ≥ 0.85) and top_p 0.5 keeps the first alone."""
+    s = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    inf = math.inf
+    assert truncate_logits(s, 2, 1.0).tolist() == [[3.0, 2.0, -inf, -inf]]
+    assert truncate_logits(s, 0, 0.85).tolist() == [[3.0, 2.0, -inf, -inf]]
+    assert truncate_logits(s, 0, 0.5).tolist() == [[3.0, -inf, -inf, -inf]]
+    assert truncate_logits(s, 0, 1.0).tolist() == s.tolist()
