@@ -19,7 +19,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from annotated_types import DocInfo, Ge, Gt, Interval, Le, Len, Lt, doc
@@ -84,11 +84,18 @@ class DataConfig:
     max_prompt_length: int = 512  # tokens in the prompt; see `truncation`
     truncation: Literal["truncate", "error"] = "truncate"  # over-long prompt: keep its last tokens, or fail
     packing: bool = False  # SFT only: concatenate examples into full `max_length` rows (no padding waste)
+    # SFT, RM, DPO/IPO/cDPO/SimPO and ORPO: each micro-batch's sequences end to end in one row, position ids restarting
+    # at 0 per sequence and no attention mask, so no pad token is computed and no token attends across sequences (unlike
+    # `packing`); loss, gradients, log-probs and rewards equal the padded batch's (the RM reads each sequence's score
+    # at its last token). Attention stays per sequence with flash attention; with sdpa/eager it is one masked (N, N).
+    padding_free: bool = False
     max_samples: PosInt | None = None  # use only the first N records of each split (quick experiments)
 
     def check(self):
         if not 1 <= self.max_prompt_length < self.max_length:
             yield "max_prompt_length", f"must be in [1, max_length={self.max_length}), got {self.max_prompt_length}"
+        if self.padding_free and self.packing:
+            yield "padding_free", "and data.packing are exclusive: packing lets attention cross example boundaries"
 
 
 @dataclass(frozen=True)
@@ -181,8 +188,11 @@ class TrainConfig:
     # A non-finite loss or gradient (online RL: also reward or log-prob) skips the update and is counted
     # (`faults/skipped_total`); this many stop the run with exit status 2, its checkpoints intact.
     max_bad_steps: PosInt = 3
+    padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
 
     def check(self):
+        if self.data.padding_free and not self.padding_free_supported:
+            yield "data.padding_free", "is supported by the sft, rm, dpo and orpo stages only"
         if not self.data.train:
             yield "data.train", "is required (a local file or a hub dataset name)"
         if not self.output_dir:
@@ -208,6 +218,7 @@ class SFTOptions:
 
 @dataclass(frozen=True)
 class SFTConfig(TrainConfig):
+    padding_free_supported = True
     algo: SFTOptions = field(default_factory=SFTOptions)
 
 
@@ -230,6 +241,7 @@ class RMOptions:
 
 @dataclass(frozen=True)
 class RMConfig(TrainConfig):
+    padding_free_supported = True
     algo: RMOptions = field(default_factory=RMOptions)
 
 
@@ -261,6 +273,7 @@ class DPOOptions:
 
 @dataclass(frozen=True)
 class DPOConfig(TrainConfig):
+    padding_free_supported = True
     algo: DPOOptions = field(default_factory=DPOOptions)
 
 
@@ -272,6 +285,7 @@ class ORPOOptions:
 
 @dataclass(frozen=True)
 class ORPOConfig(TrainConfig):
+    padding_free_supported = True
     algo: ORPOOptions = field(default_factory=ORPOOptions)
 
 
@@ -402,7 +416,7 @@ class RFTConfig(TrainConfig):
 
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
 _EVAL_UNUSED = {
-    "data": (("train", "train_split", "eval_fraction", "packing", "max_samples"), "it reads data.eval; max_prompts limits it"),
+    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples"), "it reads data.eval; max_prompts limits it"),
     "reward": (("gold_function", "missing_eos_penalty", "normalize", "clip"), "it reports raw scores; add a gold judge to `judges`"),
 }
 

@@ -54,7 +54,7 @@ import torch
 from rlhfkit.config import DataConfig
 from rlhfkit.errors import DataError, UserError
 from rlhfkit.io import cache_dir
-from rlhfkit.types import PreferenceBatch, PromptBatch, SFTBatch, UnpairedBatch
+from rlhfkit.types import PaddingFreeBatch, PaddingFreePairs, PreferenceBatch, PromptBatch, SFTBatch, UnpairedBatch
 
 if TYPE_CHECKING:
     import datasets
@@ -758,6 +758,21 @@ def pack_sft(examples: list[SFTExample], max_length: int) -> list[SFTExample]:
     return [{"input_ids": ids[s : s + max_length], "labels": labels[s : s + max_length]} for s in range(0, len(ids), max_length)]
 
 
+def _padding_free(ids: list[list[int]], labels: list[list[int]]) -> PaddingFreeBatch:
+    """Sequences end to end in one row, position ids restarting at 0 at each (see `PaddingFreeBatch`)."""
+    return PaddingFreeBatch(
+        input_ids=torch.tensor([[t for x in ids for t in x]], dtype=torch.long),  # (1, N)
+        position_ids=torch.tensor([[t for x in ids for t in range(len(x))]], dtype=torch.long),  # (1, N)
+        labels=torch.tensor([[t for x in labels for t in x]], dtype=torch.long),  # (1, N)
+        seq_lens=torch.tensor([len(x) for x in ids], dtype=torch.long),  # (S,)
+    )
+
+
+def collate_sft_padding_free(examples: list[SFTExample]) -> PaddingFreeBatch:
+    """`collate_sft` without padding (data.padding_free): the examples in one row, each attending to itself only."""
+    return _padding_free([e["input_ids"] for e in examples], [e["labels"] for e in examples])
+
+
 def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> PreferenceBatch:
     """prompt + chosen and prompt + rejected, both right-padded to ONE common length T so that the trainer can
     concatenate them into a single forward pass."""
@@ -774,6 +789,17 @@ def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> 
         rejected_input_ids=rejected_ids,
         rejected_attention_mask=rejected_mask,
         rejected_labels=rejected_labels,
+        margin=torch.tensor([float(e["margin"]) for e in examples], dtype=torch.float32),  # (B,)
+    )
+
+
+def collate_preference_padding_free(examples: list[PreferenceExample]) -> PaddingFreePairs:
+    """`collate_preference` without padding (data.padding_free): the B prompt + chosen, then the B prompt + rejected
+    sequences in one row, each attending to itself only."""
+    sides = [[e["prompt_ids"] + e[side] for e in examples] for side in ("chosen_ids", "rejected_ids")]
+    labels = [[[IGNORE_INDEX] * len(e["prompt_ids"]) + e[side] for e in examples] for side in ("chosen_ids", "rejected_ids")]
+    return PaddingFreePairs(
+        sequences=_padding_free(sides[0] + sides[1], labels[0] + labels[1]),  # 2B sequences
         margin=torch.tensor([float(e["margin"]) for e in examples], dtype=torch.float32),  # (B,)
     )
 

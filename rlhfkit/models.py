@@ -230,6 +230,8 @@ def scored_logits(model, input_ids, attention_mask, labels, position_ids=None) -
     kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(unwrap_model(model))) else {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    if attention_mask is None:  # a padding-free row (`types.PaddingFreeBatch`): transformers reads its position ids as
+        kwargs["use_cache"] = False  # sequence boundaries only without a KV cache (else attention crosses them)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
     return logits[:, logits.shape[1] - keep :], first
 
@@ -256,6 +258,23 @@ def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: flo
     """Summed log-probs of the labelled tokens per sequence and their count: ((B,), (B,))."""
     logprobs, mask = token_logprobs(model, input_ids, attention_mask, labels, temperature)
     return logprobs.sum(-1), mask.sum(-1)
+
+
+def sequence_logprobs_padding_free(model, batch, temperature: float = 1.0):
+    """`sequence_logprobs` of a `types.PaddingFreeBatch` (S sequences in one row): ((S,), (S,)), each sequence's
+    summed log-probs of its labelled tokens and their count, from one forward without padding."""
+    from rlhfkit.ops import logprobs_from_logits, segment_sum
+
+    labels = batch.next_token_labels  # (1, N)
+    logits, first = scored_logits(model, batch.input_ids, None, labels, batch.position_ids)  # (1, N-first, V)
+    targets = labels[0, first + 1 :]  # (N-1-first,)
+    mask = targets != -100
+    # In pieces of the longest sequence's length: one (T, V) fp32 copy at a time, as for a padded batch's rows.
+    width = int(batch.seq_lens.max())
+    logprobs = torch.cat([logprobs_from_logits(x[None], t[None], temperature)[0] for x, t in
+                          zip(logits[0, :-1].split(width), targets.masked_fill(~mask, 0).split(width))]) * mask
+    owner, n = batch.seq_ids[first + 1 :], len(batch.seq_lens)  # the sequence of each target token
+    return segment_sum(logprobs, owner, n), segment_sum(mask, owner, n)
 
 
 class Reference:

@@ -37,6 +37,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
+def segment_sum(x: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Per-segment sums of a flat tensor, in fp32: (N,), (N,) long in [0, S) -> (S,); an empty segment sums to 0.
+
+    The padding-free layout's counterpart of `x.sum(-1)` over padded rows (`types.PaddingFreeBatch.seq_ids`)."""
+    return torch.zeros(num_segments, dtype=torch.float32, device=x.device).index_add(0, segment_ids, x.float())
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of `x` over all positions where `mask` is set (a scalar), in fp32.
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from rlhfkit.config import ModelConfig
 from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
+from rlhfkit.ops import segment_sum
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
@@ -33,13 +34,14 @@ def pooling_of(model) -> str:
     return getattr(unwrap_model(model).config, POOLING_ATTR, None) or "last"
 
 
-def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_scores(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None) -> Tensor:
     """The scalar head's output at every position of a sequence-classification model: (B, T), (B, T) -> (B, T).
 
     The model is called through its own forward (so peft, DDP and FSDP wrappers see an ordinary call) and the
     per-token scores (B, T, 1) are read from the `score` head with a forward hook; under a peft SEQ_CLS wrapper
     that head routes to the trained copy (modules_to_save), so LoRA + head training works. Position ids follow the
-    mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here.
+    mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here. A
+    padding-free row (`types.PaddingFreeBatch`) comes with no mask and its own `position_ids`.
     """
     base = unwrap_model(model)
     head = getattr(base, "score", None)
@@ -51,8 +53,9 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     captured: list[Tensor] = []
     handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        mask = attention_mask.long()
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # clamp: left-pad positions get 0, and are never read
+        mask = attention_mask.long() if attention_mask is not None else None
+        if mask is not None:
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # clamp: left-pad positions get 0, and are never read
         model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
@@ -77,6 +80,16 @@ def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor, response_m
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = (positions * mask).argmax(-1)  # (B,) the rightmost position whose mask is 1
     return scores.gather(1, last.to(scores.device).unsqueeze(1)).squeeze(1)
+
+
+def sequence_scores_padding_free(model, batch) -> Tensor:
+    """`sequence_scores` of a `types.PaddingFreeBatch` (S sequences in one row, no padding): (S,) fp32, read at each
+    sequence's last token, or (pooling "mean") averaged over its labelled (response) tokens."""
+    scores = token_scores(model, batch.input_ids, None, batch.position_ids)[0]  # (N,)
+    if pooling_of(model) == "mean":
+        owner, n, response = batch.seq_ids, len(batch.seq_lens), (batch.labels[0] != -100).float()
+        return segment_sum(scores * response, owner, n) / segment_sum(response, owner, n).clamp(min=1)
+    return scores[batch.seq_lens.cumsum(0) - 1]
 
 
 class RewardModelScorer:

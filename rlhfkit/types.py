@@ -63,6 +63,41 @@ class PreferenceBatch(_TensorBatch):
 
 
 @dataclass
+class PaddingFreeBatch(_TensorBatch):
+    """S sequences end to end in ONE row of N = Σ lengths tokens (`data.padding_free`): no padding, no attention mask.
+
+    `position_ids` restart at 0 at each sequence; from them transformers builds a block-diagonal causal mask
+    (`masking_utils.find_packed_sequence_indices`, or cu_seqlens for flash attention), so no token attends to another
+    sequence and no pad token is computed. Unlike classic packing (`data.packing`), each sequence's outputs are exactly
+    those of the sequence alone. Per-sequence results are summed back over `seq_ids`.
+    """
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N) 0, 1, ..., len_s - 1 for each sequence s in turn
+    labels: torch.Tensor  # (1, N) as the padded rows' labels: -100 where no loss is taken
+    seq_lens: torch.Tensor  # (S,) long, each sequence's length
+
+    @property
+    def seq_ids(self) -> torch.Tensor:  # (N,) long: the sequence of each token
+        return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=self.seq_lens.device), self.seq_lens)
+
+    @property
+    def next_token_labels(self) -> torch.Tensor:  # (1, N): `labels`, -100 at each sequence's first token
+        """The targets of a shifted next-token loss: no token predicts a sequence's first token (its left neighbour
+        ends another sequence), as no token of a padded row predicts the row's first."""
+        return self.labels.masked_fill(self.position_ids == 0, -100)
+
+
+@dataclass
+class PaddingFreePairs(_TensorBatch):
+    """A `PreferenceBatch` without padding: its 2B sequences in one `PaddingFreeBatch`, the B prompt + chosen then the
+    B prompt + rejected (the order of the padded path's concatenated forward, so results split back with `chunk(2)`)."""
+
+    sequences: PaddingFreeBatch  # 2B sequences; labels -100 on the prompts
+    margin: torch.Tensor  # (B,) float
+
+
+@dataclass
 class UnpairedBatch(_TensorBatch):
     """KTO batch: (prompt + completion) with a desirable/undesirable label, plus mismatched pairs for z0.
 

@@ -5,6 +5,7 @@ and rejected through the policy in ONE forward ((2B, T), split back into halves)
 a frozen model under no_grad — with LoRA the policy's own base with its adapters disabled (no second copy), else a
 second model (`algo.ref_model`, or the policy's starting weights) — or were computed once before training
 (`algo.precompute_ref_logprobs`) and ride in the batch. SimPO and ORPO are reference-free: they load no reference model.
+With `data.padding_free` the 2B sequences run as one row without padding (`PaddingFreePairs`): the same log-probs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from rlhfkit.config import DPOConfig, ORPOConfig, ORPOOptions
-from rlhfkit.data import collate_preference
+from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
-from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
+from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs, sequence_logprobs_padding_free
 from rlhfkit.trainers.base import Trainer
-from rlhfkit.types import PreferenceBatch
+from rlhfkit.types import PaddingFreePairs, PreferenceBatch
 
 logger = logging.getLogger("rlhfkit")
 
@@ -34,6 +35,14 @@ class PairsWithRefs(PreferenceBatch):
     ref_rejected_logprobs: torch.Tensor | None = None  # (B,)
 
 
+@dataclass
+class PaddingFreePairsWithRefs(PaddingFreePairs):
+    """`PairsWithRefs` in the padding-free layout."""
+
+    ref_chosen_logprobs: torch.Tensor | None = None  # (B,)
+    ref_rejected_logprobs: torch.Tensor | None = None  # (B,)
+
+
 def concat_pairs(batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chosen rows then rejected rows: (2B, T) input_ids, attention_mask, labels — one forward for both."""
     return (
@@ -41,6 +50,13 @@ def concat_pairs(batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, to
         torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask]),
         torch.cat([batch.chosen_labels, batch.rejected_labels]),
     )
+
+
+def pair_logprobs(model, batch: PreferenceBatch | PaddingFreePairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the response tokens and their counts, (2B,) each, chosen then rejected: one forward."""
+    if isinstance(batch, PaddingFreePairs):
+        return sequence_logprobs_padding_free(model, batch.sequences)
+    return sequence_logprobs(model, *concat_pairs(batch))
 
 
 class PreferenceTrainer(Trainer):
@@ -76,29 +92,31 @@ class PreferenceTrainer(Trainer):
         show = self.cfg.logging.progress_bar and self.accelerator.is_main_process
         policy = self.accelerator.unwrap_model(self.model)
         for chunk in tqdm(chunks, desc="reference log-probs", disable=not show, dynamic_ncols=True):
-            batch = collate_preference(chunk, self.tokenizer.pad_token_id).to(self.accelerator.device)
-            with self.accelerator.autocast():
-                ref = self.reference.sequence_logprobs(policy, *concat_pairs(batch))
+            batch = self.collate(chunk).to(self.accelerator.device)
+            with self.accelerator.autocast(), self.reference.frozen(policy) as reference:
+                ref, _ = pair_logprobs(reference, batch)
             ref_chosen, ref_rejected = ref.float().cpu().chunk(2)
             for example, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist()):
                 example["ref_chosen_logprobs"], example["ref_rejected_logprobs"] = c, r
         self.reference.release()
 
-    def collate(self, examples) -> PairsWithRefs:
-        batch = collate_preference(examples, self.tokenizer.pad_token_id)
+    def collate(self, examples) -> PairsWithRefs | PaddingFreePairsWithRefs:
+        if self.cfg.data.padding_free:
+            batch, cls = collate_preference_padding_free(examples), PaddingFreePairsWithRefs
+        else:
+            batch, cls = collate_preference(examples, self.tokenizer.pad_token_id), PairsWithRefs
         refs = {}
         if "ref_chosen_logprobs" in examples[0]:
             refs = {k: torch.tensor([e[k] for e in examples], dtype=torch.float32) for k in ("ref_chosen_logprobs", "ref_rejected_logprobs")}
-        return PairsWithRefs(**vars(batch), **refs)
+        return cls(**vars(batch), **refs)
 
-    def count(self, batch: PairsWithRefs) -> int:
-        return batch.chosen_input_ids.shape[0]
+    def count(self, batch: PairsWithRefs | PaddingFreePairsWithRefs) -> int:
+        return batch.margin.shape[0]
 
-    def compute_loss(self, model, batch: PairsWithRefs, num_items: float):
+    def compute_loss(self, model, batch: PairsWithRefs | PaddingFreePairsWithRefs, num_items: float):
         algo, method = self.cfg.algo, self.method
-        # 1. Chosen and rejected through the policy in one forward: (2B, T) -> (2B,), split back into halves.
-        input_ids, attention_mask, labels = concat_pairs(batch)
-        logprobs, lengths = sequence_logprobs(model, input_ids, attention_mask, labels)
+        # 1. Chosen and rejected through the policy in one forward ((2B, T) or one padding-free row) -> (2B,), in halves.
+        logprobs, lengths = pair_logprobs(model, batch)
         chosen, rejected = logprobs.chunk(2)  # (B,) each
         chosen_len, rejected_len = lengths.chunk(2)  # (B,) response tokens
         # 2. The loss of the method.
@@ -114,8 +132,8 @@ class PreferenceTrainer(Trainer):
             if batch.ref_chosen_logprobs is not None:
                 ref_chosen, ref_rejected = batch.ref_chosen_logprobs, batch.ref_rejected_logprobs
             else:
-                with self.accelerator.autocast():
-                    ref = self.reference.sequence_logprobs(self.accelerator.unwrap_model(model), input_ids, attention_mask, labels)
+                with self.accelerator.autocast(), self.reference.frozen(self.accelerator.unwrap_model(model)) as reference:
+                    ref, _ = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref.chunk(2)
             if method == "ipo":  # TRL's IPO: every log-prob averaged over its response tokens (see preference_loss)
                 chosen, rejected = chosen / chosen_len, rejected / rejected_len

@@ -1,5 +1,5 @@
 """Reward-model training: Bradley-Terry on chosen/rejected pairs, scored at each sequence's last real token (or,
-with `algo.pooling: mean`, averaged over its response tokens)."""
+with `algo.pooling: mean`, averaged over its response tokens); padded or padding-free (`data.padding_free`) batches."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import dataclasses
 import torch
 
 from rlhfkit.config import RMConfig
-from rlhfkit.data import collate_preference
+from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.reward import bradley_terry_loss
 from rlhfkit.models import load_reward_model, unwrap_peft
-from rlhfkit.rewards import POOLING_ATTR, sequence_scores
+from rlhfkit.rewards import POOLING_ATTR, sequence_scores, sequence_scores_padding_free
 from rlhfkit.trainers.base import Trainer
-from rlhfkit.types import PreferenceBatch
+from rlhfkit.types import PaddingFreePairs, PreferenceBatch
 
 
 class RewardTrainer(Trainer):
@@ -31,18 +31,24 @@ class RewardTrainer(Trainer):
         setattr(unwrap_peft(model).config, POOLING_ATTR, self.cfg.algo.pooling)  # saved in config.json with the model
         return model
 
-    def collate(self, examples) -> PreferenceBatch:
+    def collate(self, examples) -> PreferenceBatch | PaddingFreePairs:
+        if self.cfg.data.padding_free:
+            return collate_preference_padding_free(examples)
         return collate_preference(examples, self.tokenizer.pad_token_id)
 
-    def count(self, batch: PreferenceBatch) -> int:
-        return batch.chosen_input_ids.shape[0]
+    def count(self, batch: PreferenceBatch | PaddingFreePairs) -> int:
+        return batch.margin.shape[0]
 
-    def compute_loss(self, model, batch: PreferenceBatch, num_items: float):
-        # Chosen and rejected in one forward: (2B, T), split back into halves.
-        input_ids = torch.cat([batch.chosen_input_ids, batch.rejected_input_ids])
-        attention_mask = torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask])
-        response_mask = torch.cat([batch.chosen_labels, batch.rejected_labels]) != -100
-        chosen, rejected = sequence_scores(model, input_ids, attention_mask, response_mask).chunk(2)
+    def compute_loss(self, model, batch: PreferenceBatch | PaddingFreePairs, num_items: float):
+        # Chosen and rejected in one forward: (2B, T) or one padding-free row of 2B sequences, scores split in halves.
+        if isinstance(batch, PaddingFreePairs):
+            scores = sequence_scores_padding_free(model, batch.sequences)  # (2B,)
+        else:
+            input_ids = torch.cat([batch.chosen_input_ids, batch.rejected_input_ids])
+            attention_mask = torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask])
+            response_mask = torch.cat([batch.chosen_labels, batch.rejected_labels]) != -100
+            scores = sequence_scores(model, input_ids, attention_mask, response_mask)  # (2B,)
+        chosen, rejected = scores.chunk(2)
         margin = batch.margin * self.cfg.algo.margin_scale if self.cfg.algo.margin_scale else None
         loss, metrics = bradley_terry_loss(chosen, rejected, margin, self.cfg.algo.center_coef)
         return loss.sum() / num_items, {"loss": loss.mean().detach(), **{k: v.mean() for k, v in metrics.items()}}
