@@ -177,7 +177,12 @@ class OnlineTrainer(Trainer):
         chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
         width = ro.response_ids.shape[1]
         cat = lambda f: torch.cat([_pad_to(f(c), width) for c in chunks])  # noqa: E731
-        old_logprobs = None if self.one_pass() else cat(lambda c: self.response_logprobs(policy, c))
+        if self.one_pass():
+            old_logprobs = None  # the update forward's own, filled in by `update`
+        elif cfg.algo.old_logprobs == "sampler":
+            old_logprobs = ro.sampler_logprobs
+        else:
+            old_logprobs = cat(lambda c: self.response_logprobs(policy, c))
         ref_logprobs = cat(self.reference_logprobs) if self.algo.needs_reference else None
         values = cat(lambda c: self.values_of(critic, c)) if critic is not None else None
         finite = self.on_every_process(all(torch.isfinite(t).all() for t in (scores, old_logprobs, ref_logprobs) if t is not None))
@@ -204,7 +209,7 @@ class OnlineTrainer(Trainer):
                                 drop_zero_variance_groups=cfg.algo.dynamic_filtering))
         stats.update(self.rollout_stats(exp, rows))
         if old_logprobs is not None:
-            stats.update(self.policy_stats(exp, kl_coef))
+            stats.update(self.policy_stats(exp, kl_coef, gap=cfg.algo.old_logprobs == "recompute"))
         finite = self.on_every_process(finite and bool(torch.isfinite(advantages).all()))
         return (exp if finite else None), stats
 
@@ -252,17 +257,19 @@ class OnlineTrainer(Trainer):
             stats["objective/gold"] = g["gold"].mean()
         return {k: float(v) for k, v in stats.items()}
 
-    def policy_stats(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        """What π_old's log-probs measure, over every process's rows: entropy, sampler gap, and — where there is a
-        reference — the KL, β and the KL-regularised reward."""
+    def policy_stats(self, exp: Experience, kl_coef: float, gap: bool = True) -> dict[str, float]:
+        """What π_old's log-probs measure, over every process's rows: entropy, sampler gap (unless π_old is the
+        sampler's own: `update` measures it then), and — where there is a reference — the KL, β and the
+        KL-regularised reward."""
         ro, mask = exp.rollout, exp.rollout.response_mask.float()
         per_row = {"entropy": (-exp.old_logprobs * mask).sum(1), "length": mask.sum(1),
                    "gap": ((ro.sampler_logprobs - exp.old_logprobs).abs() * mask).sum(1), "shaped": exp.shaped_scores}
         if exp.kl is not None:
             per_row["kl"] = exp.kl
         g = {k: self.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
-        stats = {"objective/entropy": g["entropy"].mean(),
-                 "policy/sampler_logprob_gap": g["gap"].sum() / g["length"].sum().clamp(min=1)}
+        stats = {"objective/entropy": g["entropy"].mean()}
+        if gap:
+            stats["policy/sampler_logprob_gap"] = g["gap"].sum() / g["length"].sum().clamp(min=1)
         if "kl" in g:
             stats.update({"objective/kl": g["kl"].mean(), "objective/kl_coef": kl_coef,
                           "objective/rlhf_reward": (g["shaped"] - kl_coef * g["kl"]).mean()})
@@ -285,6 +292,9 @@ class OnlineTrainer(Trainer):
                 module.train()
         one_pass = exp.old_logprobs is None  # π_old = this pass's own log-probs, kept for the statistics
         kept = torch.zeros_like(exp.loss_mask) if one_pass else None
+        # π_old from the sampler: its gap to the training forward, read where the weights are still the sampler's
+        # (the first minibatch of the first epoch).
+        measure_gap = not one_pass and a.old_logprobs == "sampler"
         for _epoch in range(a.ppo_epochs):
             perm = torch.randperm(n, device=exp.loss_mask.device)
             for m in range(a.num_minibatches):
@@ -314,8 +324,13 @@ class OnlineTrainer(Trainer):
                         # the decision below is taken on all of them together.
                         control[0] += float(not torch.isfinite(loss))
                         acc.backward(loss)
+                    logprobs = parts.pop("_logprobs")  # (b, r) this forward's, detached
                     if one_pass:
-                        kept[rows] = _pad_to(parts.pop("_logprobs"), kept.shape[1])
+                        kept[rows] = _pad_to(logprobs, kept.shape[1])
+                    if measure_gap:
+                        on = batch.rollout.response_mask.float() * (_epoch == 0 and m == 0)
+                        sums["_gap"] = sums.get("_gap", 0.0) + float(((logprobs - batch.old_logprobs).abs() * on).sum())
+                        sums["_gap_n"] = sums.get("_gap_n", 0.0) + float(on.sum())
                     w = float(batch.loss_mask.sum())
                     for k, v in parts.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -341,10 +356,11 @@ class OnlineTrainer(Trainer):
         totals = (acc.reduce(totals, "sum") if self.world > 1 else totals).tolist()
         out = dict(zip(keys, totals))
         w = max(out.pop("_w", 0.0), 1.0)
+        gap = {"policy/sampler_logprob_gap": out.pop("_gap") / max(out.pop("_gap_n"), 1.0)} if measure_gap else {}
         if one_pass:
             exp.old_logprobs = kept
             exp.kl = sequence_kl(kept, exp.ref_logprobs, exp.rollout.response_mask.float())
-        return {**{k: v / w for k, v in out.items()}, "policy/early_stopped": early_stopped}
+        return {**{k: v / w for k, v in out.items()}, **gap, "policy/early_stopped": early_stopped}
 
     def shared_critic(self) -> bool:
         """Whether the critic is a second adapter on the policy's base (`SharedBaseCritic`)."""
@@ -372,8 +388,7 @@ class OnlineTrainer(Trainer):
                    "policy/clipfrac_avg": masked_mean(m["clipfrac"], mask), "val/ratio": masked_mean(m["ratio"], mask)}
         if entropy is not None:
             metrics["policy/entropy_avg"] = masked_mean(entropy.detach(), mask)
-        if batch.old_logprobs is None:
-            metrics["_logprobs"] = old  # π_old of a one-pass update, for `update` to keep
+        metrics["_logprobs"] = logprobs.detach()  # π_old of a one-pass update; the sampler gap's other side
         return loss, metrics
 
     def critic_loss(self, batch: Experience, num_tokens: float):

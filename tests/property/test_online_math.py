@@ -456,3 +456,38 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
     assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
     assert len(calls) == 2 * 2 * 2
     assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recompute(tmp_path, monkeypatch):
+    """`algo.old_logprobs=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
+    log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
+    noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
+    first update forward, where it is float noise too."""
+    calls = []
+    real = online.OnlineTrainer.response_logprobs
+
+    def counting(self, model, ro, with_entropy=False):
+        calls.append(ro.response_ids.shape[0])
+        return real(self, model, ro, with_entropy)
+
+    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
+    args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
+            "logging.logging_steps=1", *FAST, "algo.num_minibatches=2", "optim.per_device_batch_size=2", "algo.ppo_epochs=2"]
+    assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
+    recompute_rows = sum(calls)
+    calls.clear()
+    assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprobs=sampler"]) == 0
+    assert recompute_rows - sum(calls) == 2 * 4  # the skipped pass: 2 steps × 4 rows
+    rows = rows_of(tmp_path / "sampler" / "metrics.jsonl")
+    assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
+    assert all(r["policy/approxkl_avg"] > 1e-6 for r in rows)  # the weights did move between minibatches
+    gapless = tmp_path / "sampler_gapless.jsonl"  # the gap is the one metric measured differently
+    gapless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "policy/sampler_logprob_gap"}) + "\n" for r in rows))
+    (tmp_path / "sampler" / "metrics.jsonl").replace(tmp_path / "sampler" / "metrics_with_gap.jsonl")
+    gapless.replace(tmp_path / "sampler" / "metrics.jsonl")
+    assert_same_run(tmp_path / "recompute", tmp_path / "sampler")
+
+
+def test_sampler_old_logprobs_need_rlhfkits_decode_loop():
+    with pytest.raises(UserError, match="algo.old_logprobs.*generation.engine=rlhfkit"):
+        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler", "generation.engine=hf"])
