@@ -481,6 +481,11 @@ class Trainer:
         """Models, optimizer and schedule: sets `model`, `optimizer`, `scheduler`, `steps_per_epoch`, `total_steps`."""
         cfg = self.cfg
         model = self.load_model(self.tokenizer)
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if cfg.data.padding_free and not str(attention).startswith("flash"):
+            logger.info("data.padding_free with %s attention: each row's attention is one masked (N, N) product over all "
+                        "its sequences, which can cost more than the padding it saves (flash attention keeps it per "
+                        "sequence)", attention)
         per_step = cfg.optim.per_device_batch_size * self.world * cfg.optim.grad_accum_steps
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / per_step))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)

@@ -193,8 +193,10 @@ def test_dpo_loss_and_gradient_equal_padded(dpo):
     ("dpo", ["algo.loss_type=ipo"]),
     ("dpo", ["algo.loss_type=simpo"]),
     ("dpo", ["algo.precompute_ref_logprobs=true"]),
+    ("dpo", ["model.lora.enabled=true"]),  # the reference is the policy's base with its adapters disabled
     ("orpo", []),
-], ids=["cdpo", "ipo", "simpo", "precomputed_refs", "orpo"])
+    ("rm", ["model.lora.enabled=true", "algo.pooling=mean"]),
+], ids=["cdpo", "ipo", "simpo", "precomputed_refs", "dpo_lora", "orpo", "rm_lora_mean"])
 def test_preference_variants_equal_padded(tmp_path, stage, overrides):
     trainer = make_trainer(tmp_path / "run", stage, ["data.padding_free=true", *overrides])
     examples = varied_pairs(trainer)
