@@ -1,3 +1,10 @@
 """rlhfkit: align language models with human preferences (SFT, reward models, online RL, preference optimisation)."""
 
+import logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes (the `qlora` extra; peft imports it whenever it is installed) logs at import, on CPUs with AVX512-BF16,
+# that the optional `kernels` package (a kernel fetched from the hub) is missing, then uses its own CPU kernel: a line
+# on every run, with nothing for the user to do.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

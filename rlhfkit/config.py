@@ -50,6 +50,43 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """QLoRA (Dettmers et al. 2023, arXiv 2305.14314): the frozen base held in 4 bits by bitsandbytes (the optional
+    extra: `pip install 'rlhfkit[qlora]'`), each block dequantized to `bnb_4bit_compute_dtype` for its matmul; a
+    trained model trains LoRA adapters on it. The names are those of transformers' `BitsAndBytesConfig`; the
+    defaults are the paper's (NF4, double quantization), not transformers' (FP4, single). One process or DDP."""
+
+    load_in_4bit: bool = False  # linear layers in 4 bits; embeddings, norms and the LM/score head stay in model.dtype
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"  # NormalFloat4 (the paper's data type) or plain FP4
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmul dtype; the paper's is bfloat16
+    bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too (about 0.4 bit per weight saved)
+
+    def check(self):
+        if self.load_in_4bit and (problem := _bitsandbytes_problem()):
+            yield "load_in_4bit", problem
+
+
+def _bitsandbytes_problem() -> str | None:
+    """Why 4-bit loading cannot run on this machine, or None."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return "needs bitsandbytes, which is not installed: pip install 'rlhfkit[qlora]'"
+    import torch
+    from packaging.version import Version
+
+    if Version(bitsandbytes.__version__) < Version("0.46.1"):  # transformers' minimum, the first with a CPU backend
+        return f"needs bitsandbytes >= 0.46.1, found {bitsandbytes.__version__}: pip install -U 'rlhfkit[qlora]'"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in bitsandbytes.supported_torch_devices:
+        return (f"is not supported on this machine: bitsandbytes {bitsandbytes.__version__} runs 4-bit layers on "
+                f"{', '.join(sorted(bitsandbytes.supported_torch_devices))}, not {device}")
+    if any(os.environ.get(f"ACCELERATE_USE_{k}", "").lower() in ("1", "true") for k in ("FSDP", "DEEPSPEED")):
+        return "works with one process or DDP, not FSDP or DeepSpeed (they shard 4-bit weights only when told how)"
+    return None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     # A local directory, a hub name (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"), a directory or hub repo holding
     # `gguf_file`, or "tiny" for a tiny random model and tokenizer built offline (tests and *_tiny.yaml configs).
@@ -63,6 +100,7 @@ class ModelConfig:
     # one, e.g. a reward or value model initialised from the SFT model at a fraction of its cost.
     num_layers: PosInt | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # QLoRA: a 4-bit base
 
     def check(self):
         if not self.name_or_path:
@@ -151,6 +189,7 @@ class RewardConfig:
     several) and `function` one named after the function; it reports raw scores (the last four fields are unused)."""
 
     model: list[str] = field(default_factory=list)  # reward-model directories (sharing the policy's tokenizer)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # the reward models in 4 bits (frozen)
     ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
     function: str | None = None  # "module:function": fn(prompts, completions, **record fields) -> one float per completion
     gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
@@ -201,6 +240,9 @@ class TrainConfig:
             yield "max_steps", f"must be >= 1 or -1 (use num_epochs), got {self.max_steps}"
         if self.resume and self.overwrite:
             yield "resume", "and overwrite=true are contradictory: resume continues the run overwrite would replace"
+        if self.model.quantization.load_in_4bit and not self.model.lora.enabled:
+            yield "model.quantization.load_in_4bit", ("needs model.lora.enabled=true: a 4-bit base stays frozen (QLoRA "
+                                                      "trains LoRA adapters on it) and cannot be fine-tuned in full")
 
 
 def _ref_model_check(key: str, value: str | None, null_means: str):
@@ -243,6 +285,12 @@ class RMOptions:
 class RMConfig(TrainConfig):
     padding_free_supported = True
     algo: RMOptions = field(default_factory=RMOptions)
+
+    def check(self):
+        yield from super().check()
+        if self.algo.head_only and self.model.quantization.load_in_4bit:
+            yield "algo.head_only", ("and model.quantization.load_in_4bit are exclusive: the probe trains a head on a "
+                                     "full-precision body; with a 4-bit base train LoRA adapters (head_only=false)")
 
 
 @dataclass(frozen=True)

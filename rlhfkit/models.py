@@ -25,10 +25,11 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    BitsAndBytesConfig,
     PreTrainedModel,
 )
 
-from rlhfkit.config import ModelConfig
+from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_dir
 from rlhfkit.model_sources import from_pretrained, resolve_model_path
@@ -69,10 +70,19 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
     model.config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+    quantized = getattr(model, "is_loaded_in_4bit", False)
+    if quantized:
+        _keep_cpu_layout(model)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
         return model
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        # peft's QLoRA recipe: the base frozen, its half-precision norms and embeddings cast to fp32. Checkpointing is
+        # left to the block below, the one place it is switched on (model.gradient_checkpointing).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg.gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # torch's recommended variant: works with frozen inputs and no_grad parts
         if hasattr(model, "activation_checkpointing_enable"):  # the newer name; gradient_checkpointing_enable is deprecated
@@ -108,6 +118,20 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
     return model
 
 
+def _keep_cpu_layout(model) -> None:
+    """Keep bitsandbytes from repacking a 4-bit model's CPU layers for its bf16 kernel.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a layer's weights at its first forward in eval mode without
+    grad (sampling, scoring) and from then on runs every forward through that kernel, in training too: the kernel
+    has no backward, so the gradients of the adapters below a layer come out wrong (81% off on the tiny model,
+    tested), and it computes in bf16, so sampling and training would not share one model. Each layer then keeps
+    bitsandbytes' standard layout and math (dequantize, matmul in the compute dtype).
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def _load_kwargs(cfg: ModelConfig, path: str) -> dict:
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
     if cfg.num_layers is not None:
@@ -118,7 +142,22 @@ def _load_kwargs(cfg: ModelConfig, path: str) -> dict:
         if cfg.num_layers > have:  # transformers would add randomly initialised layers
             raise UserError(f"config key 'model.num_layers': model '{cfg.name_or_path}' has {have} layers, got {cfg.num_layers}")
         kwargs["num_hidden_layers"] = cfg.num_layers
+    if (quantization := bnb_config(cfg.quantization)) is not None:
+        # bitsandbytes quantizes while loading, onto the device the model runs on: this process's GPU (accelerate sets
+        # the current device per process) or the CPU.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        kwargs.update(quantization_config=quantization, device_map={"": device})
     return kwargs
+
+
+def bnb_config(q: QuantizationConfig) -> BitsAndBytesConfig | None:
+    """transformers' `BitsAndBytesConfig` for `q`, or None when the model is not quantized (`q.load_in_4bit` false).
+    Whether bitsandbytes can run here was checked with the config (`QuantizationConfig.check`)."""
+    if not q.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.bnb_4bit_quant_type,
+                              bnb_4bit_compute_dtype=_DTYPES[q.bnb_4bit_compute_dtype],
+                              bnb_4bit_use_double_quant=q.bnb_4bit_use_double_quant)
 
 
 def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
@@ -174,16 +213,41 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
     """Save `model` (and `tokenizer`, when given) as a plain Hugging Face directory, atomically.
 
     A peft model is merged into full weights (on a copy: `model` stays trainable) unless `merge_lora` is False, in
-    which case only the adapter is saved. `out_dir` is replaced only once everything is written: a failure midway
-    leaves an existing `out_dir` untouched. `model` must already be unwrapped from accelerate/DDP.
+    which case only the adapter is saved; a 4-bit base is merged as `merged_full_precision` does. `out_dir` is
+    replaced only once everything is written: a failure midway leaves an existing `out_dir` untouched. `model` must
+    already be unwrapped from accelerate/DDP.
     """
     with atomic_dir(out_dir) as tmp:  # same filesystem as out_dir, so the final rename is atomic
-        if isinstance(model, PeftModel) and merge_lora:
+        if isinstance(model, PeftModel) and merge_lora and getattr(model.get_base_model(), "is_loaded_in_4bit", False):
+            merged_full_precision(model).save_pretrained(tmp)
+        elif isinstance(model, PeftModel) and merge_lora:
             copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
         else:
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
+
+def merged_full_precision(model: PeftModel) -> PreTrainedModel:
+    """A peft model on a 4-bit base as one plain model in `model.dtype`: its active adapter merged into the
+    dequantized base weights, W = dequant(W_4bit) + ΔW. `model` is left as it is (the work is done on a copy).
+
+    The export computes what the trained model computed (the adapter learnt its update against the 4-bit weights),
+    loads without bitsandbytes, and keeps the whole update: peft's merge into a 4-bit layer would quantize W + ΔW
+    again, rounding most of a small ΔW away.
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    name = model.active_adapter
+    adapter = get_peft_model_state_dict(model, adapter_name=name)  # LoRA weights (and a trained head) of `name`
+    base = copy.deepcopy(model).unload()  # the 4-bit base without any LoRA layer
+    dtype = base.config.dtype
+    base = base.dequantize(dtype=dtype).to(dtype)  # prepare_model_for_kbit_training made norms fp32: one dtype again
+    with warnings.catch_warnings():  # as in _prepare
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        full = get_peft_model(base, copy.deepcopy(model.peft_config[name]))
+    set_peft_model_state_dict(full, adapter)
+    return full.merge_and_unload()
 
 
 def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0, with_entropy: bool = False):

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from rlhfkit.config import ModelConfig
+from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
@@ -130,12 +130,14 @@ def load_reward_scorer(
     paths: list[str] | str,
     reduce: Literal["mean", "min"] = "mean",
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
+    quantization: QuantizationConfig | None = None,
 ) -> RewardModelScorer | EnsembleScorer:
-    """Frozen reward model(s) saved by the reward stage: one path gives a scorer, several an ensemble."""
+    """Frozen reward model(s) saved by the reward stage: one path gives a scorer, several an ensemble; in 4 bits
+    with `quantization.load_in_4bit` (`reward.quantization`)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     scorers = []
     for path in paths:
-        cfg = ModelConfig(name_or_path=path, dtype=dtype)
+        cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig())
         tokenizer = load_tokenizer(cfg)
         scorers.append(RewardModelScorer(load_reward_model(cfg, tokenizer, trainable=False), tokenizer))
     return scorers[0] if len(scorers) == 1 else EnsembleScorer(scorers, reduce)
@@ -331,7 +333,7 @@ class RewardSource:
         self.batch_size = batch_size
         self.function = load_reward_function(cfg.function) if cfg.function else None
         self.gold_function = load_reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
-        self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble) if cfg.model else None
+        self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble, quantization=cfg.quantization) if cfg.model else None
         for member in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
             member.model.to(device)
 

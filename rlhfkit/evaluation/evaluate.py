@@ -288,7 +288,7 @@ class Evaluator:
         reference = None
         if cfg.reference is not None:
             ref_cfg = ModelConfig(name_or_path=cfg.reference, gguf_file=cfg.reference_gguf_file, dtype=cfg.model.dtype,
-                                  trust_remote_code=cfg.model.trust_remote_code)
+                                  trust_remote_code=cfg.model.trust_remote_code, quantization=cfg.model.quantization)
             _same_tokenizer(load_tokenizer(ref_cfg), tokenizer, f"reference '{cfg.reference}'")
             reference = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
         else:
@@ -329,7 +329,7 @@ class Evaluator:
         r = self.cfg.reward
         members = {}
         for path in r.model:
-            scorer = load_reward_scorer(path)
+            scorer = load_reward_scorer(path, quantization=r.quantization)
             _same_tokenizer(scorer.tokenizer, tokenizer, f"reward model '{path}'")
             scorer.model.to(device)
             base = "reward_model" if len(r.model) == 1 else f"reward_model/{os.path.basename(os.path.normpath(path))}"
