@@ -125,7 +125,8 @@ class DataConfig:
     # SFT, RM, DPO/IPO/cDPO/SimPO and ORPO: each micro-batch's sequences end to end in one row, position ids restarting
     # at 0 per sequence and no attention mask, so no pad token is computed and no token attends across sequences (unlike
     # `packing`); loss, gradients, log-probs and rewards equal the padded batch's (the RM reads each sequence's score
-    # at its last token). Attention stays per sequence with flash attention; with sdpa/eager it is one masked (N, N).
+    # at its last token). Attention runs per sequence (flash attention, or sdpa split by sequence); eager, sliding-window
+    # or softcapped attention runs one masked (N, N) product over the row, which can cost more than the padding saved.
     padding_free: bool = False
     max_samples: PosInt | None = None  # use only the first N records of each split (quick experiments)
 

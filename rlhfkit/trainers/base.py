@@ -481,11 +481,8 @@ class Trainer:
         """Models, optimizer and schedule: sets `model`, `optimizer`, `scheduler`, `steps_per_epoch`, `total_steps`."""
         cfg = self.cfg
         model = self.load_model(self.tokenizer)
-        attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if cfg.data.padding_free and not str(attention).startswith("flash"):
-            logger.info("data.padding_free with %s attention: each row's attention is one masked (N, N) product over all "
-                        "its sequences, which can cost more than the padding it saves (flash attention keeps it per "
-                        "sequence)", attention)
+        if cfg.data.padding_free:
+            self.padding_free_attention(model)
         per_step = cfg.optim.per_device_batch_size * self.world * cfg.optim.grad_accum_steps
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / per_step))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)
@@ -493,6 +490,16 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         # The scheduler is not prepared: accelerate would step it once per process, stretching warmup.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+
+    def padding_free_attention(self, model) -> None:
+        """data.padding_free: attention per sequence of a row (`models.use_padding_free_attention`), or a note that it
+        is one masked (N, N) product over the whole row."""
+        from rlhfkit.models import PADDING_FREE_ATTENTION, use_padding_free_attention
+
+        attention = use_padding_free_attention(model)
+        if attention != PADDING_FREE_ATTENTION and not attention.startswith("flash"):
+            logger.info("data.padding_free with %s attention: each row's attention is one masked (N, N) product over all "
+                        "its sequences, which can cost more than the padding it saves", attention)
 
     def save_models(self, directory: str) -> None:
         """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory)."""

@@ -73,6 +73,8 @@ class PreferenceTrainer(Trainer):
         if self.method not in REFERENCE_FREE:
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
                 self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+            if self.cfg.data.padding_free and self.reference.model is not None:  # a second model: the same attention
+                self.padding_free_attention(self.reference.model)
         return policy
 
     def setup(self) -> None:

@@ -9,7 +9,8 @@ import torch
 
 from rlhfkit.config import DPOConfig, ORPOConfig, RMConfig, SFTConfig, load_config
 from rlhfkit.data import collate_sft, collate_sft_padding_free, pack_sft
-from rlhfkit.models import scored_logits, sequence_logprobs
+from rlhfkit.models import (PADDING_FREE_ATTENTION, load_causal_lm, scored_logits, sequence_logprobs,
+                            use_padding_free_attention)
 from rlhfkit.rewards import POOLING_ATTR, sequence_scores, sequence_scores_padding_free
 from rlhfkit.trainers.preference import PreferenceTrainer, concat_pairs, pair_logprobs
 from rlhfkit.trainers.reward import RewardTrainer
@@ -218,10 +219,39 @@ def test_precomputed_reference_logprobs_equal_padded(tmp_path, dpo):
 # 5. Not classic packing ----------------------------------------------------------------------------------------------
 
 
-def test_a_tokens_logits_do_not_depend_on_its_row_neighbours(sft):
-    """Under padding_free a sequence's logits are those of the sequence alone, whatever shares its row; under
-    `data.packing` (`pack_sft`: attention crosses example boundaries) they change with the example before it."""
+def test_trainers_run_attention_per_sequence(sft, rm, dpo):
+    for trainer in (sft, rm, dpo):
+        assert trainer.model.config._attn_implementation == PADDING_FREE_ATTENTION
+    assert dpo.reference.model.config._attn_implementation == PADDING_FREE_ATTENTION
+
+
+def test_per_sequence_attention_only_where_exact(sft):
+    """Sliding-window or eager attention keeps transformers' own path (one masked (N, N) product per row)."""
+    model = load_causal_lm(sft.cfg.model, sft.tokenizer)
+    model.config.sliding_window = 16
+    assert use_padding_free_attention(model) == "sdpa"
+    model.config.sliding_window = None
+    model.set_attn_implementation("eager")
+    assert use_padding_free_attention(model) == "eager"
+    model.set_attn_implementation("sdpa")
+    assert use_padding_free_attention(model) == PADDING_FREE_ATTENTION == model.config._attn_implementation
+
+
+@pytest.mark.parametrize("attention", [PADDING_FREE_ATTENTION, "sdpa", "eager"],
+                         ids=["per_sequence", "sdpa_block_mask", "eager_block_mask"])
+def test_a_tokens_logits_do_not_depend_on_its_row_neighbours(sft, attention):
+    """Under padding_free a sequence's logits are those of the sequence alone, whatever shares its row — with the
+    trainers' per-sequence attention and with transformers' block-diagonal mask (sdpa, eager); under `data.packing`
+    (`pack_sft`: attention crosses example boundaries) they change with the example before it."""
     model, pad = sft.model, sft.tokenizer.pad_token_id
+    model.set_attn_implementation(attention)
+    try:
+        check_neighbours(model, sft, pad)
+    finally:
+        model.set_attn_implementation(PADDING_FREE_ATTENTION)
+
+
+def check_neighbours(model, sft, pad):
     a, b, c = ({"input_ids": e["input_ids"], "labels": e["input_ids"]} for e in sft.train_set[:3])
     assert a["input_ids"] != c["input_ids"]
 
