@@ -195,11 +195,15 @@ def test_dpo_loss_and_gradient_equal_padded(dpo):
     ("dpo", ["algo.loss_type=simpo"]),
     ("dpo", ["algo.precompute_ref_logprobs=true"]),
     ("dpo", ["model.lora.enabled=true"]),  # the reference is the policy's base with its adapters disabled
+    ("dpo", ["model.gradient_checkpointing=true"]),  # the backward recomputes the per-sequence attention
     ("orpo", []),
     ("rm", ["model.lora.enabled=true", "algo.pooling=mean"]),
-], ids=["cdpo", "ipo", "simpo", "precomputed_refs", "dpo_lora", "orpo", "rm_lora_mean"])
+], ids=["cdpo", "ipo", "simpo", "precomputed_refs", "dpo_lora", "dpo_checkpointing", "orpo", "rm_lora_mean"])
 def test_preference_variants_equal_padded(tmp_path, stage, overrides):
     trainer = make_trainer(tmp_path / "run", stage, ["data.padding_free=true", *overrides])
+    if "model.gradient_checkpointing=true" in overrides:
+        trainer.model.train()  # transformers checkpoints in training mode only (the tiny model has no dropout)
+        assert trainer.model.model.gradient_checkpointing
     examples = varied_pairs(trainer)
     for i, e in enumerate(examples):
         if "ref_chosen_logprobs" in e:  # policy = reference: move the rewards off 0, where accuracy flips on rounding
