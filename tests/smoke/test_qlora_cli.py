@@ -47,12 +47,10 @@ def test_four_bit_policy_holds_linear4bit_layers_and_less_memory():
     assert frozen.get_memory_footprint() < 0.3 * full.get_memory_footprint()  # embeddings and head stay in fp32
 
 
-@needs_bnb
-def test_merged_export_is_the_trained_model_in_full_precision(tmp_path):
-    """The adapters merged into the dequantized base: a plain fp32 model (no bitsandbytes to load it) computing what
-    the 4-bit model with adapters computed; the 4-bit model itself is left as it was."""
-    from transformers import AutoModelForCausalLM
-
+def qlora_policy():
+    """(cfg, tokenizer, policy, input ids): the tiny model on a 4-bit base with seeded non-zero adapters (LoRA's B
+    starts at zero, which would make the adapters invisible)."""
+    torch.manual_seed(0)  # LoRA's A matrices start random
     cfg = ModelConfig(name_or_path="tiny", lora=LoraConfig(enabled=True, dropout=0.0),
                       quantization=QuantizationConfig(load_in_4bit=True))
     tokenizer = load_tokenizer(cfg)
@@ -62,7 +60,16 @@ def test_merged_export_is_the_trained_model_in_full_precision(tmp_path):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    ids = torch.randint(3, 60, (2, 12), generator=g)
+    return cfg, tokenizer, policy, torch.randint(3, 60, (2, 12), generator=g)
+
+
+@needs_bnb
+def test_merged_export_is_the_trained_model_in_full_precision(tmp_path):
+    """The adapters merged into the dequantized base: a plain fp32 model (no bitsandbytes to load it) computing what
+    the 4-bit model with adapters computed; the 4-bit model itself is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, tokenizer, policy, ids = qlora_policy()
     policy.eval()
     with torch.no_grad():
         before = policy(ids).logits
@@ -81,16 +88,7 @@ def test_sampling_forward_leaves_training_gradients_alone():
     """An eval-mode forward without grad (as sampling and scoring run) changes neither the outputs nor the adapters'
     gradients of the next training step (bitsandbytes' CPU repacking would: `models._keep_cpu_layout`)."""
     def gradients(sample_first: bool):
-        torch.manual_seed(0)  # LoRA's A matrices start random
-        cfg = ModelConfig(name_or_path="tiny", lora=LoraConfig(enabled=True, dropout=0.0),
-                          quantization=QuantizationConfig(load_in_4bit=True))
-        policy = load_causal_lm(cfg, load_tokenizer(cfg))
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        ids = torch.randint(3, 60, (2, 12), generator=g)
+        _, _, policy, ids = qlora_policy()
         if sample_first:
             policy.eval()
             with torch.no_grad():
