@@ -37,8 +37,10 @@ How it is measured:
     python bench/vs_trl.py --shape gpu            # the GPU shapes of issue 12 (random SmolLM2-135M shape, bf16)
     python bench/vs_trl.py --blocks 8 --block 10  # more measured steps
     python bench/vs_trl.py --shape gpu --set pairs=2 new_tokens=4   # change a shape's field
+    python bench/vs_trl.py --shape gpu --compiled grpo --method-timeout 120 --json f.json  # as bench/device.sh runs it
 
-The GPU shapes are written but not yet measured (no device so far); on a device, carry `.bench-trl112` along.
+The GPU shapes are written but not yet measured (no device so far); bench/DEVICE.md is the prepared run on a lent
+H200 (bench/device.sh: wheels, TRL 1.12 and this script's GPU table in one call, with `--method-timeout`).
 
 Measured at the CPU shape (2026-12-01, rlhfkit at ca017dd; 2 x86_64 cores shared with other jobs, load average
 3.3 -> 2.9; OMP_NUM_THREADS=1, nice 19), s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB:
@@ -64,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -81,9 +84,14 @@ SHAPES = {
             "new_tokens": 128, "ppo_epochs": 4, "max_length": 512, "max_prompt_length": 128, "pair_tokens": 256,
             "precision": "bf16"},
 }
-# Steps per library: warm-up, then `blocks` blocks of `block` steps taking turns (each method under a minute on 2
-# loaded CPU cores at the CPU shape, start-up included; PPO has fewer: TRL 1.12 as shipped takes ~0.6 s a step there).
-STEPS = {"dpo": (4, 10, 6), "rm": (4, 10, 6), "grpo": (4, 8, 6), "rloo": (4, 8, 6), "ppo": (3, 5, 6)}
+# Steps per library and shape: warm-up, then `blocks` blocks of `block` steps taking turns. CPU: each method under a
+# minute on 2 loaded CPU cores, start-up included (PPO has fewer: TRL 1.12 as shipped takes ~0.6 s a step there).
+# GPU: a lent device is quiet and its time is short (bench/DEVICE.md); the online steps take ~3-5 s each there, so
+# the online methods measure 4 steps per library and the whole table fits in about 4 minutes.
+STEPS = {
+    "cpu": {"dpo": (4, 10, 6), "rm": (4, 10, 6), "grpo": (4, 8, 6), "rloo": (4, 8, 6), "ppo": (3, 5, 6)},
+    "gpu": {"dpo": (3, 4, 3), "rm": (3, 4, 3), "grpo": (1, 2, 2), "rloo": (1, 2, 2), "ppo": (1, 2, 2)},
+}
 LR = 1e-4
 BETA = {"dpo": 0.1, "grpo": 0.04, "rloo": 0.05, "ppo": 0.05}  # DPO's β; the online KL coefficients
 
@@ -263,7 +271,8 @@ def torch_threads() -> int:
 
 
 def install_counters(meter: Meter) -> None:
-    """Process-wide counters: generated tokens (every `generate`), backward calls, optimizer steps."""
+    """Process-wide counters: generated tokens (every `generate`: transformers' and rlhfkit's own decode loop),
+    backward calls, optimizer steps."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from transformers.generation.utils import GenerationMixin
@@ -271,6 +280,8 @@ def install_counters(meter: Meter) -> None:
     generate = GenerationMixin.generate
 
     def counted_generate(self, *args, **kwargs):
+        if meter.in_generate:  # inside rlhfkit's generate() (its "hf" engine): counted there
+            return generate(self, *args, **kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         meter.in_generate = True
         try:
@@ -283,6 +294,23 @@ def install_counters(meter: Meter) -> None:
         return out
 
     GenerationMixin.generate = counted_generate
+    # rlhfkit samples through `rlhfkit.generation.generate` (its own decode loop by default, not transformers'
+    # `generate`): wrapped under every name it was imported as. Tokens: rows x the rollout's response width.
+    rl_generate = getattr(sys.modules.get("rlhfkit.generation"), "generate", None)
+    if rl_generate is not None:
+        def counted_rl_generate(*args, **kwargs):
+            meter.in_generate = True
+            try:
+                rollout = rl_generate(*args, **kwargs)
+            finally:
+                meter.in_generate = False
+            meter.add("gen_calls")
+            meter.add("gen_tokens", rollout.response_ids.numel())
+            return rollout
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("rlhfkit") and getattr(module, "generate", None) is rl_generate:
+                module.generate = counted_rl_generate
     backward = torch.Tensor.backward
 
     def counted_backward(self, *args, **kwargs):
@@ -301,6 +329,8 @@ def hook_models(meter: Meter) -> list[str]:
     from transformers import PreTrainedModel
 
     def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():  # inside a compiled step (generation.compile): not traced into its graph
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs["inputs_embeds"][..., 0]
@@ -389,7 +419,7 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
               f"algo.ppo_epochs={s['ppo_epochs'] if method == 'ppo' else 1}", "kl.controller=fixed",
               f"kl.coef={BETA[method]}"]
         o += ["reward.function=rlhfkit.tasks.toy:vowel_reward"] if method == "grpo" else [f"reward.model=[{spec['rm']}]"]
-    cfg = stage_config(method, None, o)
+    cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
     def at_start(fn):
         def wrapped(self, *args, **kwargs):
@@ -533,7 +563,7 @@ class Worker:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the worker runs; closed in kill()
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_worker", lib, method, spec_path],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_worker", lib, method.split("+")[0], spec_path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      cwd=ROOT, env=env)
         self.result: dict | None = None
@@ -553,8 +583,11 @@ class Worker:
         return msg
 
     def go(self) -> dict:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # the worker is gone: message() reports how, with its log
+            pass
         return self.message()
 
     def kill(self) -> None:
@@ -569,9 +602,17 @@ def tail(path: str, n: int = 30) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def run_method(method: str, spec: dict, root: str, env: dict, libs: list[str] | None) -> dict:
-    """The workers of `method` take turns: the warm-up block, then `blocks` blocks in alternating order."""
-    workers = [Worker(lib, method, spec, root, env) for lib in LIBS[method] if lib == "rlhfkit" or not libs or lib in libs]
+def run_method(method: str, spec: dict, root: str, env: dict, libs: list[str] | None, timeout: float | None = None,
+               tag: str = "") -> dict:
+    """The workers of `method` take turns: the warm-up block, then `blocks` blocks in alternating order. After
+    `timeout` seconds the workers are killed (the method then fails with their logs' tails, and the next one runs).
+    `libs=[]` runs rlhfkit alone; `tag` names its files apart from an earlier run of the same method."""
+    workers = [Worker(lib, method + tag, spec, root, env) for lib in LIBS[method]
+               if lib == "rlhfkit" or libs is None or lib in libs]
+    timer = threading.Timer(timeout, lambda: [w.proc.kill() for w in workers]) if timeout else None
+    if timer:
+        timer.daemon = True
+        timer.start()
     try:
         for w in workers:
             w.message()  # "ready": models loaded and hooked, paused before the first step
@@ -581,7 +622,13 @@ def run_method(method: str, spec: dict, root: str, env: dict, libs: list[str] | 
             order = workers[b % len(workers):] + workers[: b % len(workers)]
             for w in order:
                 w.go()
+    except RuntimeError as exc:
+        if timer and not timer.is_alive():
+            raise RuntimeError(f"{method}: killed after the {timeout:.0f} s --method-timeout\n{exc}") from exc
+        raise
     finally:
+        if timer:
+            timer.cancel()
         for w in workers:
             w.kill()
     return {w.lib: summarise(w.result, spec["warmup"]) for w in workers}
@@ -646,9 +693,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, help="measured blocks per library (alternating order)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     p.add_argument("--libs", nargs="+", choices=sorted(LABEL), help="run only these peers (rlhfkit always runs)")
+    p.add_argument("--compiled", nargs="+", default=[], choices=["grpo", "rloo", "ppo"], metavar="METHOD",
+                   help="after the table, run rlhfkit alone again on these online methods with generation.compile=true "
+                        "(static KV cache, compiled decoding step: CUDA graphs on a GPU), compared with the peers' "
+                        "figures from the method's own run; its first (warm-up) step compiles")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a shape field, e.g. new_tokens=8")
-    p.add_argument("--json", help="write the figures here as JSON")
+    p.add_argument("--json", help="write the figures here as JSON (rewritten after each method)")
+    p.add_argument("--method-timeout", type=float, help="seconds a method may take, start-up included; past it its "
+                   "workers are killed, the method is reported as failed and the next one runs")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (models, data, logs)")
     args = p.parse_args(argv)
     methods = METHODS if "all" in args.method else args.method
@@ -658,6 +711,8 @@ def main(argv: list[str] | None = None) -> None:
         shape[k] = type(shape[k])(v) if shape.get(k) is not None else (int(v) if v.isdigit() else v)
     if "ppo" in methods and not os.path.isdir(os.path.join(TRL112_DIR, "trl")):
         raise SystemExit(f"PPO needs TRL 1.12 in {TRL112_DIR}: pip install --no-deps --target {TRL112_DIR} 'trl==1.12.*'")
+    if ROOT not in sys.path:  # rlhfkit from this checkout, also where it is not installed (the device machine)
+        sys.path.insert(0, ROOT)
     import platform
 
     import torch
@@ -674,29 +729,76 @@ def main(argv: list[str] | None = None) -> None:
         spec = {"shape": shape, "policy": policy, "rm": rm, "data": build_data(root, shape), "threads": args.threads, "seed": args.seed}
         device = torch.cuda.get_device_name() if cuda else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
         load0 = os.getloadavg()
+        versions = package_versions()
         print(f"vs_trl: shape {args.shape} {shape}\n{device}; {time.strftime('%Y-%m-%d %H:%M')}; "
-              f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; rlhfkit {git_state()}")
-        results = {}
+              f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; rlhfkit {git_state()}\n"
+              + ", ".join(f"{k} {v}" for k, v in versions.items()))
+        results, failed = {}, {}
+
+        def save() -> None:  # after every method, so that a run stopped later keeps the figures so far
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"shape": args.shape, "params": shape, "device": device, "load_start": load0,
+                               "load_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M"), "rlhfkit": git_state(),
+                               "versions": versions, "results": results, "failed": failed}, f, indent=1)
+
+        def steps(method: str) -> dict:  # warm-up, block, blocks: the options given, else the shape's STEPS
+            given = (args.warmup, args.block, args.blocks)
+            return dict(zip(("warmup", "block", "blocks"), (g if g is not None else d for g, d in zip(given, STEPS[args.shape][method]))))
+
         for method in methods:
             t0 = time.time()
-            steps = [given if given is not None else default
-                     for given, default in zip((args.warmup, args.block, args.blocks), STEPS[method])]
-            results[method] = run_method(method, dict(spec, warmup=steps[0], block=steps[1], blocks=steps[2]), root, env, args.libs)
-            lines = report(method, results[method], cuda)
-            any_r = next(iter(results[method].values()))
-            lines.append(f"({time.time() - t0:.0f} s wall; torch threads per worker: {any_r['threads']}; "
-                         f"load average now {os.getloadavg()[0]:.2f})")
-            print("\n".join(lines), flush=True)
+            try:
+                results[method] = run_method(method, dict(spec, **steps(method)), root, env, args.libs, args.method_timeout)
+            except RuntimeError as exc:  # one method's failure (a worker's crash, the timeout) leaves the others to run
+                failed[method] = str(exc)
+                print(f"\n== {method.upper()} FAILED after {time.time() - t0:.0f} s: {exc}", flush=True)
+            else:
+                lines = report(method, results[method], cuda)
+                any_r = next(iter(results[method].values()))
+                lines.append(f"({time.time() - t0:.0f} s wall; torch threads per worker: {any_r['threads']}; "
+                             f"load average now {os.getloadavg()[0]:.2f})")
+                print("\n".join(lines), flush=True)
+            save()
+        for method in args.compiled:  # rlhfkit alone, compiled decoding; the peers' figures from the run above
+            t0, name = time.time(), f"{method}+compile"
+            try:
+                ours = run_method(method, dict(spec, **steps(method), rlhfkit_set=["generation.compile=true"]), root, env,
+                                  [], args.method_timeout, tag="+compile")
+            except RuntimeError as exc:
+                failed[name] = str(exc)
+                print(f"\n== {name.upper()} FAILED after {time.time() - t0:.0f} s: {exc}", flush=True)
+            else:
+                results[name] = {**ours, **{k: v for k, v in results.get(method, {}).items() if k != "rlhfkit"}}
+                lines = report(name, results[name], cuda)
+                lines.insert(1, "(rlhfkit with generation.compile=true; the peers' figures are those of the run above; its "
+                                "decoding steps run inside the compiled graph, which the forward hooks do not count)")
+                lines.append(f"({time.time() - t0:.0f} s wall)")
+                print("\n".join(lines), flush=True)
+            save()
         print(summary(results, cuda))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"shape": args.shape, "params": shape, "device": device, "load_start": load0,
-                           "load_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, f, indent=1)
+        if failed:
+            raise SystemExit(f"failed: {', '.join(failed)}")
     finally:
         if args.keep:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def package_versions() -> dict[str, str]:
+    """The versions the workers import (TRL 1.12 from TRL112_DIR), read from the packages' metadata."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "peft", "trl", "datasets"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    found = metadata.distributions(path=[TRL112_DIR])
+    out["trl (PPO)"] = next((d.version for d in found if d.metadata["Name"] == "trl"), "not installed")
+    return out
 
 
 def git_state() -> str:
