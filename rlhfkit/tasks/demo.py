@@ -109,8 +109,20 @@ def _train(stage: str, settings: dict) -> dict:
     return run_stage(stage, None, [f"{k}={json.dumps(v)}" for k, v in settings.items()])
 
 
+def _device() -> str:
+    """Where the demo's own sampling, scoring and log-probs run (the training stages place themselves)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _scorer_on_device(scorer):
+    """A single reward-model scorer (what the demo trains) moved to `_device()`."""
+    scorer.model.to(_device())
+    return scorer
+
+
 class Policy:
-    """A frozen causal LM with its tokenizer: samples responses to prompts and scores their log-probs."""
+    """A frozen causal LM with its tokenizer: samples responses to prompts and scores their log-probs, on the GPU when
+    there is one; the rollouts it returns are on the CPU."""
 
     def __init__(self, model_cfg, prompts_file: str):
         from rlhfkit.config import DataConfig
@@ -118,7 +130,7 @@ class Policy:
         from rlhfkit.models import load_causal_lm, load_tokenizer
 
         self.tokenizer = load_tokenizer(model_cfg)
-        self.model = load_causal_lm(model_cfg, self.tokenizer, trainable=False)
+        self.model = load_causal_lm(model_cfg, self.tokenizer, trainable=False).to(_device())
         data = DataConfig(train=prompts_file, max_length=512, max_prompt_length=256)
         self.prompt_ids = [e["prompt_ids"] for e in build_datasets("prompt", data, self.tokenizer, 0)[0]]
 
@@ -135,7 +147,7 @@ class Policy:
         t0 = time.time()
         for i in range(0, len(self.prompt_ids), per_call):
             batch = collate_prompts([{"prompt_ids": p} for p in self.prompt_ids[i : i + per_call]], tok.pad_token_id)
-            rollouts.append(generate(self.model, batch, params, tok.eos_token_id, tok.pad_token_id))
+            rollouts.append(generate(self.model, batch.to(_device()), params, tok.eos_token_id, tok.pad_token_id).to("cpu"))
             done = min(i + per_call, len(self.prompt_ids))
             print(f"  sampled {done}/{len(self.prompt_ids)} prompts x {n} ({time.time() - t0:.0f}s)", flush=True)
         return rollouts
@@ -149,13 +161,15 @@ class Policy:
         from rlhfkit.evaluation.metrics import sequence_kl
         from rlhfkit.models import rollout_logprobs
 
+        dev = [ro.to(_device()) for ro in rollouts]
         return torch.cat([sequence_kl(rollout_logprobs(self.model, ro), rollout_logprobs(reference.model, ro), ro.response_mask)
-                          for ro in rollouts])
+                          for ro in dev]).cpu()
 
 
 @torch.no_grad()
 def _rm_scores(scorer, rollouts) -> torch.Tensor:
-    return torch.cat([scorer(ro.input_ids, ro.attention_mask, ro.sequence_response_mask) for ro in rollouts])
+    dev = [ro.to(_device()) for ro in rollouts]
+    return torch.cat([scorer(ro.input_ids, ro.attention_mask, ro.sequence_response_mask) for ro in dev]).cpu()
 
 
 # The demo ----------------------------------------------------------------------------------------------------
@@ -310,7 +324,7 @@ class Demo:
                       "data.train": self.path("pairs_train.jsonl"), "data.eval": self.path("pairs_eval.jsonl"),
                       "output_dir": self.path("rm"), "num_epochs": size.rm_epochs, "optim.lr": 1e-2,
                       "optim.per_device_batch_size": 8})
-        figures = _rm_accuracy(load_reward_scorer(self.path("rm")), ModelConfig(name_or_path=self.path("sft")), splits["eval"])
+        figures = _rm_accuracy(_scorer_on_device(load_reward_scorer(self.path("rm"))), ModelConfig(name_or_path=self.path("sft")), splits["eval"])
         atomic_write_text(self.path("rm_eval.json"), json.dumps(figures, indent=2))
         print(f"reward model, {len(splits['eval'])} held-out pairs: accuracy {figures['rm_accuracy_noisy']:.3f} vs the "
               f"annotators' labels, {_fmt(figures['rm_accuracy_gold'])} vs the gold order ({figures['rm_gold_pairs']} pairs without a gold tie)")
@@ -348,7 +362,7 @@ class Demo:
         self.need("prompts_eval.jsonl", "sft", "rm", "ppo", "dpo", "rm_eval.json")
         size, prompts_file = self.size, self.path("prompts_eval.jsonl")
         prompts = [r["prompt"][-1]["content"] for r in _read_jsonl(prompts_file)]
-        scorer = load_reward_scorer(self.path("rm"))
+        scorer = _scorer_on_device(load_reward_scorer(self.path("rm")))
         sft = Policy(ModelConfig(name_or_path=self.path("sft")), prompts_file)
         # Per prompt 1 + n SFT samples: the first is the SFT baseline, the other n the best-of-n candidates.
         k = 1 + BEST_OF_N
@@ -421,9 +435,9 @@ def _rm_accuracy(scorer, model_cfg, pairs: list[dict]) -> dict:
 
     tok = load_tokenizer(model_cfg)
     examples, _ = tokenize_records(pairs, "pairwise", "preference", tok, DataConfig(train="-", max_length=512, max_prompt_length=256), "pairs")
-    b = collate_preference(examples, tok.pad_token_id)
+    b = collate_preference(examples, tok.pad_token_id).to(_device())
     margin = (scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100)
-              - scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
+              - scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100)).cpu()
     gold = torch.tensor([r["gold_chosen"] - r["gold_rejected"] for r in pairs])
     untied = gold != 0
     agree = ((margin > 0) == (gold > 0))[untied]

@@ -127,7 +127,7 @@ class KTOTrainer(Trainer):
             with acc.autocast():
                 logprobs, _ = sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)  # (B,)
                 ref_logprobs = self.reference.sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)
-            sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), torch.tensor(float(len(logprobs)))])
+            sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), logprobs.new_tensor(float(len(logprobs)))])
         sums = acc.reduce(sums, reduction="sum")
         return sums[0] / sums[1].clamp(min=1)
 
