@@ -33,6 +33,7 @@ from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_dir
 from rlhfkit.model_sources import from_pretrained, resolve_model_path
+from rlhfkit.sharding import place_frozen
 
 logger = logging.getLogger("rlhfkit")
 
@@ -405,13 +406,14 @@ class Reference:
         if self.shared:
             return
         ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
-        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
+        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False)
         vocab = self.model.get_input_embeddings().num_embeddings
         if vocab != policy.get_input_embeddings().num_embeddings:
             raise UserError(
                 f"reference model '{ref_model}' has a vocabulary of {vocab} tokens, the policy "
                 f"{policy.get_input_embeddings().num_embeddings}: they must share the tokenizer"
             )
+        self.model = place_frozen(self.model, device)  # ZeRO-3: a sharded inference engine (rlhfkit.sharding)
 
     def sequence_logprobs(self, policy, input_ids, attention_mask, labels) -> torch.Tensor:
         """Summed reference log-probs of the labelled tokens, (B,), without gradient. `policy` is the unwrapped

@@ -18,6 +18,7 @@ from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
+from rlhfkit.sharding import place_frozen
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
@@ -335,7 +336,7 @@ class RewardSource:
         self.gold_function = load_reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
         self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble, quantization=cfg.quantization) if cfg.model else None
         for member in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
-            member.model.to(device)
+            member.model = place_frozen(member.model, device)  # ZeRO-3: a sharded inference engine (rlhfkit.sharding)
 
     def __call__(self, rollout, examples: list[dict] | None = None) -> Tensor:
         """(B,) float32 scores of a `Rollout`, on its device; `examples[i]` is the prompt example (`data`'s prompt

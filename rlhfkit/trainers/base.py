@@ -376,8 +376,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            # A ZeRO-3 parameter built already partitioned (zero3_init_flag) is a 1-D placeholder: its shape is ds_shape.
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    # No empty group (LoRA has no 1-D trainable tensors): DeepSpeed drops empty groups from the optimizer it wraps,
+    # and the learning-rate scheduler, built on the groups before, would then step one group too many.
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.optim.weight_decay), (no_decay, 0.0)) if ps]
     fused = not torch.backends.mps.is_available()
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.adam_betas), eps=cfg.optim.adam_eps,
                              fused=fused)
@@ -588,9 +591,13 @@ class Trainer:
         """accelerate with the run's mixed precision and metric sinks (every stage's setup starts with one)."""
         from accelerate import Accelerator
 
+        from rlhfkit.sharding import configure_deepspeed
+
         cfg = self.cfg
-        return Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
-                           project_dir=cfg.output_dir)
+        acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
+                          project_dir=cfg.output_dir)
+        configure_deepspeed(acc, cfg.optim.per_device_batch_size)
+        return acc
 
     def micro_batch_positions(self, step: int) -> tuple[list[int], list[range]]:
         """The dataset indices of optimizer step `step` over all processes (`step_indices`) and, per micro-batch, the

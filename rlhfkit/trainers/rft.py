@@ -32,6 +32,7 @@ from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
 from rlhfkit.rewards import RewardSource
+from rlhfkit.sharding import gathered_for_generation
 from rlhfkit.trainers.base import (
     Trainer, build_optimizer, build_scheduler,
 )
@@ -127,11 +128,11 @@ class RFTTrainer(Trainer):
         cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
         chosen = self.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
         starts = list(range(0, len(chosen), a.sampling_batch_size))
-        policy = acc.unwrap_model(self.model)
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
         for b in range(acc.process_index, len(starts), self.world):
             examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + a.sampling_batch_size]]
-            with seeded(self.sampling_seed(iteration, b)):
+            # FSDP / ZeRO-3: the policy's weights gathered for each batch (collective: see the README on RFT there).
+            with seeded(self.sampling_seed(iteration, b)), gathered_for_generation(acc, self.model) as policy:
                 ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
                               tok.eos_token_id, tok.pad_token_id)
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record

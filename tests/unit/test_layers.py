@@ -35,6 +35,7 @@ LAYERS = [
     "rlhfkit.kl",
     "rlhfkit.config",
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
+    "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
     "rlhfkit.data",
