@@ -1,16 +1,20 @@
-"""Sharded engines — FSDP1, FSDP2 and DeepSpeed ZeRO-3, as `accelerate launch` sets them up: what sampling and the
-frozen models need once each process holds only a slice of every weight.
+"""Sharded engines — FSDP1, FSDP2 and DeepSpeed ZeRO-3, as `accelerate launch` sets them up: what sampling, saving
+and the frozen models need once each process holds only a slice of every weight.
 
 1. Sampling. A training forward gathers each layer's weights and frees them again, which is all a training step
    needs; a decode loop runs one forward per new token, so it would gather the whole model once per token. Those
    gathers are collective: every process would have to run the same number of forwards, but each stops when its
    own responses have ended (rlhfkit's decode loop keeps no processes in step; transformers' `generate` does, with
-   `synced_gpus`, which it turns on for FSDP-managed and ZeRO-3 models). `gathered_for_generation` gathers the
-   weights once per call instead — a full copy of the policy on each process while it samples, as TRL's
+   `synced_gpus`, which it turns on for FSDP-managed and ZeRO-3 models). `gathered_weights` gathers the weights once
+   per call instead — a full copy of the policy on each process while it samples, as TRL's
    `unwrap_model_for_generation` does for ZeRO-3 — after which sampling runs no collective: each process samples
-   alone, for as many steps as its own responses need.
-2. FSDP1's root unit (embeddings, final norm, LM head) is gathered only by the FSDP wrapper's own forward, which
-   sampling never calls (it calls the wrapped model's): without `gathered_for_generation` sampling fails there.
+   alone, for as many steps as its own responses need. FSDP1's root unit (embeddings, final norm, LM head) is
+   gathered only by the FSDP wrapper's own forward, which sampling never calls (it calls the wrapped model's):
+   without the gather, sampling fails there ("'weight' must be 2-D").
+2. Saving. The main process writes the model; under ZeRO-3 it would write its placeholders (empty tensors):
+   checkpoints and the final model are written inside `saved_weights`, which every process enters. Under FSDP a
+   whole state dict needs accelerate's collective `get_state_dict` (FSDP's state-dict hooks return shards even
+   inside a gather), which rlhfkit's savers do not use yet: FSDP saves are not handled (README).
 3. Frozen models (a reference that is not the LoRA base, reward models) have no optimizer state to shard. Under
    ZeRO-3 with `zero3_init_flag`, `from_pretrained` returns them already partitioned and nothing could run them, so
    `place_frozen` gives each a DeepSpeed inference engine (ZeRO-3, no optimizer) that gathers its layers in every
@@ -21,9 +25,9 @@ frozen models need once each process holds only a slice of every weight.
 accelerate 1.15 runs none of these engines on CPU (see the README's table): FSDP needs a GPU-type device
 (`AcceleratorState` picks FSDP only for GPU-like multi-device types; its FSDP1 plugin with `sync_module_states`
 raises "There are currently no available devices found"), and with `ACCELERATE_USE_CPU` DeepSpeed is ignored; on
-several CPU processes without it accelerate finds no backend and runs each process alone. The functions here
-dispatch on how the weights are held, not on accelerate's state, so tests shard tiny models with torch and DeepSpeed
-directly on CPU (gloo) and check them there.
+several CPU processes without it accelerate finds no backend and runs each process alone (one process runs:
+DeepSpeed's CPU accelerator, gloo). The functions here dispatch on how the weights are held, not on accelerate's
+state, so tests shard tiny models with torch and DeepSpeed directly on 2 CPU processes and check them there.
 """
 
 from __future__ import annotations
@@ -64,10 +68,11 @@ def weight_layout(module: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def gathered_for_generation(accelerator, model):
-    """The policy to call `generate` on, with its full weights on this process for the whole `with` block; they are
-    sharded again (unchanged: sampling does not write them) on leaving it. `model` is the prepared model (or its
-    unwrapped module). Every process must enter together: gathering is collective.
+def gathered_weights(accelerator, model):
+    """The policy's module (unwrapped: call `generate` on it), with its full weights on this process for the whole
+    `with` block; they are sharded again on leaving it, unchanged (writes to them are dropped). `model` is
+    the prepared model (or its unwrapped module). Every process must enter together: gathering is collective;
+    leaving is not.
 
     - whole (one process, DDP, ZeRO-1/2): the unwrapped module, nothing gathered;
     - FSDP2: every `fully_shard`-ed module unsharded once, with `reshard_after_forward` off meanwhile so no forward
@@ -123,6 +128,18 @@ def gathered_for_generation(accelerator, model):
             finally:
                 for p, flag in zip(params, persistent):
                     p.ds_persist = flag
+    else:
+        yield module
+
+
+@contextlib.contextmanager
+def saved_weights(accelerator, model):
+    """The module the main process saves (unwrapped), whole: under ZeRO-3 every weight gathered for the `with` block
+    (every process must enter: gathering is collective); otherwise `unwrap_model`'s module as it is."""
+    module = accelerator.unwrap_model(model)
+    if weight_layout(module) == "zero3":
+        with gathered_weights(accelerator, model) as whole:
+            yield whole
     else:
         yield module
 

@@ -31,6 +31,7 @@ from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
 from rlhfkit.launch import distributed_state, log_launch, start_run
+from rlhfkit.sharding import configure_deepspeed, saved_weights
 
 logger = logging.getLogger("rlhfkit")
 
@@ -569,10 +570,11 @@ class Trainer:
         """checkpoint-{step}/: `save_models` + optimizer, scheduler, RNG, skipped steps and `extra_state`."""
         acc = self.accelerator
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "bad_steps": self.bad_steps, **self.extra_state()}
-            save_checkpoint(self.cfg.output_dir, step, self.save_models, state, self.cfg.logging.save_total_limit)
+        with saved_weights(acc, self.model):  # ZeRO-3: whole weights while the main process writes them
+            if acc.is_main_process:
+                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                         "bad_steps": self.bad_steps, **self.extra_state()}
+                save_checkpoint(self.cfg.output_dir, step, self.save_models, state, self.cfg.logging.save_total_limit)
         acc.wait_for_everyone()
 
     def permutation(self, n: int, epoch: int) -> torch.Tensor:
@@ -590,8 +592,6 @@ class Trainer:
     def make_accelerator(self):
         """accelerate with the run's mixed precision and metric sinks (every stage's setup starts with one)."""
         from accelerate import Accelerator
-
-        from rlhfkit.sharding import configure_deepspeed
 
         cfg = self.cfg
         acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
@@ -718,18 +718,18 @@ class Trainer:
 
         acc = self.accelerator
         acc.wait_for_everyone()
-        if not acc.is_main_process:
-            return
-        model = acc.unwrap_model(self.model)
-        tmp = tempfile.mkdtemp(dir=self.cfg.output_dir, prefix=f"{TMP_PREFIX}model-")
-        try:
-            save_model(model, self.tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
-            refuse_nonfinite_weights(os.path.join(tmp, "model"), self.cfg.output_dir, "the final model")
-            # File by file: output_dir also holds config.yaml, metrics.jsonl and the checkpoints.
-            for name in os.listdir(os.path.join(tmp, "model")):
-                os.replace(os.path.join(tmp, "model", name), os.path.join(self.cfg.output_dir, name))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with saved_weights(acc, self.model) as model:  # ZeRO-3: whole weights (gathering is collective)
+            if not acc.is_main_process:
+                return
+            tmp = tempfile.mkdtemp(dir=self.cfg.output_dir, prefix=f"{TMP_PREFIX}model-")
+            try:
+                save_model(model, self.tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
+                refuse_nonfinite_weights(os.path.join(tmp, "model"), self.cfg.output_dir, "the final model")
+                # File by file: output_dir also holds config.yaml, metrics.jsonl and the checkpoints.
+                for name in os.listdir(os.path.join(tmp, "model")):
+                    os.replace(os.path.join(tmp, "model", name), os.path.join(self.cfg.output_dir, name))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         commit_replacement(self.cfg.output_dir)
 
     @_restores_replaced_run

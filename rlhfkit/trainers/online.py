@@ -40,7 +40,7 @@ from rlhfkit.models import (
 )
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
-from rlhfkit.sharding import gathered_for_generation
+from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.base import (
     Trainer, build_optimizer, build_scheduler, last_checkpoint_note, load_model_weights,
 )
@@ -130,7 +130,7 @@ class OnlineTrainer(Trainer):
         that blew up): the step is then a bad step, not a crash."""
         tok = self.tokenizer
         try:
-            with gathered_for_generation(self.accelerator, self.model) as policy:  # FSDP / ZeRO-3: gathered once
+            with gathered_weights(self.accelerator, self.model) as policy:  # FSDP / ZeRO-3: gathered once
                 return generate(policy, prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
         except RuntimeError as exc:
             if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"

@@ -5,12 +5,13 @@ of them on CPU), and check `rlhfkit.sharding` against an unsharded copy of the s
     torchrun --nproc_per_node 2 tests/multiprocess/sharded_worker.py OUT_DIR fsdp1 fsdp2 [zero3]
 
 Per engine:
-  1. sampling under `gathered_for_generation` (before any training step) draws the same tokens, with the same log-probs,
+  1. sampling under `gathered_weights` (before any training step) draws the same tokens, with the same log-probs,
      as the unsharded copy under the same seed; each process asks for a different number of new tokens, so a
      collective left inside the decode loop would hang (the test's timeout) instead of passing;
   2. on leaving, the weights are sharded again and a training step (SGD, each process its own batch) gives the same
      weights as the unsharded copy stepped with the gradient averaged over the processes (as DDP would);
-  3. sampling after that step still matches the unsharded copy;
+  3. ZeRO-3: a state dict read inside `saved_weights` (what the main process saves) holds those whole weights;
+  4. sampling after that step still matches the unsharded copy;
   ZeRO-3 also: a frozen copy in `zero3_inference_engine` gives the unsharded logits.
 Writes OUT_DIR/rank{R}.json: {engine: {check: value}}.
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from rlhfkit.config import GenerationConfig  # noqa: E402
 from rlhfkit.generation import generate, seeded  # noqa: E402
-from rlhfkit.sharding import gathered_for_generation, weight_layout, zero3_inference_engine  # noqa: E402
+from rlhfkit.sharding import gathered_weights, saved_weights, weight_layout, zero3_inference_engine  # noqa: E402
 from rlhfkit.types import PromptBatch  # noqa: E402
 
 EOS, PAD, VOCAB = 1, 0, 40
@@ -135,7 +136,7 @@ def check(engine: str, accelerator, rank: int, world: int) -> dict:
     out = {"layout": layout}
     diffs = []
     for when, seed in (("before", 11), ("after", 23)):
-        with gathered_for_generation(accelerator, sharded) as policy:
+        with gathered_weights(accelerator, sharded) as policy:
             ids, logprobs = sample(policy, rank, seed)
             if layout == "zero3":  # still gathered after the decode loop's forwards (no hook released them)
                 out["zero3_still_gathered"] = policy.model.layers[0].self_attn.q_proj.weight.data.numel() == 32 * 32
@@ -153,6 +154,11 @@ def check(engine: str, accelerator, rank: int, world: int) -> dict:
             full = full_weights(module, layout)
             diffs = [(full[n] - p).abs().max().item() for n, p in plain.named_parameters()]
             out["weights_max_diff"] = max(diffs)
+            if layout == "zero3":
+                with saved_weights(accelerator, sharded) as whole:  # what the main process saves
+                    saved = whole.state_dict()
+                out["saved_max_diff"] = max((saved[n] - p).abs().max().item() if saved[n].shape == p.shape
+                                            else float("inf") for n, p in plain.named_parameters())
             out["weights_compared"] = len([n for n, _ in plain.named_parameters() if n in full])
     if engine == "zero3":
         frozen = zero3_inference_engine(copy.deepcopy(plain), {"zero_optimization": {"stage3_param_persistence_threshold": 0}})

@@ -57,10 +57,12 @@ def test_sampling_from_gathered_weights_equals_the_unsharded_model(results, engi
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_training_step_after_gathering_equals_data_parallel(results, engine):
     """After the gather is undone, one sharded SGD step (each process its own batch) gives the weights of the
-    unsharded copy stepped with the process-averaged gradient."""
+    unsharded copy stepped with the process-averaged gradient; under ZeRO-3, gathered again, they are what a save writes."""
     for res in results:
         assert res[engine]["weights_compared"] == 21  # every weight of the 2-layer model, embeddings and head included
         assert res[engine]["weights_max_diff"] < 1e-5
+        if engine == "zero3":
+            assert res[engine]["saved_max_diff"] < 1e-5  # a save inside saved_weights writes them whole
 
 
 @pytest.mark.slow
@@ -69,3 +71,59 @@ def test_frozen_model_in_a_zero3_inference_engine(results):
     for res in results:
         assert res["zero3"]["frozen_engine_sharded"]
         assert res["zero3"]["frozen_engine_logit_diff"] < 1e-5
+
+
+# accelerate runs DeepSpeed on CPU with one process (DeepSpeed's CPU accelerator, gloo): the whole rlhfkit path — the
+# micro-batch size handed to accelerate, models built already partitioned (zero3_init_flag), sampling from the
+# gathered policy, a frozen reference in a ZeRO-3 inference engine, the final model saved whole — against the same run
+# without accelerate. stage3_param_persistence_threshold 0 partitions even the tiny model's weights (by default
+# DeepSpeed keeps tensors under 100k elements whole). One backward per optimizer step: see the README on DeepSpeed and
+# gradient accumulation.
+DS_CONFIG = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+             "gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+num_machines: 1
+num_processes: 1
+use_cpu: false
+deepspeed_config:
+  deepspeed_config_file: {ds}
+  zero3_init_flag: true
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("zero3" not in ENGINES, reason="deepspeed is not installed (pip install 'rlhfkit[deepspeed]')")
+@pytest.mark.parametrize("stage, args", [
+    ("grpo", ["max_steps=2", "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]),  # 4 prompts x 4
+    ("dpo", ["max_steps=3"]),  # a separate reference model (no LoRA)
+])
+def test_accelerate_zero3_one_cpu_process_equals_the_plain_run(stage, args, tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
+    (tmp_path / "zero3.yaml").write_text(ACCELERATE_CONFIG.format(ds=tmp_path / "ds.json"))
+    common = [stage, "--config", f"configs/{stage}_tiny.yaml", "logging.progress_bar=false", "optim.adam_eps=1e-4", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("ACCELERATE_USE_CPU", None)  # with it accelerate ignores DeepSpeed
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml"),
+              "--main_process_port", str(free_port()), "-m", "rlhfkit.cli"]
+    runs = {}
+    for name, cmd in (("plain", [sys.executable, "-m", "rlhfkit.cli"]), ("zero3", launch)):
+        out = tmp_path / name
+        r = subprocess.run([*cmd, *common, f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+        assert r.returncode == 0, r.stderr[-4000:]
+        runs[name] = out
+    assert "distributed type DEEPSPEED" in r.stderr
+    rows = {k: [json.loads(line) for line in (v / "metrics.jsonl").read_text().splitlines()] for k, v in runs.items()}
+    assert len(rows["plain"]) == len(rows["zero3"])
+    for a, b in zip(rows["plain"], rows["zero3"]):
+        assert a.keys() == b.keys()
+        for key in a:
+            if not key.startswith(("time/", "elapsed")):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    plain, zero3 = load_file(runs["plain"] / "model.safetensors"), load_file(runs["zero3"] / "model.safetensors")
+    for k in plain:
+        assert zero3[k].shape == plain[k].shape, k  # saved whole, not the partition placeholders
+        assert (zero3[k] - plain[k]).abs().max() < 1e-5, k
