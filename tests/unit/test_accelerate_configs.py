@@ -19,6 +19,7 @@ CONFIGS = {
     "multi_gpu.yaml": ("MULTI_GPU", 1),
     "multi_node.yaml": ("MULTI_GPU", 2),
     "fsdp.yaml": ("FSDP", 1),
+    "fsdp2.yaml": ("FSDP", 1),
     "zero2.yaml": ("DEEPSPEED", 1),
     "zero3.yaml": ("DEEPSPEED", 1),
     "zero3_offload.yaml": ("DEEPSPEED", 1),
@@ -57,6 +58,13 @@ def test_fsdp_wraps_decoder_layers_and_keeps_original_parameters_for_lora():
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "1"
     assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP" and env["FSDP_USE_ORIG_PARAMS"] == "true"
     assert env["FSDP_RESHARD_AFTER_FORWARD"].upper() == "FULL_SHARD" and env["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
+
+
+def test_fsdp2_is_version_2_with_a_boolean_reshard():
+    args, _ = launch_args("fsdp2.yaml")
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP" and env["FSDP_RESHARD_AFTER_FORWARD"].lower() == "true"
 
 
 def test_multi_node_has_placeholders_to_fill():
