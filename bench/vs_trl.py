@@ -419,6 +419,8 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
               f"algo.ppo_epochs={s['ppo_epochs'] if method == 'ppo' else 1}", "kl.controller=fixed",
               f"kl.coef={BETA[method]}"]
         o += ["reward.function=rlhfkit.tasks.toy:vowel_reward"] if method == "grpo" else [f"reward.model=[{spec['rm']}]"]
+        if method == "ppo":  # TRL 1.12 takes π_old from the sampler's logits: so does rlhfkit here (same work)
+            o += ["algo.old_logprobs=sampler"]
     cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
     def at_start(fn):

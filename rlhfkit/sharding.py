@@ -68,11 +68,12 @@ def weight_layout(module: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def gathered_weights(accelerator, model):
+def gathered_weights(accelerator, model, unwrapped=None):
     """The policy's module (unwrapped: call `generate` on it), with its full weights on this process for the whole
     `with` block; they are sharded again on leaving it, unchanged (writes to them are dropped). `model` is
-    the prepared model (or its unwrapped module). Every process must enter together: gathering is collective;
-    leaving is not.
+    the prepared model (or its unwrapped module); `unwrapped`, its unwrapped module when the caller holds it (accelerate's
+    `unwrap_model` costs milliseconds a call). Every process must enter together: gathering is collective; leaving
+    is not.
 
     - whole (one process, DDP, ZeRO-1/2): the unwrapped module, nothing gathered;
     - FSDP2: every `fully_shard`-ed module unsharded once, with `reshard_after_forward` off meanwhile so no forward
@@ -87,7 +88,10 @@ def gathered_weights(accelerator, model):
     """
     fsdp1, _ = _fsdp_classes()
     # accelerate's unwrap_model also strips an FSDP1 wrapper (1.15), leaving a model whose root weights stay sharded.
-    module = model if fsdp1 is not None and isinstance(model, fsdp1) else accelerator.unwrap_model(model)
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        module = model
+    else:
+        module = unwrapped if unwrapped is not None else accelerator.unwrap_model(model)
     layout = weight_layout(module)
     if layout == "fsdp2":
         _, fsdp2 = _fsdp_classes()

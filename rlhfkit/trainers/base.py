@@ -434,6 +434,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self._unwrapped: dict[int, tuple] = {}  # id(prepared module) -> (it, its unwrapped module): see `unwrap`
         self.run_dir = RunDir(cfg)
         # The launch checked and output_dir locked (by the main process, until `fit` ends) before anything reads it.
         self.run_lock = start_run(cfg.output_dir)
@@ -509,11 +510,11 @@ class Trainer:
         """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory)."""
         from rlhfkit.models import save_model
 
-        save_model(self.accelerator.unwrap_model(self.model), self.tokenizer, directory, merge_lora=False)
+        save_model(self.unwrap(self.model), self.tokenizer, directory, merge_lora=False)
 
     def load_models(self, checkpoint: str) -> None:
         """Load the weights `save_models` wrote into checkpoint directory `checkpoint`."""
-        load_model_weights(self.accelerator.unwrap_model(self.model), os.path.join(checkpoint, "model"))
+        load_model_weights(self.unwrap(self.model), os.path.join(checkpoint, "model"))
 
     def extra_state(self) -> dict:
         """What a checkpoint keeps besides optimizer, scheduler, step, RNG and the skipped-step count."""
@@ -527,6 +528,14 @@ class Trainer:
         self.run_dir.prepare(self.start_step if self.resume_from else None)
 
     # -- the skeleton every trainer shares ------------------------------------------------------------------------
+    def unwrap(self, module):
+        """`accelerator.unwrap_model(module)`, remembered per module: accelerate probes the installed packages at
+        every call (milliseconds; 12 ms with deepspeed installed), and the loops need it several times a micro-batch."""
+        held = self._unwrapped.get(id(module))
+        if held is None or held[0] is not module:
+            held = self._unwrapped[id(module)] = (module, self.accelerator.unwrap_model(module))
+        return held[1]
+
     def setup(self) -> None:
         """1. tokenizer and data, so bad data fails before a model loads; 2. accelerate, models, optimizer (seeded
         again, so initial weights do not depend on what data loading consumed); 3. resume; 4. run directory,
@@ -695,7 +704,7 @@ class Trainer:
         acc = self.accelerator
         # The module itself, not its DDP wrapper: a DDP forward may sync buffers with the other processes, whose shares
         # of the eval set can hold fewer batches (or none).
-        model = acc.unwrap_model(self.model)
+        model = self.unwrap(self.model)
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
         for batch in self.eval_batches():

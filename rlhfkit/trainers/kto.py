@@ -120,7 +120,7 @@ class KTOTrainer(Trainer):
         """KTO's z0 before clamping: the mean of log π(y'|x) − log π_ref(y'|x) over the mismatched rows of `batches`
         and of every other process's batches (a collective: every process calls it, with or without rows)."""
         acc = self.accelerator
-        policy = acc.unwrap_model(self.model)
+        policy = self.unwrap(self.model)
         sums = torch.zeros(2, device=acc.device)  # summed log-ratio, rows
         for b in batches:
             b = b.to(acc.device)
@@ -135,7 +135,7 @@ class KTOTrainer(Trainer):
         return batch.input_ids.shape[0]
 
     def compute_loss(self, model, batch: UnpairedWithZ0, num_items: float):
-        policy = self.accelerator.unwrap_model(model)
+        policy = self.unwrap(model)
         # 1. Completions through the policy (with gradient) and the reference; z0 came with the batch.
         logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B,)
         with self.accelerator.autocast():

@@ -96,7 +96,7 @@ class OnlineTrainer(Trainer):
 
     def save_models(self, directory: str) -> None:
         super().save_models(directory)
-        critic = self.accelerator.unwrap_model(self.value) if self.value is not None else None
+        critic = self.unwrap(self.value) if self.value is not None else None
         value_dir = os.path.join(os.path.dirname(directory), "value_model")
         if isinstance(critic, SharedBaseCritic):
             critic.save(value_dir)
@@ -105,7 +105,7 @@ class OnlineTrainer(Trainer):
 
     def load_models(self, checkpoint: str) -> None:
         super().load_models(checkpoint)
-        critic = self.accelerator.unwrap_model(self.value) if self.value is not None else None
+        critic = self.unwrap(self.value) if self.value is not None else None
         if isinstance(critic, SharedBaseCritic):
             critic.load(os.path.join(checkpoint, "value_model"))
         elif critic is not None:
@@ -130,7 +130,7 @@ class OnlineTrainer(Trainer):
         that blew up): the step is then a bad step, not a crash."""
         tok = self.tokenizer
         try:
-            with gathered_weights(self.accelerator, self.model) as policy:  # FSDP / ZeRO-3: gathered once
+            with gathered_weights(self.accelerator, self.model, self.unwrap(self.model)) as policy:  # FSDP / ZeRO-3: gathered once
                 return generate(policy, prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
         except RuntimeError as exc:
             if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
@@ -146,14 +146,14 @@ class OnlineTrainer(Trainer):
     def values_of(self, critic, ro: Rollout):
         """(B, R) values V(s_t) of the state before each response token, from `critic` (the prepared critic for the
         update, its unwrapped module for no-grad forwards)."""
-        if isinstance(self.accelerator.unwrap_model(critic), SharedBaseCritic):
+        if isinstance(self.unwrap(critic), SharedBaseCritic):
             v = critic(ro.input_ids, ro.attention_mask)  # (B, T)
         else:
             v = token_scores(critic, ro.input_ids, ro.attention_mask)  # (B, T)
         return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
 
     def reference_logprobs(self, ro: Rollout):
-        return self.ref.rollout_logprobs(self.accelerator.unwrap_model(self.model), ro, self.cfg.generation.temperature)
+        return self.ref.rollout_logprobs(self.unwrap(self.model), ro, self.cfg.generation.temperature)
 
     @torch.no_grad()
     def make_experience(self, step: int) -> tuple[Experience | None, dict[str, float]]:
@@ -170,8 +170,8 @@ class OnlineTrainer(Trainer):
         scores = self.reward(ro, rows).float()  # 2. score: (B,), once for the whole rollout batch
         # 3. No-grad forwards without dropout, on the unwrapped modules (no DDP collectives): with unchanged weights
         # they give exactly the update forward's values.
-        policy = acc.unwrap_model(self.model)
-        critic = acc.unwrap_model(self.value) if self.value is not None else None
+        policy = self.unwrap(self.model)
+        critic = self.unwrap(self.value) if self.value is not None else None
         for module in (policy, critic):
             if module is not None:
                 module.eval()
@@ -366,7 +366,7 @@ class OnlineTrainer(Trainer):
 
     def shared_critic(self) -> bool:
         """Whether the critic is a second adapter on the policy's base (`SharedBaseCritic`)."""
-        return self.value is not None and isinstance(self.accelerator.unwrap_model(self.value), SharedBaseCritic)
+        return self.value is not None and isinstance(self.unwrap(self.value), SharedBaseCritic)
 
     def optimizer_params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -404,7 +404,7 @@ class OnlineTrainer(Trainer):
     def policy_is_finite(self, exp: Experience) -> bool:
         """Whether the policy, as updated, still gives finite log-probs on a micro-batch of this step's rollout (one
         no-grad forward, before a checkpoint: weights that blew up can be finite while every output is inf/NaN)."""
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.unwrap(self.model)
         policy.eval()
         rollout = exp.rollout.select(slice(0, self.cfg.optim.per_device_batch_size))
         return self.on_every_process(bool(torch.isfinite(self.response_logprobs(policy, rollout)).all()))

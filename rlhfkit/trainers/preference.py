@@ -92,7 +92,7 @@ class PreferenceTrainer(Trainer):
         bs = self.cfg.optim.per_device_batch_size
         chunks = [examples[i : i + bs] for examples in sets for i in range(0, len(examples), bs)]
         show = self.cfg.logging.progress_bar and self.accelerator.is_main_process
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.unwrap(self.model)
         for chunk in tqdm(chunks, desc="reference log-probs", disable=not show, dynamic_ncols=True):
             batch = self.collate(chunk).to(self.accelerator.device)
             with self.accelerator.autocast(), self.reference.frozen(policy) as reference:
@@ -134,7 +134,7 @@ class PreferenceTrainer(Trainer):
             if batch.ref_chosen_logprobs is not None:
                 ref_chosen, ref_rejected = batch.ref_chosen_logprobs, batch.ref_rejected_logprobs
             else:
-                with self.accelerator.autocast(), self.reference.frozen(self.accelerator.unwrap_model(model)) as reference:
+                with self.accelerator.autocast(), self.reference.frozen(self.unwrap(model)) as reference:
                     ref, _ = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref.chunk(2)
             if method == "ipo":  # TRL's IPO: every log-prob averaged over its response tokens (see preference_loss)

@@ -132,7 +132,7 @@ class RFTTrainer(Trainer):
         for b in range(acc.process_index, len(starts), self.world):
             examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + a.sampling_batch_size]]
             # FSDP / ZeRO-3: the policy's weights gathered for each batch (collective: see the README on RFT there).
-            with seeded(self.sampling_seed(iteration, b)), gathered_weights(acc, self.model) as policy:
+            with seeded(self.sampling_seed(iteration, b)), gathered_weights(acc, self.model, self.unwrap(self.model)) as policy:
                 ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
                               tok.eos_token_id, tok.pad_token_id)
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record

@@ -491,3 +491,20 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
 def test_sampler_old_logprobs_need_rlhfkits_decode_loop():
     with pytest.raises(UserError, match="algo.old_logprobs.*generation.engine=rlhfkit"):
         load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler", "generation.engine=hf"])
+
+
+def test_accelerate_unwrap_is_not_called_per_micro_batch(tmp_path, monkeypatch):
+    """accelerate's `unwrap_model` probes the installed packages on every call (12 ms with deepspeed installed):
+    the online loop unwraps its models once, so the count does not grow with the steps."""
+    from accelerate import Accelerator
+
+    calls = []
+    real = Accelerator.unwrap_model
+    monkeypatch.setattr(Accelerator, "unwrap_model", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    counts = {}
+    for steps in (1, 3):
+        calls.clear()
+        assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"max_steps={steps}", "algo.ppo_epochs=2",
+                     f"output_dir={tmp_path / str(steps)}", *FAST, "optim.per_device_batch_size=2"]) == 0
+        counts[steps] = len(calls)
+    assert counts[3] == counts[1], counts
