@@ -42,15 +42,14 @@ How it is measured:
 The GPU shapes are written but not yet measured (no device so far); bench/DEVICE.md is the prepared run on a lent
 H200 (bench/device.sh: wheels, TRL 1.12 and this script's GPU table in one call, with `--method-timeout`).
 
-Measured at the CPU shape (2026-12-01, rlhfkit at ca017dd; 2 x86_64 cores shared with other jobs, load average
-3.3 -> 2.9; OMP_NUM_THREADS=1, nice 19), s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB:
-    dpo    0.0266 vs 0.0345  1.30x   533 vs 547
-    rm     0.0185 vs 0.0190  1.03x   531 vs 543
-    grpo   0.0470 vs 0.0477  1.02x   527 vs 529   (rlhfkit: one more no-grad forward, the old log-probs)
-    rloo   0.0497 vs 0.0555  1.12x   521 vs 529
-    ppo    0.1281 vs 0.5890  4.60x   524 vs 538   (TRL 1.12 as shipped)
-    ppo    0.1281 vs 0.1257  0.98x                (TRL 1.12 without gc.collect; rlhfkit: one more no-grad forward
-                                                   and separate policy/critic backward calls)
+Measured at the CPU shape (2026-12-02, rlhfkit at e4f98f5; 2 x86_64 cores, nothing else running; OMP_NUM_THREADS=1),
+s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB; the work counted identical on every row:
+    dpo    0.0267 vs 0.0338  1.27x   604 vs 615
+    rm     0.0171 vs 0.0173  1.01x   578 vs 610
+    grpo   0.0368 vs 0.0475  1.29x   594 vs 598
+    rloo   0.0461 vs 0.0538  1.17x   588 vs 597
+    ppo    0.1236 vs 0.6924  5.60x   596 vs 606   (TRL 1.12 as shipped)
+    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprobs=sampler)
 """
 
 from __future__ import annotations
