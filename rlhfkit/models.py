@@ -443,6 +443,18 @@ class Reference:
             torch.cuda.empty_cache()
 
 
+class PolicyAndCritic(torch.nn.Module):
+    """The policy and its critic as one module, for engines that take one model per Accelerator (DeepSpeed): prepared
+    together, each still called through its own forward, never through this one."""
+
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("PolicyAndCritic only holds the two models: call .policy or .critic")
+
+
 class SharedBaseCritic(torch.nn.Module):
     """A PPO critic on the policy's own frozen base: a second LoRA adapter ("value") plus a linear value head.
 

@@ -36,7 +36,8 @@ from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import policy_objective, value_loss
 from rlhfkit.models import (
-    Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model, rollout_logprobs, save_model,
+    PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model, rollout_logprobs,
+    save_model,
 )
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
@@ -75,7 +76,16 @@ class OnlineTrainer(Trainer):
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_epochs * self.steps_per_epoch)
         optimizer = build_optimizer(torch.nn.ModuleList([m for m in (policy, value) if m is not None]), cfg)
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps * a.ppo_epochs * a.num_minibatches)
-        if value is not None:
+        if isinstance(value, SharedBaseCritic) and acc.distributed_type == "DEEPSPEED":
+            raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) is "
+                            "backpropagated on its own, and DeepSpeed steps at every backward; under DeepSpeed give the "
+                            "critic its own model (algo.value_model) or run without DeepSpeed")
+        if value is not None and acc.distributed_type == "DEEPSPEED":
+            # DeepSpeed takes one model per Accelerator: policy and critic are prepared as one module, then each is
+            # called through its own forward (ZeRO-3's hooks sit on every submodule; the engine steps at backward).
+            engine, self.optimizer = acc.prepare(PolicyAndCritic(policy, value), optimizer)
+            self.model, self.value = engine.module.policy, engine.module.critic
+        elif value is not None:
             self.model, self.value, self.optimizer = acc.prepare(policy, value, optimizer)
         else:
             (self.model, self.optimizer), self.value = acc.prepare(policy, optimizer), None
