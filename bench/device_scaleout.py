@@ -49,6 +49,10 @@ COMMON = ["logging.progress_bar=false", "optim.adam_eps=1e-4", "max_steps=3"]
 GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]
 PPO = ["ppo", "--config", "configs/ppo_tiny.yaml", "model.lora.enabled=true", "model.lora.r=4", "algo.num_minibatches=1",
        "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]
+# PPO with a separate critic (no LoRA): under DeepSpeed the policy and critic are prepared as one module; the LoRA
+# critic is refused there (it is backpropagated apart, and DeepSpeed steps at every backward).
+PPO_FULL = ["ppo", "--config", "configs/ppo_tiny.yaml", "algo.num_minibatches=1", "optim.per_device_batch_size=16",
+            "generation.max_new_tokens=8"]
 DPO = ["dpo", "--config", "configs/dpo_tiny.yaml"]  # a separate frozen reference (no LoRA)
 ZERO3_PARTITIONED = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
                      "gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -64,9 +68,9 @@ RUNS = {
     "zero3-grpo": ("configs/accelerate/zero3.yaml", GRPO, "equal"),
     "zero3p-grpo": ("zero3_partitioned", GRPO, "equal"),
     "zero3p-dpo": ("zero3_partitioned", DPO, "equal"),
-    # accelerate refuses two models under DeepSpeed ("You can't use same `Accelerator()` instance with multiple models
-    # when using DeepSpeed"): PPO's policy and critic are prepared together (rlhfkit/trainers/online.py build).
-    "zero3p-ppo": ("zero3_partitioned", PPO, "equal"),
+    "plain-ppofull": (None, PPO_FULL, "reference"),
+    "zero2-ppofull": ("configs/accelerate/zero2.yaml", PPO_FULL, "equal"),  # passes on 1 CPU process
+    "zero3p-ppofull": ("zero3_partitioned", PPO_FULL, "equal"),  # fails on CPU in DeepSpeed's gradient reduction
 }
 NEEDS_DEEPSPEED = ("zero",)
 IGNORED = ("time/", "elapsed")
