@@ -10,7 +10,7 @@ out=${HOOK_OUT:-/tmp/hook-gen}; mkdir -p "$out"
 budget=${HOOK_BUDGET_S:-90}
 shape=gpu; [[ ${DEVICE_DRY_RUN:-0} == 1 ]] && shape=cpu
 timeout $((budget * 6 / 10)) python3 bench/generation.py --shape $shape 2>&1 | tee "$out/generation.txt"
-timeout $((budget * 2 / 10)) python3 -m pytest -q -p no:cacheprovider tests/unit/test_generation.py -k cuda_graph 2>&1 |
+timeout $((budget * 2 / 10)) python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings tests/unit/test_generation.py -k cuda_graph 2>&1 |
   tail -5 | tee "$out/cuda_graph_test.txt"
 timeout $((budget * 2 / 10)) python3 bench/liger_ce.py 2>&1 | tee "$out/liger_ce.txt"
 exit 0
