@@ -40,7 +40,7 @@ def build(tmp_path, config, *overrides):
     return trainer
 
 
-def assert_same_run(a, b):
+def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
     """Two run directories with the same metrics (wall times aside) and the same final weights."""
     from safetensors.torch import load_file
 
@@ -49,10 +49,10 @@ def assert_same_run(a, b):
     for r1, r2 in zip(rows_a, rows_b):
         for key, value in r2.items():
             if not key.startswith("time/"):
-                assert r1[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+                assert r1[key] == pytest.approx(value, rel=rtol, abs=atol), key
     w1, w2 = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w1[k], w2[k], rtol=rtol, atol=atol)
 
 
 def with_algo(trainer, **changes):
@@ -375,9 +375,8 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     assert seen[-1] == [1, 2, 3, 4]
 
 
-def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
-    """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
-    micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
+def count_logprob_rows(monkeypatch) -> list[int]:
+    """The rows of every policy log-prob forward of the online trainer, appended as they run."""
     calls = []
     real = online.OnlineTrainer.response_logprobs
 
@@ -386,6 +385,13 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
         return real(self, model, ro, with_entropy)
 
     monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
+    return calls
+
+
+def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
+    """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
+    micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
+    calls = count_logprob_rows(monkeypatch)
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4", *FAST]
     assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
     lean_rows = sum(calls)
@@ -463,14 +469,7 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
     log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
     noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
     first update forward, where it is float noise too."""
-    calls = []
-    real = online.OnlineTrainer.response_logprobs
-
-    def counting(self, model, ro, with_entropy=False):
-        calls.append(ro.response_ids.shape[0])
-        return real(self, model, ro, with_entropy)
-
-    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
+    calls = count_logprob_rows(monkeypatch)
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "logging.logging_steps=1", *FAST, "algo.num_minibatches=2", "optim.per_device_batch_size=2", "algo.ppo_epochs=2"]
     assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
@@ -485,7 +484,9 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
     gapless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "policy/sampler_logprob_gap"}) + "\n" for r in rows))
     (tmp_path / "sampler" / "metrics.jsonl").replace(tmp_path / "sampler" / "metrics_with_gap.jsonl")
     gapless.replace(tmp_path / "sampler" / "metrics.jsonl")
-    assert_same_run(tmp_path / "recompute", tmp_path / "sampler")
+    # The sampler's log-probs differ from a training forward's by ~1e-7 (the KV cache's sums): after two steps of
+    # Adam at lr 1e-2 the weights differ by ~1e-6 (thread count dependent), far below the 1e-2 an update moves them.
+    assert_same_run(tmp_path / "recompute", tmp_path / "sampler", rtol=1e-4, atol=1e-5)
 
 
 def test_sampler_old_logprobs_need_rlhfkits_decode_loop():
