@@ -111,16 +111,14 @@ def _static_cache_length(width: int) -> int:
     return -(-width // 128) * 128
 
 
-_COMPILED_STEPS: dict[int, object] = {}  # id(model) -> its compiled one-token step (CUDA graphs)
-
-
 def _compiled_step(model, forward, cuda: bool):
-    """The one-token step compiled once per model: CUDA graphs on a GPU, inductor's fused kernels on CPU."""
-    key = id(model)
-    if key not in _COMPILED_STEPS:
-        _COMPILED_STEPS.clear()  # one policy per process; a new model object replaces the old graphs
-        _COMPILED_STEPS[key] = torch.compile(forward, mode="reduce-overhead" if cuda else None, dynamic=False)
-    return _COMPILED_STEPS[key]
+    """The one-token step compiled once per model and kept on it (policy and reference alternating in an evaluation
+    keep their own graphs): CUDA graphs on a GPU, inductor's fused kernels on CPU."""
+    step = model.__dict__.get("_rlhfkit_decode_step")
+    if step is None:
+        step = torch.compile(forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+        model.__dict__["_rlhfkit_decode_step"] = step  # a plain attribute: no submodule, no state-dict entry
+    return step
 
 
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: GenerationConfig,

@@ -215,3 +215,19 @@ def test_cuda_graph_decode_gives_the_same_tokens_on_a_gpu(tiny):
         ours, ref = both_engines(model, tok, batch, seed=seed, eager_static=True, max_new_tokens=40, num_samples=4, eos=2)
         assert torch.equal(ours.response_ids, ref.response_ids)
         torch.testing.assert_close(ours.sampler_logprobs, ref.sampler_logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_each_model_keeps_its_compiled_step(tiny, monkeypatch):
+    """Policy and reference alternating (an evaluation samples both) compile once each, not once per call."""
+    import copy
+
+    model, tok = tiny
+    other = copy.deepcopy(model)
+    compiled = []
+    monkeypatch.setattr(generation.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    params = GenerationConfig(max_new_tokens=3, compile=True)
+    for m in (model, other, model, other):
+        generate(m, prompts(tok), params, tok.eos_token_id, tok.pad_token_id)
+    assert len(compiled) == 2
+    for m in (model, other):
+        del m.__dict__["_rlhfkit_decode_step"]  # the module-scoped fixture's model stays as it was
