@@ -221,13 +221,13 @@ def test_each_model_keeps_its_compiled_step(tiny, monkeypatch):
     """Policy and reference alternating (an evaluation samples both) compile once each, not once per call."""
     import copy
 
-    model, tok = tiny
-    other = copy.deepcopy(model)
+    tiny_model, tok = tiny
+    policy, reference = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    for m in (policy, reference):  # copies of the shared fixture: without a step an earlier test compiled on it
+        m.__dict__.pop("_rlhfkit_decode_step", None)
     compiled = []
     monkeypatch.setattr(generation.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
     params = GenerationConfig(max_new_tokens=3, compile=True)
-    for m in (model, other, model, other):
+    for m in (policy, reference, policy, reference):
         generate(m, prompts(tok), params, tok.eos_token_id, tok.pad_token_id)
     assert len(compiled) == 2
-    for m in (model, other):
-        del m.__dict__["_rlhfkit_decode_step"]  # the module-scoped fixture's model stays as it was
