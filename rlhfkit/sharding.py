@@ -11,10 +11,13 @@ and the frozen models need once each process holds only a slice of every weight.
    alone, for as many steps as its own responses need. FSDP1's root unit (embeddings, final norm, LM head) is
    gathered only by the FSDP wrapper's own forward, which sampling never calls (it calls the wrapped model's):
    without the gather, sampling fails there ("'weight' must be 2-D").
-2. Saving. The main process writes the model; under ZeRO-3 it would write its placeholders (empty tensors):
-   checkpoints and the final model are written inside `saved_weights`, which every process enters. Under FSDP a
-   whole state dict needs accelerate's collective `get_state_dict` (FSDP's state-dict hooks return shards even
-   inside a gather), which rlhfkit's savers do not use yet: FSDP saves are not handled (README).
+2. Saving and resuming. The main process writes the model; under ZeRO-3 it would write its placeholders (empty
+   tensors), under FSDP its shards: checkpoints and the final model are written inside `saved_weights`, which every
+   process enters. Under FSDP it gathers torch's full state dict (`get_model_state_dict`, collective) and the main
+   process writes a plain copy of the model holding it (`whole_copy`), so LoRA merges and peft's adapter files come
+   out as from an unsharded run. A resume loads the checkpoint into that copy and hands it to every process
+   (`loaded_weights`); the optimizer state goes through torch's full, name-keyed optimizer state dict
+   (`optimizer_state`, `load_optimizer_state`), so a checkpoint resumes at any world size, sharded or not.
 3. Frozen models (a reference that is not the LoRA base, reward models) have no optimizer state to shard. Under
    ZeRO-3 with `zero3_init_flag`, `from_pretrained` returns them already partitioned and nothing could run them, so
    `place_frozen` gives each a DeepSpeed inference engine (ZeRO-3, no optimizer) that gathers its layers in every
@@ -38,7 +41,7 @@ import copy
 import torch
 
 
-def _fsdp_classes() -> tuple[type | None, type | None]:
+def fsdp_classes() -> tuple[type | None, type | None]:
     """(FSDP1's FullyShardedDataParallel, FSDP2's FSDPModule); None where this torch lacks one."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -57,7 +60,7 @@ def _fsdp_classes() -> tuple[type | None, type | None]:
 def weight_layout(module: torch.nn.Module) -> str:
     """How `module` (no DDP or DeepSpeedEngine around it) holds its weights: "fsdp1" (an FSDP1 wrapper), "fsdp2" (`fully_shard` applied), "zero3" (DeepSpeed ZeRO-3 partitioned parameters, which carry a `ds_id`)
     or "whole" (every process has every weight: one process, DDP, ZeRO-1/2)."""
-    fsdp1, fsdp2 = _fsdp_classes()
+    fsdp1, fsdp2 = fsdp_classes()
     if fsdp1 is not None and isinstance(module, fsdp1):
         return "fsdp1"
     if fsdp2 is not None and isinstance(module, fsdp2):
@@ -86,7 +89,7 @@ def gathered_weights(accelerator, model, unwrapped=None):
     - ZeRO-3: every parameter gathered (`deepspeed.zero.GatheredParameters`, read-only) and kept gathered through the
       forwards (see below).
     """
-    fsdp1, _ = _fsdp_classes()
+    fsdp1, _ = fsdp_classes()
     # accelerate's unwrap_model also strips an FSDP1 wrapper (1.15), leaving a model whose root weights stay sharded.
     if fsdp1 is not None and isinstance(model, fsdp1):
         module = model
@@ -94,7 +97,7 @@ def gathered_weights(accelerator, model, unwrapped=None):
         module = unwrapped if unwrapped is not None else accelerator.unwrap_model(model)
     layout = weight_layout(module)
     if layout == "fsdp2":
-        _, fsdp2 = _fsdp_classes()
+        _, fsdp2 = fsdp_classes()
         units = [m for m in module.modules() if isinstance(m, fsdp2)]
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
         restore = getattr(plugin, "reshard_after_forward", True)
@@ -136,16 +139,154 @@ def gathered_weights(accelerator, model, unwrapped=None):
         yield module
 
 
+def _layout_of(accelerator, model, unwrapped=None) -> tuple[str, torch.nn.Module, torch.nn.Module]:
+    """(weight layout, the module torch's state-dict functions take, the unwrapped module) of a prepared model.
+    accelerate's `unwrap_model` strips an FSDP1 wrapper, whose state-dict functions need the wrapper itself."""
+    fsdp1, _ = fsdp_classes()
+    inner = unwrapped if unwrapped is not None else accelerator.unwrap_model(model)
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        return "fsdp1", model, model.module if inner is model else inner
+    layout = weight_layout(inner)
+    if layout == "fsdp2":
+        # A forward without backward (evaluation, the rollout's no-grad forwards) leaves the root unit unsharded
+        # (FSDP2 does not reshard the root after its forward): its module then holds unsharded tensors in place of the
+        # parameters the optimizer holds. Resharding (a no-op for sharded units) puts the optimizer's back.
+        _, fsdp2 = fsdp_classes()
+        for unit in inner.modules():
+            if isinstance(unit, fsdp2):
+                unit.reshard()
+    return layout, inner, inner
+
+
+def _state_dict_options(module, **kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # On GPUs the full state dict is gathered into CPU memory on the main process only (the other processes get {}).
+    # On CPU processes it stays where it is, on every process: FSDP1's CPU offload crashes there (SIGSEGV, torch 2.13).
+    on_gpu = next(module.parameters()).device.type != "cpu"
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_gpu, **kwargs)
+
+
+def _plain_class(module: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 swaps each `fully_shard`-ed module's class for a subclass (FSDPLlamaForCausalLM)."""
+    _, fsdp2 = fsdp_classes()
+    return next(c for c in type(module).__mro__ if fsdp2 is None or not issubclass(c, fsdp2))
+
+
+def whole_copy(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain (unsharded) model of `module`'s structure — a transformers model, or a peft model on one — holding
+    `state`, a full state dict of it: built on the meta device, then the tensors of `state` put in place (no copy).
+    The savers then write it as they write an unsharded model (merging LoRA, peft's adapter files, tied weights)."""
+    from peft import PeftModel
+
+    base = module.get_base_model() if isinstance(module, PeftModel) else module
+    with torch.device("meta"):
+        plain = _plain_class(base)._from_config(copy.deepcopy(base.config))
+        if isinstance(module, PeftModel):
+            first, *others = list(module.peft_config)
+            plain = _plain_class(module)(plain, copy.deepcopy(module.peft_config[first]), adapter_name=first)
+            for name in others:
+                plain.add_adapter(name, copy.deepcopy(module.peft_config[name]))
+            plain.set_adapter(module.active_adapter)
+    _, unexpected = plain.load_state_dict(state, strict=False, assign=True)
+    plain.tie_weights()  # a tied head takes the embeddings, whichever of the two names the state dict kept
+    missing = [name for name, t in plain.state_dict().items() if t.device.type == "meta"]
+    if missing or unexpected:
+        raise RuntimeError(f"the gathered state dict does not fit {type(plain).__name__}: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    return plain
+
+
 @contextlib.contextmanager
-def saved_weights(accelerator, model):
-    """The module the main process saves (unwrapped), whole: under ZeRO-3 every weight gathered for the `with` block
-    (every process must enter: gathering is collective); otherwise `unwrap_model`'s module as it is."""
-    module = accelerator.unwrap_model(model)
-    if weight_layout(module) == "zero3":
-        with gathered_weights(accelerator, model) as whole:
+def saved_weights(accelerator, model, unwrapped=None):
+    """The module the main process saves (unwrapped), whole. Every process must enter (gathering is collective):
+    - ZeRO-3: every weight gathered in place for the `with` block;
+    - FSDP1 / FSDP2: the full state dict gathered, and a `whole_copy` holding it on the main process (None on the
+      others, which write nothing);
+    - otherwise: the unwrapped module as it is. `unwrapped` as for `gathered_weights`."""
+    layout, sharded, module = _layout_of(accelerator, model, unwrapped)
+    if layout == "zero3":
+        with gathered_weights(accelerator, model, module) as whole:
             yield whole
+    elif layout in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(sharded, options=_state_dict_options(sharded))
+        yield whole_copy(module, state) if accelerator.is_main_process else None
     else:
         yield module
+
+
+def loaded_weights(accelerator, model, load, unwrapped=None) -> None:
+    """Load weights into a prepared model with `load(module)`, which fills an unsharded module in place (a
+    checkpoint's files, read by the main process). Sharded models (FSDP, ZeRO-3): `load` fills the main process's
+    whole copy (`saved_weights`), then every process takes its slice of it. Every process must call this."""
+    layout, sharded, module = _layout_of(accelerator, model, unwrapped)
+    if layout in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        with saved_weights(accelerator, model, module) as whole:
+            if whole is not None:
+                load(whole)
+            state = whole.state_dict() if whole is not None else {}
+            set_model_state_dict(sharded, state, options=_state_dict_options(sharded, broadcast_from_rank0=True))
+    elif layout == "zero3":
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):  # the main process's values, spread out
+            if accelerator.is_main_process:
+                load(module)
+    else:
+        load(module)
+
+
+def _by_name(accelerator, sharded, optimizer) -> bool:
+    """Whether torch's name-keyed optimizer state functions can read `optimizer`: not DeepSpeed's own optimizer, and
+    no parameter outside `sharded` (PPO's optimizer also holds its separate critic's)."""
+    if accelerator.distributed_type == "DEEPSPEED":
+        return False
+    own = {id(p) for p in sharded.parameters()}
+    return all(id(p) in own for group in optimizer.param_groups for p in group["params"])
+
+
+def _is_by_name(state: dict) -> bool:
+    return any(isinstance(k, str) for group in state.get("param_groups", []) for k in group.get("params", []))
+
+
+def optimizer_state(accelerator, model, optimizer) -> dict:
+    """What a checkpoint keeps of the optimizer. Collective under FSDP (every process must call it).
+
+    The full state keyed by parameter name (torch's `get_optimizer_state_dict`) where torch can read the optimizer
+    (see `_by_name`): the same dict from a sharded or an unsharded run, so the checkpoint resumes in any layout and at
+    any world size. Otherwise the optimizer's own `state_dict()` (keyed by position; DeepSpeed's holds this process's
+    partition): it resumes in the layout that wrote it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    _, sharded, _ = _layout_of(accelerator, model)
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+    if not _by_name(accelerator, sharded, inner):
+        return optimizer.state_dict()
+    return get_optimizer_state_dict(sharded, inner, options=_state_dict_options(sharded))
+
+
+def load_optimizer_state(accelerator, model, optimizer, state: dict, where: str) -> None:
+    """Load what `optimizer_state` returned (every process holds all of it; each keeps its slice). `where` names
+    the checkpoint in the error for a position-keyed state that a sharded model cannot take."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    layout, sharded, _ = _layout_of(accelerator, model)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if _is_by_name(state):
+        set_optimizer_state_dict(sharded, inner, copy.deepcopy(state), options=_state_dict_options(sharded))
+    elif layout in ("fsdp1", "fsdp2"):
+        from rlhfkit.errors import UserError
+
+        raise UserError(f"{where}: its optimizer state is keyed by position (written by an older rlhfkit, under "
+                        f"DeepSpeed, or by PPO with a separate critic), which a sharded model cannot load; resume it in "
+                        f"the layout that wrote it")
+    else:
+        optimizer.load_state_dict(state)
 
 
 def zero3_inference_engine(model: torch.nn.Module, ds_config: dict):

@@ -31,7 +31,8 @@ from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
 from rlhfkit.launch import distributed_state, log_launch, start_run
-from rlhfkit.sharding import configure_deepspeed, saved_weights
+from rlhfkit.sharding import (configure_deepspeed, fsdp_classes, load_optimizer_state, loaded_weights, optimizer_state,
+                              saved_weights)
 
 logger = logging.getLogger("rlhfkit")
 
@@ -506,15 +507,18 @@ class Trainer:
             logger.info("data.padding_free with %s attention: each row's attention is one masked (N, N) product over all "
                         "its sequences, which can cost more than the padding it saves", attention)
 
-    def save_models(self, directory: str) -> None:
-        """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory)."""
+    def save_models(self, directory: str, model) -> None:
+        """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory); `model` is the
+        policy whole (`saved_weights`), as the main process writes it."""
         from rlhfkit.models import save_model
 
-        save_model(self.unwrap(self.model), self.tokenizer, directory, merge_lora=False)
+        save_model(model, self.tokenizer, directory, merge_lora=False)
 
     def load_models(self, checkpoint: str) -> None:
-        """Load the weights `save_models` wrote into checkpoint directory `checkpoint`."""
-        load_model_weights(self.unwrap(self.model), os.path.join(checkpoint, "model"))
+        """Load the weights `save_models` wrote into checkpoint directory `checkpoint` (every process calls this:
+        under FSDP and ZeRO-3 the main process reads them and every process takes its slice)."""
+        model_dir = os.path.join(checkpoint, "model")
+        loaded_weights(self.accelerator, self.model, lambda m: load_model_weights(m, model_dir), self.unwrap(self.model))
 
     def extra_state(self) -> dict:
         """What a checkpoint keeps besides optimizer, scheduler, step, RNG and the skipped-step count."""
@@ -529,11 +533,16 @@ class Trainer:
 
     # -- the skeleton every trainer shares ------------------------------------------------------------------------
     def unwrap(self, module):
-        """`accelerator.unwrap_model(module)`, remembered per module: accelerate probes the installed packages at
-        every call (milliseconds; 12 ms with deepspeed installed), and the loops need it several times a micro-batch."""
+        """The prepared `module` to call directly (no-grad forwards, attributes): `accelerator.unwrap_model(module)`
+        — DDP's wrapper off (its forward may sync buffers with the other processes) — except an FSDP1 wrapper, which
+        stays: only its forward gathers the root unit's weights (embeddings, final norm, head). Remembered per
+        module: accelerate probes the installed packages at every call (12 ms with deepspeed installed), and the
+        loops need it several times a micro-batch."""
         held = self._unwrapped.get(id(module))
         if held is None or held[0] is not module:
-            held = self._unwrapped[id(module)] = (module, self.accelerator.unwrap_model(module))
+            fsdp1 = fsdp_classes()[0]
+            inner = module if fsdp1 is not None and isinstance(module, fsdp1) else self.accelerator.unwrap_model(module)
+            held = self._unwrapped[id(module)] = (module, inner)
         return held[1]
 
     def setup(self) -> None:
@@ -567,7 +576,7 @@ class Trainer:
     def resume(self, checkpoint: str) -> None:
         state = load_checkpoint(checkpoint)
         self.load_models(checkpoint)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.accelerator, self.model, self.optimizer, state["optimizer"], checkpoint)
         self.scheduler.load_state_dict(state["scheduler"])
         self.start_step = int(state["step"])
         self.bad_steps = int(state.get("bad_steps", 0))
@@ -579,11 +588,14 @@ class Trainer:
         """checkpoint-{step}/: `save_models` + optimizer, scheduler, RNG, skipped steps and `extra_state`."""
         acc = self.accelerator
         acc.wait_for_everyone()
-        with saved_weights(acc, self.model):  # ZeRO-3: whole weights while the main process writes them
+        optimizer = optimizer_state(acc, self.model, self.optimizer)  # collective under FSDP
+        # FSDP / ZeRO-3: the weights whole while the main process writes them (gathering is collective)
+        with saved_weights(acc, self.model, self.unwrap(self.model)) as model:
             if acc.is_main_process:
-                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                         "bad_steps": self.bad_steps, **self.extra_state()}
-                save_checkpoint(self.cfg.output_dir, step, self.save_models, state, self.cfg.logging.save_total_limit)
+                state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
+                         **self.extra_state()}
+                save_checkpoint(self.cfg.output_dir, step, lambda d: self.save_models(d, model), state,
+                                self.cfg.logging.save_total_limit)
         acc.wait_for_everyone()
 
     def permutation(self, n: int, epoch: int) -> torch.Tensor:
@@ -727,7 +739,7 @@ class Trainer:
 
         acc = self.accelerator
         acc.wait_for_everyone()
-        with saved_weights(acc, self.model) as model:  # ZeRO-3: whole weights (gathering is collective)
+        with saved_weights(acc, self.model, self.unwrap(self.model)) as model:  # FSDP / ZeRO-3: whole (collective)
             if not acc.is_main_process:
                 return
             tmp = tempfile.mkdtemp(dir=self.cfg.output_dir, prefix=f"{TMP_PREFIX}model-")

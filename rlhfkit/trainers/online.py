@@ -104,8 +104,8 @@ class OnlineTrainer(Trainer):
                                  allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                  hint="set algo.allow_new_value_head=true to start the critic's value head at random")
 
-    def save_models(self, directory: str) -> None:
-        super().save_models(directory)
+    def save_models(self, directory: str, model) -> None:
+        super().save_models(directory, model)
         critic = self.unwrap(self.value) if self.value is not None else None
         value_dir = os.path.join(os.path.dirname(directory), "value_model")
         if isinstance(critic, SharedBaseCritic):
@@ -349,7 +349,10 @@ class OnlineTrainer(Trainer):
                     sums["_w"] = sums.get("_w", 0.0) + w
                     control[1:] += torch.tensor([float(parts["policy/approxkl_avg"]) * w, w], device=control.device)
                 max_norm = cfg.optim.max_grad_norm
-                norm = acc.clip_grad_norm_(self.optimizer_params(), max_norm if max_norm is not None else math.inf)
+                # The policy's own parameters when the optimizer holds no others: under FSDP accelerate clips through
+                # the sharded model only when handed exactly model.parameters() (elsewhere, a norm of local shards).
+                params = self.model.parameters() if self.value is None else self.optimizer_params()
+                norm = acc.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
                 bad_norm = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
                 control = acc.reduce(control, "sum") if self.world > 1 else control
                 if control[0] > 0 or bad_norm:

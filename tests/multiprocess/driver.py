@@ -71,8 +71,8 @@ def run_job(job: dict) -> int:
         return main(job["argv"])
 
 
-if __name__ == "__main__":
-    jobs_file, results = sys.argv[1:3]
+def run_jobs(jobs_file: str, results: str) -> None:
+    """Run every job of JOBS_FILE in order; write this process's exit statuses to RESULTS/rank{R}.json."""
     with open(jobs_file, encoding="utf-8") as f:
         jobs = json.load(f)
     codes = []
@@ -81,3 +81,7 @@ if __name__ == "__main__":
         codes.append(run_job(job))
         with open(os.path.join(results, f"rank{rank}.json"), "w", encoding="utf-8") as f:
             json.dump(codes, f)
+
+
+if __name__ == "__main__":
+    run_jobs(*sys.argv[1:3])

@@ -1,0 +1,136 @@
+"""FSDP1 and FSDP2 through accelerate, through the CLI, on 2 CPU processes (gloo): training, sampling, saving,
+checkpoints and resumes of a run whose weights and optimizer state are sharded.
+
+accelerate 1.15 chooses FSDP only on GPU-like devices; fsdp_on_cpu.py turns that one decision (and FSDP1's
+`sync_module_states`) so that accelerate's own FSDP path — configs/accelerate/fsdp.yaml and fsdp2.yaml as
+`accelerate launch` reads them — runs here. Each engine's jobs run in one torchrun (driver.py's job list); the
+references run in this process (one process, the same global batch) or, for GRPO, under plain data parallel
+(2 processes draw the same responses under either engine: sampling runs on the gathered policy)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from driver import run_job  # noqa: E402
+from test_offline_world_size import assert_same_rows, assert_same_weights, rows, weights  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ENGINES = {"fsdp1": "configs/accelerate/fsdp.yaml", "fsdp2": "configs/accelerate/fsdp2.yaml"}
+B = 4  # per-process batch of the 2-process runs; the 1-process references use 2B
+COMMON = ["max_steps=4", "logging.logging_steps=1", "logging.eval_steps=2", "logging.save_steps=2",
+          "logging.progress_bar=false", "data.max_samples=64", "optim.warmup_steps=1"]
+RUNS = {
+    "sft": ["sft", "--config", "configs/sft_tiny.yaml"],
+    # LoRA merged into full weights at the end (model.lora.merge_on_save), the adapter alone in the checkpoint
+    "dpo-lora": ["dpo", "--config", "configs/dpo_tiny.yaml", "model.lora.enabled=true", "model.lora.dropout=0"],
+}
+GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=3", "logging.save_steps=2", "logging.progress_bar=false",
+        "optim.lr=1e-2", "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "algo.rollout_batch_size=2",
+        "optim.per_device_batch_size=4"]
+TIMEOUT_S = 420  # per torchrun: a hang fails the test instead of blocking the suite
+
+
+def argv(name: str, out: str, world: int, *extra: str) -> list[str]:
+    return [*RUNS[name], f"output_dir={out}", f"optim.per_device_batch_size={B * 2 // world}", *COMMON, *extra]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script_args: list[str], jobs: list[dict], root, tag: str) -> subprocess.CompletedProcess:
+    jobs_file, results = root / f"{tag}.json", root / f"{tag}-results"
+    jobs_file.write_text(json.dumps(jobs))
+    results.mkdir()
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), *script_args, str(jobs_file), str(results)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    codes = [json.loads(p.read_text()) if p.exists() else None for p in (results / "rank0.json", results / "rank1.json")]
+    assert codes == [[0] * len(jobs)] * 2, f"{tag}: exit codes {codes}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    d = lambda name: str(root / name)  # noqa: E731
+    for name in RUNS:  # 1. references: one process, per-device batch 2B
+        assert run_job({"argv": argv(name, d(f"{name}-1"), 1)}) == 0, name
+    logs = {}
+    # 2. Each engine: fresh runs; resumes of its own checkpoint and of the 1-process run's; GRPO.
+    for engine, config in ENGINES.items():
+        jobs = [{"argv": argv(name, d(f"{name}-{engine}"), 2)} for name in RUNS]
+        jobs += [{"copy": [d(f"sft-{engine}"), d(f"sft-{engine}-again")], "argv": argv("sft", d(f"sft-{engine}-again"), 2, "resume=true")},
+                 {"copy": [d("sft-1"), d(f"sft-1-to-{engine}")], "argv": argv("sft", d(f"sft-1-to-{engine}"), 2, "resume=true")},
+                 {"argv": [*GRPO, f"output_dir={d(f'grpo-{engine}')}"]}]
+        logs[engine] = torchrun([os.path.join(HERE, "fsdp_on_cpu.py"), config], jobs, root, engine).stderr
+    # 3. GRPO under plain data parallel, the same 2 processes.
+    torchrun([os.path.join(HERE, "driver.py")], [{"argv": [*GRPO, f"output_dir={d('grpo-ddp')}"]}], root, "ddp")
+    # 4. An FSDP checkpoint resumed by one unsharded process.
+    for engine in ENGINES:
+        job = {"copy": [d(f"sft-{engine}"), d(f"sft-{engine}-to-1")], "argv": argv("sft", d(f"sft-{engine}-to-1"), 1, "resume=true")}
+        assert run_job(job) == 0, engine
+    return {"dir": d, "logs": logs}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_runs_are_sharded(runs, engine):
+    """What accelerate did with the config file: the launch line every stage logs at start."""
+    lines = [line for line in runs["logs"][engine].splitlines() if "rlhfkit: launch:" in line]
+    assert len(lines) == 5 and all("distributed type FSDP" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_sharded_run_equals_one_process(runs, engine, name):
+    """The same metrics, and the final model and the checkpoint's written whole with the unsharded run's weights:
+    for LoRA, the merged model at the end and the adapter alone in the checkpoint, as one process writes them."""
+    one, sharded = runs["dir"](f"{name}-1"), runs["dir"](f"{name}-{engine}")
+    assert_same_rows(rows(one), rows(sharded))
+    assert_same_weights(one, sharded)
+    assert sorted(os.listdir(os.path.join(one, "checkpoint-2", "model"))) == sorted(os.listdir(os.path.join(sharded, "checkpoint-2", "model")))
+    assert_same_weights(os.path.join(one, "checkpoint-2", "model"), os.path.join(sharded, "checkpoint-2", "model"))
+    if name == "dpo-lora":
+        assert not os.path.exists(os.path.join(sharded, "adapter_config.json"))  # merged
+        assert os.path.exists(os.path.join(sharded, "checkpoint-2", "model", "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("how", ["again", "1-to", "to-1"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_resume(runs, engine, how):
+    """A sharded run resumed from its own checkpoint (same engine), one process's checkpoint resumed sharded, and a
+    sharded checkpoint resumed by one process: each ends as the uninterrupted run. The optimizer state went through
+    the checkpoint too: Adam's moments restarted from zero would move the weights by ~lr."""
+    resumed = {"again": f"sft-{engine}-again", "1-to": f"sft-1-to-{engine}", "to-1": f"sft-{engine}-to-1"}[how]
+    target = runs["dir"]("sft-1" if how == "1-to" else f"sft-{engine}")
+    assert_same_rows(rows(target), rows(runs["dir"](resumed)))
+    assert_same_weights(target, runs["dir"](resumed))
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_grpo_samples_from_the_gathered_policy_as_data_parallel(runs, engine):
+    """Online RL: the policy sampled under `gathered_weights` draws what data parallel draws (the same scores,
+    lengths and KL at every step), and the run trains to the same weights."""
+    ddp, sharded = rows(runs["dir"]("grpo-ddp")), rows(runs["dir"](f"grpo-{engine}"))
+    assert [r["step"] for r in sharded] == [1, 2, 3]
+    for a, b in zip(ddp, sharded):
+        for key in ("objective/scores", "objective/kl", "response/length_avg", "loss/policy_avg", "episodes"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    wa, wb = weights(runs["dir"]("grpo-ddp")), weights(runs["dir"](f"grpo-{engine}"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert os.path.isdir(os.path.join(runs["dir"](f"grpo-{engine}"), "checkpoint-2"))
