@@ -158,6 +158,11 @@ def _layout_of(accelerator, model, unwrapped=None) -> tuple[str, torch.nn.Module
     return layout, inner, inner
 
 
+def weight_layout_of(accelerator, model, unwrapped=None) -> str:
+    """`weight_layout` of a prepared model (an FSDP1 wrapper included); `unwrapped` as for `gathered_weights`."""
+    return _layout_of(accelerator, model, unwrapped)[0]
+
+
 def _state_dict_options(module, **kwargs):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

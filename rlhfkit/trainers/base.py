@@ -32,7 +32,7 @@ from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
 from rlhfkit.launch import distributed_state, log_launch, start_run
 from rlhfkit.sharding import (configure_deepspeed, fsdp_classes, load_optimizer_state, loaded_weights, optimizer_state,
-                              saved_weights)
+                              saved_weights, weight_layout_of)
 
 logger = logging.getLogger("rlhfkit")
 
@@ -703,10 +703,26 @@ class Trainer:
             raise UserError(f"stopping at step {step + 1}: {self.bad_steps} optimizer steps skipped for a non-finite loss "
                             f"or gradient (max_bad_steps={cfg.max_bad_steps}); {last_checkpoint_note(cfg.output_dir)}")
 
+    def sharded(self) -> bool:
+        """Whether the policy's weights are sharded (FSDP, ZeRO-3): every forward of it is then collective, so every
+        process must run as many as the others."""
+        return weight_layout_of(self.accelerator, self.model, self.unwrap(self.model)) != "whole"
+
+    def eval_chunks(self) -> list[tuple[list[int], bool]]:
+        """This process's eval examples (indices; every world-size-th one) in batches of per_device_batch_size, each
+        with whether it counts. Sharded models (`sharded`): a process whose share holds fewer batches than another's
+        also runs filler batches (example 0, not counted), so that every process runs as many forwards."""
+        n, bs = len(self.eval_set), self.cfg.optim.per_device_batch_size
+        mine = list(range(self.accelerator.process_index, n, self.world))
+        chunks = [(mine[start : start + bs], True) for start in range(0, len(mine), bs)]
+        if self.sharded():
+            most = math.ceil(math.ceil(n / self.world) / bs)
+            chunks += [([0], False)] * (most - len(chunks))
+        return chunks
+
     def eval_batches(self):
-        """This process's share of the eval set (every world-size-th example), in batches of per_device_batch_size."""
-        bs, shard = self.cfg.optim.per_device_batch_size, self.eval_set[self.accelerator.process_index :: self.world]
-        return (self.collate(shard[start : start + bs]) for start in range(0, len(shard), bs))
+        """(batch, counted) for each of `eval_chunks`."""
+        return ((self.collate([self.eval_set[i] for i in c]), counted) for c, counted in self.eval_chunks())
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -719,9 +735,11 @@ class Trainer:
         model = self.unwrap(self.model)
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
-        for batch in self.eval_batches():
+        for batch, counted in self.eval_batches():
             n = self.count(batch)
             loss, metrics = self.compute_loss(model, batch.to(acc.device), float(n))
+            if not counted:  # a filler batch: its forwards only keep the processes in step
+                continue
             for k, v in {"loss": loss, **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float() * n
             sums["_n"] = sums.get("_n", 0.0) + torch.tensor(float(n), device=acc.device)

@@ -103,31 +103,32 @@ class KTOTrainer(Trainer):
         return [UnpairedWithZ0(**vars(b), z0=z0) for b in batches]
 
     def eval_batches(self):
-        """This process's share of the eval set (as the base's), each example paired with the next one of the eval set,
-        with one z0 over the whole eval set."""
-        n, bs, rank = len(self.eval_set), self.cfg.optim.per_device_batch_size, self.accelerator.process_index
-        mine = list(range(rank, n, self.world))
-        chunks = [mine[start : start + bs] for start in range(0, len(mine), bs)]
+        """(batch, counted) for each of the base's `eval_chunks`, each example paired with the next one of the eval
+        set, with one z0 over the whole eval set (filler batches run in it too, uncounted)."""
+        n = len(self.eval_set)
+        chunks = self.eval_chunks()
 
         def batch(chunk: list[int]) -> UnpairedBatch:
             return self.collate([self.eval_set[i] for i in chunk], [self.eval_set[(i + 1) % n] for i in chunk])
 
-        z0 = self.reference_point(batch(c) for c in chunks)
-        return (UnpairedWithZ0(**vars(batch(c)), z0=z0) for c in chunks)
+        z0 = self.reference_point([batch(c) for c, _ in chunks], [counted for _, counted in chunks])
+        return ((UnpairedWithZ0(**vars(batch(c)), z0=z0), counted) for c, counted in chunks)
 
     @torch.no_grad()
-    def reference_point(self, batches) -> torch.Tensor:
+    def reference_point(self, batches, counted: list[bool] | None = None) -> torch.Tensor:
         """KTO's z0 before clamping: the mean of log π(y'|x) − log π_ref(y'|x) over the mismatched rows of `batches`
-        and of every other process's batches (a collective: every process calls it, with or without rows)."""
+        (those that count: all, or where `counted` says so) and of every other process's batches (a collective:
+        every process calls it, with or without rows)."""
         acc = self.accelerator
         policy = self.unwrap(self.model)
         sums = torch.zeros(2, device=acc.device)  # summed log-ratio, rows
-        for b in batches:
+        for i, b in enumerate(batches):
             b = b.to(acc.device)
             with acc.autocast():
                 logprobs, _ = sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)  # (B,)
                 ref_logprobs = self.reference.sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)
-            sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), logprobs.new_tensor(float(len(logprobs)))])
+            if counted is None or counted[i]:
+                sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), logprobs.new_tensor(float(len(logprobs)))])
         sums = acc.reduce(sums, reduction="sum")
         return sums[0] / sums[1].clamp(min=1)
 

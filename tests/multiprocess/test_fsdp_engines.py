@@ -28,10 +28,15 @@ ENGINES = {"fsdp1": "configs/accelerate/fsdp.yaml", "fsdp2": "configs/accelerate
 B = 4  # per-process batch of the 2-process runs; the 1-process references use 2B
 COMMON = ["max_steps=4", "logging.logging_steps=1", "logging.eval_steps=2", "logging.save_steps=2",
           "logging.progress_bar=false", "data.max_samples=64", "optim.warmup_steps=1"]
+# name -> (argv, per-process batch of the 2-process runs; the 1-process references use twice that)
 RUNS = {
-    "sft": ["sft", "--config", "configs/sft_tiny.yaml"],
+    "sft": (["sft", "--config", "configs/sft_tiny.yaml"], B),
     # LoRA merged into full weights at the end (model.lora.merge_on_save), the adapter alone in the checkpoint
-    "dpo-lora": ["dpo", "--config", "configs/dpo_tiny.yaml", "model.lora.enabled=true", "model.lora.dropout=0"],
+    "dpo-lora": (["dpo", "--config", "configs/dpo_tiny.yaml", "model.lora.enabled=true", "model.lora.dropout=0"], B),
+    # 5 eval examples, per-process batch 2: shares of 3 and 2 examples, so 2 batches and 1; under a sharded model
+    # every forward is collective (Trainer.eval_chunks)
+    "sft-odd-eval": (["sft", "--config", "configs/sft_tiny.yaml", "data.eval=ODD:sft_eval"], 2),
+    "kto-odd-eval": (["kto", "--config", "configs/kto_tiny.yaml", "data.eval=ODD:unpaired_eval"], 2),
 }
 GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=3", "logging.save_steps=2", "logging.progress_bar=false",
         "optim.lr=1e-2", "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "algo.rollout_batch_size=2",
@@ -40,7 +45,11 @@ TIMEOUT_S = 420  # per torchrun: a hang fails the test instead of blocking the s
 
 
 def argv(name: str, out: str, world: int, *extra: str) -> list[str]:
-    return [*RUNS[name], f"output_dir={out}", f"optim.per_device_batch_size={B * 2 // world}", *COMMON, *extra]
+    args, per_process = RUNS[name]
+    # data.eval=ODD:NAME is the first 5 examples of data/tiny/NAME.jsonl, written by the fixture beside the runs
+    args = [f"data.eval={os.path.dirname(out)}/odd_{a[len('data.eval=ODD:'):]}.jsonl" if a.startswith("data.eval=ODD:")
+            else a for a in args]
+    return [*args, f"output_dir={out}", f"optim.per_device_batch_size={per_process * 2 // world}", *COMMON, *extra]
 
 
 def free_port() -> int:
@@ -67,6 +76,9 @@ def torchrun(script_args: list[str], jobs: list[dict], root, tag: str) -> subpro
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     d = lambda name: str(root / name)  # noqa: E731
+    for name in ("sft_eval", "unpaired_eval"):
+        with open(os.path.join(ROOT, "data", "tiny", f"{name}.jsonl"), encoding="utf-8") as f:
+            (root / f"odd_{name}.jsonl").write_text("".join(f.readlines()[:5]))
     for name in RUNS:  # 1. references: one process, per-device batch 2B
         assert run_job({"argv": argv(name, d(f"{name}-1"), 1)}) == 0, name
     logs = {}
@@ -90,7 +102,7 @@ def runs(tmp_path_factory):
 def test_runs_are_sharded(runs, engine):
     """What accelerate did with the config file: the launch line every stage logs at start."""
     lines = [line for line in runs["logs"][engine].splitlines() if "rlhfkit: launch:" in line]
-    assert len(lines) == 5 and all("distributed type FSDP" in line for line in lines), lines
+    assert len(lines) == len(RUNS) + 3 and all("distributed type FSDP" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))

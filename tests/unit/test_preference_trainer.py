@@ -168,7 +168,8 @@ def test_kto_class_means_are_exact_across_micro_batches(tmp_path):
 def test_kto_lone_eval_example_pairs_with_the_next_eval_example(tmp_path):
     trainer = make_trainer(tmp_path, ["data.eval=null", "max_steps=1", "optim.per_device_batch_size=2"], stage="kto")
     trainer.eval_set = trainer.train_set[:3]  # batches of 2 and 1
-    first, lone = trainer.eval_batches()
+    (first, counted_first), (lone, counted_lone) = trainer.eval_batches()
+    assert counted_first and counted_lone  # one process: no filler batches
     assert first.input_ids.shape[0] == 2 and lone.input_ids.shape[0] == 1
     assert first.z0 == lone.z0  # one reference point over the whole eval set
     # Example 2 is paired with example 0's completion (the next one, cyclically).
