@@ -57,10 +57,16 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor | None, positi
         mask = attention_mask.long() if attention_mask is not None else None
         if mask is not None:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # clamp: left-pad positions get 0, and are never read
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
-    return captured[-1][..., 0].float()  # (B, T, 1) -> (B, T)
+    scores = captured[-1][..., 0].float()  # (B, T, 1) -> (B, T)
+    if scores.requires_grad:
+        # The gradient must flow through the forward's own output too: an FSDP1 root unit finishes its backward
+        # (resharding, gradient reduction) from a hook on its outputs, and a loss on the hooked scores alone never
+        # reaches it ("expected to be in states [FORWARD_BACKWARD] but current state is TrainingState.IDLE").
+        scores = scores + 0.0 * torch.nan_to_num(out.logits.float()).sum()
+    return scores
 
 
 def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:

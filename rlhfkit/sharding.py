@@ -246,12 +246,22 @@ def loaded_weights(accelerator, model, load, unwrapped=None) -> None:
         load(module)
 
 
-def _by_name(accelerator, sharded, optimizer) -> bool:
+def _optimized(accelerator, models: list) -> tuple[str, torch.nn.Module]:
+    """(layout, one module holding every parameter of `models`) for torch's optimizer state functions: the model's
+    own module, or the models side by side in a ModuleList (PPO's policy and critic)."""
+    layouts = [_layout_of(accelerator, m) for m in models]
+    kinds = {layout for layout, _, _ in layouts}
+    layout = next((k for k in ("fsdp1", "fsdp2", "zero3") if k in kinds), "whole")
+    holder = layouts[0][1] if len(layouts) == 1 else torch.nn.ModuleList([s for _, s, _ in layouts])
+    return layout, holder
+
+
+def _by_name(accelerator, holder, optimizer) -> bool:
     """Whether torch's name-keyed optimizer state functions can read `optimizer`: not DeepSpeed's own optimizer, and
-    no parameter outside `sharded` (PPO's optimizer also holds its separate critic's)."""
+    no parameter outside `holder`."""
     if accelerator.distributed_type == "DEEPSPEED":
         return False
-    own = {id(p) for p in sharded.parameters()}
+    own = {id(p) for p in holder.parameters()}
     return all(id(p) in own for group in optimizer.param_groups for p in group["params"])
 
 
@@ -259,39 +269,64 @@ def _is_by_name(state: dict) -> bool:
     return any(isinstance(k, str) for group in state.get("param_groups", []) for k in group.get("params", []))
 
 
-def optimizer_state(accelerator, model, optimizer) -> dict:
-    """What a checkpoint keeps of the optimizer. Collective under FSDP (every process must call it).
+def optimizer_state(accelerator, models: list, optimizer) -> dict:
+    """What a checkpoint keeps of the optimizer of the prepared `models`. Collective under FSDP (every process must
+    call it).
 
     The full state keyed by parameter name (torch's `get_optimizer_state_dict`) where torch can read the optimizer
     (see `_by_name`): the same dict from a sharded or an unsharded run, so the checkpoint resumes in any layout and at
-    any world size. Otherwise the optimizer's own `state_dict()` (keyed by position; DeepSpeed's holds this process's
+    any world size. Under DeepSpeed, the optimizer's own `state_dict()` (keyed by position; this process's
     partition): it resumes in the layout that wrote it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    _, sharded, _ = _layout_of(accelerator, model)
+    _, holder = _optimized(accelerator, models)
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
-    if not _by_name(accelerator, sharded, inner):
+    if not _by_name(accelerator, holder, inner):
         return optimizer.state_dict()
-    return get_optimizer_state_dict(sharded, inner, options=_state_dict_options(sharded))
+    return get_optimizer_state_dict(holder, inner, options=_state_dict_options(holder))
 
 
-def load_optimizer_state(accelerator, model, optimizer, state: dict, where: str) -> None:
+def load_optimizer_state(accelerator, models: list, optimizer, state: dict, where: str) -> None:
     """Load what `optimizer_state` returned (every process holds all of it; each keeps its slice). `where` names
     the checkpoint in the error for a position-keyed state that a sharded model cannot take."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    layout, sharded, _ = _layout_of(accelerator, model)
+    layout, holder = _optimized(accelerator, models)
     inner = getattr(optimizer, "optimizer", optimizer)
     if _is_by_name(state):
-        set_optimizer_state_dict(sharded, inner, copy.deepcopy(state), options=_state_dict_options(sharded))
+        set_optimizer_state_dict(holder, inner, copy.deepcopy(state), options=_state_dict_options(holder))
     elif layout in ("fsdp1", "fsdp2"):
         from rlhfkit.errors import UserError
 
-        raise UserError(f"{where}: its optimizer state is keyed by position (written by an older rlhfkit, under "
-                        f"DeepSpeed, or by PPO with a separate critic), which a sharded model cannot load; resume it in "
-                        f"the layout that wrote it")
+        raise UserError(f"{where}: its optimizer state is keyed by position (written by an older rlhfkit or under "
+                        f"DeepSpeed), which a sharded model cannot load; resume it in the layout that wrote it")
     else:
         optimizer.load_state_dict(state)
+
+
+def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor | None:
+    """accelerate's `clip_grad_norm_` over the gradients of several prepared models at once (None entries skipped):
+    one norm over all of them, every gradient scaled by the same factor. Under FSDP accelerate computes a global
+    norm only when handed exactly one model's `parameters()` (otherwise a norm of this process's shards): each
+    model's norm is measured by its FSDP1 wrapper (PPO under FSDP2 is refused), and the total clipped here."""
+    import math
+
+    models = [m for m in models if m is not None]
+    if len(models) == 1:
+        return accelerator.clip_grad_norm_(models[0].parameters(), max_norm)
+    if accelerator.distributed_type != "FSDP":
+        return accelerator.clip_grad_norm_([p for m in models for p in m.parameters()], max_norm)
+    # accelerate would compare the parameter lists tensor by tensor (and fail on shards of unequal sizes): each FSDP1
+    # model measures its own global norm (max_norm inf: nothing clipped yet), after accelerate's fp16 unscaling.
+    accelerator.unscale_gradients()
+    norms = torch.stack([m.clip_grad_norm_(math.inf).float() for m in models])
+    total = torch.linalg.vector_norm(norms)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's own clipping factor
+    for m in models:
+        for p in m.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return total
 
 
 def zero3_inference_engine(model: torch.nn.Module, ds_config: dict):

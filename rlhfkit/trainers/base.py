@@ -507,12 +507,16 @@ class Trainer:
             logger.info("data.padding_free with %s attention: each row's attention is one masked (N, N) product over all "
                         "its sequences, which can cost more than the padding it saves", attention)
 
-    def save_models(self, directory: str, model) -> None:
-        """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory); `model` is the
-        policy whole (`saved_weights`), as the main process writes it."""
+    def trained_models(self) -> list:
+        """The prepared models a checkpoint holds, the policy first; their optimizer is `self.optimizer`."""
+        return [self.model]
+
+    def save_models(self, directory: str, models: list) -> None:
+        """Write the trained model(s) of a checkpoint into `directory` (its `model/` subdirectory); `models` are
+        `trained_models`, whole (`saved_weights`), as the main process writes them."""
         from rlhfkit.models import save_model
 
-        save_model(model, self.tokenizer, directory, merge_lora=False)
+        save_model(models[0], self.tokenizer, directory, merge_lora=False)
 
     def load_models(self, checkpoint: str) -> None:
         """Load the weights `save_models` wrote into checkpoint directory `checkpoint` (every process calls this:
@@ -576,7 +580,7 @@ class Trainer:
     def resume(self, checkpoint: str) -> None:
         state = load_checkpoint(checkpoint)
         self.load_models(checkpoint)
-        load_optimizer_state(self.accelerator, self.model, self.optimizer, state["optimizer"], checkpoint)
+        load_optimizer_state(self.accelerator, self.trained_models(), self.optimizer, state["optimizer"], checkpoint)
         self.scheduler.load_state_dict(state["scheduler"])
         self.start_step = int(state["step"])
         self.bad_steps = int(state.get("bad_steps", 0))
@@ -588,13 +592,15 @@ class Trainer:
         """checkpoint-{step}/: `save_models` + optimizer, scheduler, RNG, skipped steps and `extra_state`."""
         acc = self.accelerator
         acc.wait_for_everyone()
-        optimizer = optimizer_state(acc, self.model, self.optimizer)  # collective under FSDP
+        trained = self.trained_models()
+        optimizer = optimizer_state(acc, trained, self.optimizer)  # collective under FSDP
         # FSDP / ZeRO-3: the weights whole while the main process writes them (gathering is collective)
-        with saved_weights(acc, self.model, self.unwrap(self.model)) as model:
+        with contextlib.ExitStack() as stack:
+            models = [stack.enter_context(saved_weights(acc, m, self.unwrap(m))) for m in trained]
             if acc.is_main_process:
                 state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
                          **self.extra_state()}
-                save_checkpoint(self.cfg.output_dir, step, lambda d: self.save_models(d, model), state,
+                save_checkpoint(self.cfg.output_dir, step, lambda d: self.save_models(d, models), state,
                                 self.cfg.logging.save_total_limit)
         acc.wait_for_everyone()
 

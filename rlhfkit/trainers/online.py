@@ -41,7 +41,7 @@ from rlhfkit.models import (
 )
 from rlhfkit.ops import kl_penalty, masked_mean
 from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
-from rlhfkit.sharding import gathered_weights
+from rlhfkit.sharding import clip_grad_norm, gathered_weights, loaded_weights
 from rlhfkit.trainers.base import (
     Trainer, build_optimizer, build_scheduler, last_checkpoint_note, load_model_weights,
 )
@@ -80,6 +80,14 @@ class OnlineTrainer(Trainer):
             raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) is "
                             "backpropagated on its own, and DeepSpeed steps at every backward; under DeepSpeed give the "
                             "critic its own model (algo.value_model) or run without DeepSpeed")
+        if value is not None and acc.distributed_type == "FSDP":
+            if isinstance(value, SharedBaseCritic):
+                raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) runs the "
+                                "policy's layers outside the policy's own forward, which FSDP does not gather; under FSDP "
+                                "give the critic its own model (algo.value_model)")
+            if getattr(acc.state.fsdp_plugin, "fsdp_version", 1) == 2:
+                raise UserError("PPO under FSDP2: accelerate prepares one model under FSDP2 and PPO trains two (policy "
+                                "and critic); launch with configs/accelerate/fsdp.yaml (FSDP1) or without FSDP")
         if value is not None and acc.distributed_type == "DEEPSPEED":
             # DeepSpeed takes one model per Accelerator: policy and critic are prepared as one module, then each is
             # called through its own forward (ZeRO-3's hooks sit on every submodule; the engine steps at backward).
@@ -104,22 +112,25 @@ class OnlineTrainer(Trainer):
                                  allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                  hint="set algo.allow_new_value_head=true to start the critic's value head at random")
 
-    def save_models(self, directory: str, model) -> None:
-        super().save_models(directory, model)
-        critic = self.unwrap(self.value) if self.value is not None else None
+    def trained_models(self) -> list:
+        """The policy, and a critic that is a model of its own (a shared-base critic's adapter is in the policy)."""
+        return [self.model] + ([self.value] if self.value is not None and not self.shared_critic() else [])
+
+    def save_models(self, directory: str, models: list) -> None:
+        super().save_models(directory, models)
         value_dir = os.path.join(os.path.dirname(directory), "value_model")
-        if isinstance(critic, SharedBaseCritic):
-            critic.save(value_dir)
-        elif critic is not None:
-            save_model(critic, self.tokenizer, value_dir, merge_lora=False)
+        if self.shared_critic():
+            self.unwrap(self.value).save(value_dir)
+        elif self.value is not None:
+            save_model(models[1], self.tokenizer, value_dir, merge_lora=False)
 
     def load_models(self, checkpoint: str) -> None:
         super().load_models(checkpoint)
-        critic = self.unwrap(self.value) if self.value is not None else None
-        if isinstance(critic, SharedBaseCritic):
-            critic.load(os.path.join(checkpoint, "value_model"))
-        elif critic is not None:
-            load_model_weights(critic, os.path.join(checkpoint, "value_model"))
+        value_dir = os.path.join(checkpoint, "value_model")
+        if self.shared_critic():
+            self.unwrap(self.value).load(value_dir)
+        elif self.value is not None:
+            loaded_weights(self.accelerator, self.value, lambda m: load_model_weights(m, value_dir), self.unwrap(self.value))
 
     def extra_state(self) -> dict:
         return {"kl_controller": json.dumps(self.kl_ctl.state_dict()), "reward_moments": json.dumps(self.moments.state_dict())}
@@ -299,6 +310,7 @@ class OnlineTrainer(Trainer):
         agg = a.loss_agg or self.algo.default_loss_agg
         sums: dict[str, float] = {}
         early_stopped = 0.0
+        norms: list[float] = []  # each optimizer step's gradient norm, before clipping
         for module in (self.model, self.value):
             if module is not None:
                 module.train()
@@ -349,11 +361,10 @@ class OnlineTrainer(Trainer):
                     sums["_w"] = sums.get("_w", 0.0) + w
                     control[1:] += torch.tensor([float(parts["policy/approxkl_avg"]) * w, w], device=control.device)
                 max_norm = cfg.optim.max_grad_norm
-                # The policy's own parameters when the optimizer holds no others: under FSDP accelerate clips through
-                # the sharded model only when handed exactly model.parameters() (elsewhere, a norm of local shards).
-                params = self.model.parameters() if self.value is None else self.optimizer_params()
-                norm = acc.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+                norm = clip_grad_norm(acc, [self.model, self.value], max_norm if max_norm is not None else math.inf)
                 bad_norm = norm is not None and acc.scaler is None and not math.isfinite(float(norm))
+                if norm is not None:
+                    norms.append(float(norm))  # global already: the same on every process
                 control = acc.reduce(control, "sum") if self.world > 1 else control
                 if control[0] > 0 or bad_norm:
                     self.optimizer.zero_grad(set_to_none=True)
@@ -375,14 +386,12 @@ class OnlineTrainer(Trainer):
         if one_pass:
             exp.old_logprobs = kept
             exp.kl = sequence_kl(kept, exp.ref_logprobs, exp.rollout.response_mask.float())
-        return {**{k: v / w for k, v in out.items()}, **gap, "policy/early_stopped": early_stopped}
+        grad_norm = {"grad_norm": sum(norms) / len(norms)} if norms else {}  # the mean over the step's updates
+        return {**{k: v / w for k, v in out.items()}, **gap, **grad_norm, "policy/early_stopped": early_stopped}
 
     def shared_critic(self) -> bool:
         """Whether the critic is a second adapter on the policy's base (`SharedBaseCritic`)."""
         return self.value is not None and isinstance(self.unwrap(self.value), SharedBaseCritic)
-
-    def optimizer_params(self):
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
         """Policy loss of a micro-batch, normalised by its minibatch's global counts (see losses.aggregate);

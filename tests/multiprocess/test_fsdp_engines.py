@@ -41,6 +41,10 @@ RUNS = {
 GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=3", "logging.save_steps=2", "logging.progress_bar=false",
         "optim.lr=1e-2", "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "algo.rollout_batch_size=2",
         "optim.per_device_batch_size=4"]
+# PPO with a critic of its own (policy, critic, one optimizer): FSDP1 only (accelerate's FSDP2 prepares one model)
+PPO = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=3", "logging.save_steps=2", "logging.progress_bar=false",
+       "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "algo.rollout_batch_size=4", "algo.num_minibatches=1",
+       "optim.per_device_batch_size=4", "optim.max_grad_norm=0.5"]
 TIMEOUT_S = 420  # per torchrun: a hang fails the test instead of blocking the suite
 
 
@@ -58,7 +62,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script_args: list[str], jobs: list[dict], root, tag: str) -> subprocess.CompletedProcess:
+def torchrun(script_args: list[str], jobs: list[dict], root, tag: str, codes: list[int] | None = None) -> subprocess.CompletedProcess:
     jobs_file, results = root / f"{tag}.json", root / f"{tag}-results"
     jobs_file.write_text(json.dumps(jobs))
     results.mkdir()
@@ -67,8 +71,9 @@ def torchrun(script_args: list[str], jobs: list[dict], root, tag: str) -> subpro
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), *script_args, str(jobs_file), str(results)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    codes = [json.loads(p.read_text()) if p.exists() else None for p in (results / "rank0.json", results / "rank1.json")]
-    assert codes == [[0] * len(jobs)] * 2, f"{tag}: exit codes {codes}\n{proc.stderr[-6000:]}"
+    got = [json.loads(p.read_text()) if p.exists() else None for p in (results / "rank0.json", results / "rank1.json")]
+    expected = codes or [0] * len(jobs)
+    assert got == [expected] * 2, f"{tag}: exit codes {got}, expected {expected}\n{proc.stderr[-6000:]}"
     return proc
 
 
@@ -88,9 +93,19 @@ def runs(tmp_path_factory):
         jobs += [{"copy": [d(f"sft-{engine}"), d(f"sft-{engine}-again")], "argv": argv("sft", d(f"sft-{engine}-again"), 2, "resume=true")},
                  {"copy": [d("sft-1"), d(f"sft-1-to-{engine}")], "argv": argv("sft", d(f"sft-1-to-{engine}"), 2, "resume=true")},
                  {"argv": [*GRPO, f"output_dir={d(f'grpo-{engine}')}"]}]
-        logs[engine] = torchrun([os.path.join(HERE, "fsdp_on_cpu.py"), config], jobs, root, engine).stderr
+        codes = [0] * len(jobs)
+        if engine == "fsdp1":
+            jobs += [{"argv": [*PPO, f"output_dir={d('ppo-fsdp1')}"]},
+                     {"copy": [d("ppo-fsdp1"), d("ppo-fsdp1-again")], "argv": [*PPO, f"output_dir={d('ppo-fsdp1-again')}", "resume=true"]},
+                     {"argv": [*PPO, f"output_dir={d('ppo-lora-fsdp1')}", "model.lora.enabled=true"]}]
+            codes += [0, 0, 2]  # the LoRA critic: refused
+        else:
+            jobs += [{"argv": [*PPO, f"output_dir={d('ppo-fsdp2')}"]}]
+            codes += [2]  # two models under FSDP2: refused
+        logs[engine] = torchrun([os.path.join(HERE, "fsdp_on_cpu.py"), config], jobs, root, engine, codes).stderr
     # 3. GRPO under plain data parallel, the same 2 processes.
-    torchrun([os.path.join(HERE, "driver.py")], [{"argv": [*GRPO, f"output_dir={d('grpo-ddp')}"]}], root, "ddp")
+    torchrun([os.path.join(HERE, "driver.py")], [{"argv": [*GRPO, f"output_dir={d('grpo-ddp')}"]},
+                                                  {"argv": [*PPO, f"output_dir={d('ppo-ddp')}"]}], root, "ddp")
     # 4. An FSDP checkpoint resumed by one unsharded process.
     for engine in ENGINES:
         job = {"copy": [d(f"sft-{engine}"), d(f"sft-{engine}-to-1")], "argv": argv("sft", d(f"sft-{engine}-to-1"), 1, "resume=true")}
@@ -102,7 +117,7 @@ def runs(tmp_path_factory):
 def test_runs_are_sharded(runs, engine):
     """What accelerate did with the config file: the launch line every stage logs at start."""
     lines = [line for line in runs["logs"][engine].splitlines() if "rlhfkit: launch:" in line]
-    assert len(lines) == len(RUNS) + 3 and all("distributed type FSDP" in line for line in lines), lines
+    assert len(lines) == len(RUNS) + 3 + (3 if engine == "fsdp1" else 1) and all("distributed type FSDP" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -146,3 +161,32 @@ def test_grpo_samples_from_the_gathered_policy_as_data_parallel(runs, engine):
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert os.path.isdir(os.path.join(runs["dir"](f"grpo-{engine}"), "checkpoint-2"))
+
+
+def test_ppo_with_its_own_critic_under_fsdp1_as_data_parallel(runs):
+    """Policy and critic sharded as two FSDP1 models with one optimizer, their gradients clipped by one norm over
+    both (max_grad_norm 0.5 clips here): the same metrics and weights as data parallel — policy and critic, at the
+    end and in the checkpoint — and resumed from its checkpoint, the same end."""
+    d = runs["dir"]
+    ddp, sharded, again = rows(d("ppo-ddp")), rows(d("ppo-fsdp1")), rows(d("ppo-fsdp1-again"))
+    assert [r["step"] for r in sharded] == [1, 2, 3]
+    for a, b, c in zip(ddp, sharded, again):
+        for key in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "objective/kl_coef"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            assert c[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert ddp[0]["grad_norm"] > 0.5  # clipping was at work
+    for where in ("", "checkpoint-2/model", "checkpoint-2/value_model"):
+        wa, wb = weights(os.path.join(d("ppo-ddp"), where)), weights(os.path.join(d("ppo-fsdp1"), where))
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{where} {k}: {m}")
+    assert_same_weights(d("ppo-fsdp1"), d("ppo-fsdp1-again"))
+
+
+@pytest.mark.parametrize("engine, message", [
+    ("fsdp1", "rlhfkit: error: model.lora.enabled: PPO's LoRA critic"),
+    ("fsdp2", "rlhfkit: error: PPO under FSDP2: accelerate prepares one model"),
+])
+def test_ppo_refusals_under_fsdp_are_one_line(runs, engine, message):
+    errors = [line for line in runs["logs"][engine].splitlines() if line.startswith("rlhfkit: error:")]
+    assert len(errors) == 2 and all(line.startswith(message) for line in errors), errors  # one per process
