@@ -25,12 +25,17 @@ and the frozen models need once each process holds only a slice of every weight.
 4. accelerate's DeepSpeed `prepare` needs the micro-batch size, which it otherwise reads from a data loader that
    rlhfkit does not hand it: `configure_deepspeed`.
 
-accelerate 1.15 runs none of these engines on CPU (see the README's table): FSDP needs a GPU-type device
+5. Keeping processes in step. Every forward of a sharded model is collective: loops whose number of batches differs
+   between processes (evaluation shares, RFT's sampling batches) give the short processes filler batches
+   (`Trainer.eval_chunks`, `RFTTrainer.best_of_n`).
+
+accelerate 1.15 runs none of these engines on CPU by itself (see the README's table): FSDP needs a GPU-type device
 (`AcceleratorState` picks FSDP only for GPU-like multi-device types; its FSDP1 plugin with `sync_module_states`
 raises "There are currently no available devices found"), and with `ACCELERATE_USE_CPU` DeepSpeed is ignored; on
 several CPU processes without it accelerate finds no backend and runs each process alone (one process runs:
 DeepSpeed's CPU accelerator, gloo). The functions here dispatch on how the weights are held, not on accelerate's
-state, so tests shard tiny models with torch and DeepSpeed directly on 2 CPU processes and check them there.
+state. Tests shard tiny models with torch and DeepSpeed directly on 2 CPU processes, and run the CLI under
+accelerate's own FSDP path with that one device decision changed (tests/multiprocess/fsdp_on_cpu.py).
 """
 
 from __future__ import annotations

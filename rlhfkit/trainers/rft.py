@@ -114,6 +114,15 @@ class RFTTrainer(Trainer):
         drawn before, its responses are the same (so the world size and a resume change nothing)."""
         return int(np.random.SeedSequence([self.cfg.seed, iteration, batch]).generate_state(1)[0])
 
+    def sample_batch(self, policy, chosen: list[int], starts: list[int], iteration: int, b: int):
+        """(prompt records, Rollout) of sampling batch `b` of `iteration`, under its own seed."""
+        cfg, tok = self.cfg, self.tokenizer
+        examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + cfg.algo.sampling_batch_size]]
+        with seeded(self.sampling_seed(iteration, b)):
+            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(self.accelerator.device), cfg.generation,
+                          tok.eos_token_id, tok.pad_token_id)
+        return examples, ro
+
     @torch.no_grad()
     def best_of_n(self, iteration: int) -> tuple[list[dict], dict[str, float]]:
         """The SFT examples of every process (the same list on each, in prompt order) and the iteration's metrics;
@@ -129,14 +138,19 @@ class RFTTrainer(Trainer):
         chosen = self.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
         starts = list(range(0, len(chosen), a.sampling_batch_size))
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
-        for b in range(acc.process_index, len(starts), self.world):
-            examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + a.sampling_batch_size]]
-            # FSDP / ZeRO-3: the policy's weights gathered for each batch (collective: see the README on RFT there).
-            with seeded(self.sampling_seed(iteration, b)), gathered_weights(acc, self.model, self.unwrap(self.model)) as policy:
-                ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(acc.device), cfg.generation,
-                              tok.eos_token_id, tok.pad_token_id)
+        mine = list(range(acc.process_index, len(starts), self.world))
+        if self.sharded():
+            # A frozen reward model in a ZeRO-3 engine runs collective forwards: every process scores as many batches,
+            # a process with fewer scoring filler batches (batch 0 again, dropped).
+            mine += [None] * (math.ceil(len(starts) / self.world) - len(mine))
+        # FSDP / ZeRO-3: the policy's weights gathered once for all of this process's batches (collective).
+        with gathered_weights(acc, self.model, self.unwrap(self.model)) as policy:
+            batches = [(b, self.sample_batch(policy, chosen, starts, iteration, b if b is not None else 0)) for b in mine]
+        for b, (examples, ro) in batches:
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
             scores = penalize_missing_eos(self.reward(ro, rows), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
+            if b is None:
+                continue
             best = select_best(scores, ro.group_ids)  # (G,)
             finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
             if not finite.all():

@@ -45,6 +45,10 @@ GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=3", "logging.sa
 PPO = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=3", "logging.save_steps=2", "logging.progress_bar=false",
        "optim.adam_eps=1e-4", "generation.max_new_tokens=8", "algo.rollout_batch_size=4", "algo.num_minibatches=1",
        "optim.per_device_batch_size=4", "optim.max_grad_norm=0.5"]
+# RFT: 24 prompts in sampling batches of 8 — 3 batches, so 2 on one process and 1 on the other (sharding.py's
+# gather, once per iteration, and the scoring's filler batch keep them in step)
+RFT = ["rft", "--config", "configs/rft_tiny.yaml", "algo.prompts_per_iteration=24", "algo.sampling_batch_size=8",
+       "generation.max_new_tokens=8", "logging.logging_steps=1", "logging.progress_bar=false"]
 TIMEOUT_S = 420  # per torchrun: a hang fails the test instead of blocking the suite
 
 
@@ -86,13 +90,15 @@ def runs(tmp_path_factory):
             (root / f"odd_{name}.jsonl").write_text("".join(f.readlines()[:5]))
     for name in RUNS:  # 1. references: one process, per-device batch 2B
         assert run_job({"argv": argv(name, d(f"{name}-1"), 1)}) == 0, name
+    assert run_job({"argv": [*RFT, f"output_dir={d('rft-1')}", "optim.per_device_batch_size=8"]}) == 0
     logs = {}
     # 2. Each engine: fresh runs; resumes of its own checkpoint and of the 1-process run's; GRPO.
     for engine, config in ENGINES.items():
         jobs = [{"argv": argv(name, d(f"{name}-{engine}"), 2)} for name in RUNS]
         jobs += [{"copy": [d(f"sft-{engine}"), d(f"sft-{engine}-again")], "argv": argv("sft", d(f"sft-{engine}-again"), 2, "resume=true")},
                  {"copy": [d("sft-1"), d(f"sft-1-to-{engine}")], "argv": argv("sft", d(f"sft-1-to-{engine}"), 2, "resume=true")},
-                 {"argv": [*GRPO, f"output_dir={d(f'grpo-{engine}')}"]}]
+                 {"argv": [*GRPO, f"output_dir={d(f'grpo-{engine}')}"]},
+                 {"argv": [*RFT, f"output_dir={d(f'rft-{engine}')}", "optim.per_device_batch_size=4"]}]
         codes = [0] * len(jobs)
         if engine == "fsdp1":
             jobs += [{"argv": [*PPO, f"output_dir={d('ppo-fsdp1')}"]},
@@ -117,7 +123,7 @@ def runs(tmp_path_factory):
 def test_runs_are_sharded(runs, engine):
     """What accelerate did with the config file: the launch line every stage logs at start."""
     lines = [line for line in runs["logs"][engine].splitlines() if "rlhfkit: launch:" in line]
-    assert len(lines) == len(RUNS) + 3 + (3 if engine == "fsdp1" else 1) and all("distributed type FSDP" in line for line in lines), lines
+    assert len(lines) == len(RUNS) + 4 + (3 if engine == "fsdp1" else 1) and all("distributed type FSDP" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -190,3 +196,15 @@ def test_ppo_with_its_own_critic_under_fsdp1_as_data_parallel(runs):
 def test_ppo_refusals_under_fsdp_are_one_line(runs, engine, message):
     errors = [line for line in runs["logs"][engine].splitlines() if line.startswith("rlhfkit: error:")]
     assert len(errors) == 2 and all(line.startswith(message) for line in errors), errors  # one per process
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_rft_with_unequal_sampling_batches(runs, engine):
+    """Best-of-n with 2 sampling batches on one process and 1 on the other (it hung under FSDP: each batch gathered
+    the policy, a collective): the same kept samples, metrics and weights as one process."""
+    one, sharded = runs["dir"]("rft-1"), runs["dir"](f"rft-{engine}")
+    for it in (1, 2):
+        with open(os.path.join(one, f"rft_iter{it}.jsonl")) as a, open(os.path.join(sharded, f"rft_iter{it}.jsonl")) as b:
+            assert a.read() == b.read()
+    assert_same_rows(rows(one), rows(sharded))
+    assert_same_weights(one, sharded)
