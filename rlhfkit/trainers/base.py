@@ -662,7 +662,7 @@ class Trainer:
             sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(model)
             with sync:
                 loss, metrics = self.compute_loss(model, batch.to(acc.device), per_process)
-                acc.backward(loss)
+                self.backward(loss, last=i == len(micro) - 1)
             nonfinite_losses += (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32, device=acc.device).detach() * n
@@ -689,6 +689,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         out["faults/skipped_total"] = float(self.bad_steps)
         return out
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """accelerate's backward of one micro-batch of an optimizer step; `last`: the step's last backward. Under
+        DeepSpeed accelerate runs the engine's step inside `backward` whenever gradients are to sync, and marks that
+        backward as the end of an accumulation: only the last backward is, so several micro-batches make one
+        DeepSpeed step over their summed gradients (they made one step each; rlhfkit does not use accelerate's
+        `accumulate`). Elsewhere the flag changes nothing: DDP's sync is `no_sync`'s business."""
+        acc = self.accelerator
+        if acc.distributed_type != "DEEPSPEED" or last:
+            acc.backward(loss)
+            return
+        acc.gradient_state._set_sync_gradients(False)
+        try:
+            acc.backward(loss)
+        finally:
+            acc.gradient_state._set_sync_gradients(True)
 
     def skip_step(self, step: int, bad_loss: bool, bad_grad: bool) -> None:
         """No update for step `step`: the gradients are dropped and the optimizer state is untouched, but the learning

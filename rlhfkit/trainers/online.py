@@ -338,7 +338,7 @@ class OnlineTrainer(Trainer):
                     # A shared-base critic's loss is backpropagated on its own: gradient checkpointing recomputes
                     # each forward under the adapter active at backward time. Otherwise one backward of the sum.
                     groups = [[t] for t in losses] if self.shared_critic() else [losses]
-                    for group in groups:
+                    for g, group in enumerate(groups):
                         loss = 0.0
                         for term in group:
                             term_loss, term_parts = term()
@@ -347,7 +347,7 @@ class OnlineTrainer(Trainer):
                         # Backward even when the loss is not finite: every process runs the same collectives, and
                         # the decision below is taken on all of them together.
                         control[0] += float(not torch.isfinite(loss))
-                        acc.backward(loss)
+                        self.backward(loss, last=i + micro >= len(idx) and g == len(groups) - 1)
                     logprobs = parts.pop("_logprobs")  # (b, r) this forward's, detached
                     if one_pass:
                         kept[rows] = _pad_to(logprobs, kept.shape[1])
