@@ -78,8 +78,8 @@ class OnlineTrainer(Trainer):
         self.scheduler = build_scheduler(optimizer, cfg, self.total_steps * a.ppo_epochs * a.num_minibatches)
         if isinstance(value, SharedBaseCritic) and acc.distributed_type == "DEEPSPEED":
             raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) is "
-                            "backpropagated on its own, and DeepSpeed steps at every backward; under DeepSpeed give the "
-                            "critic its own model (algo.value_model) or run without DeepSpeed")
+                            "backpropagated on its own, which DeepSpeed's gradient hooks do not take; under DeepSpeed "
+                            "give the critic its own model (algo.value_model) or run without DeepSpeed")
         if value is not None and acc.distributed_type == "FSDP":
             if isinstance(value, SharedBaseCritic):
                 raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) runs the "

@@ -97,15 +97,14 @@ deepspeed_config:
 @pytest.mark.parametrize("stage, zero, args", [
     ("grpo", 3, ["max_steps=2", "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]),  # 4 prompts x 4
     ("dpo", 3, ["max_steps=3"]),  # a separate reference model (no LoRA)
-    # PPO under ZeRO-2: policy and a separate critic prepared as one module (DeepSpeed takes one model per
-    # Accelerator); one micro-batch per optimizer step (8 rows per minibatch). Under ZeRO-3 it fails in DeepSpeed's
-    # gradient reduction (a parameter whose gradient is None): not handled yet, see the README.
+    # PPO: policy and a separate critic prepared as one module (DeepSpeed takes one model per Accelerator)
     ("ppo", 2, ["max_steps=2", "algo.ppo_epochs=2", "algo.num_minibatches=2", "algo.rollout_batch_size=16"]),
+    ("ppo", 3, ["max_steps=2", "algo.ppo_epochs=2", "algo.num_minibatches=2", "algo.rollout_batch_size=16"]),
     # Several micro-batches per optimizer step: one DeepSpeed step over their summed gradients (accelerate stepped
     # the engine at every backward: 2 optimizer steps a step)
     ("grpo", 3, ["max_steps=2", "optim.per_device_batch_size=8", "generation.max_new_tokens=8"]),  # 16 rows, 2 x 8
     ("sft", 2, ["max_steps=3", "optim.per_device_batch_size=8", "optim.grad_accum_steps=2", "data.eval=null"]),
-], ids=["grpo-zero3", "dpo-zero3", "ppo-zero2", "grpo-zero3-two-micro-batches", "sft-zero2-grad-accum"])
+], ids=["grpo-zero3", "dpo-zero3", "ppo-zero2", "ppo-zero3", "grpo-zero3-two-micro-batches", "sft-zero2-grad-accum"])
 def test_accelerate_zero3_one_cpu_process_equals_the_plain_run(stage, zero, args, tmp_path):
     from safetensors.torch import load_file
 
