@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import torch
 
@@ -307,6 +308,37 @@ def load_optimizer_state(accelerator, models: list, optimizer, state: dict, wher
                         f"DeepSpeed), which a sharded model cannot load; resume it in the layout that wrote it")
     else:
         optimizer.load_state_dict(state)
+
+
+DEEPSPEED_STATE = "deepspeed"  # a checkpoint's "optimizer" entry when its optimizer state is DeepSpeed's own (deepspeed/)
+
+
+def save_deepspeed_state(accelerator, directory: str) -> str:
+    """Under DeepSpeed, the optimizer state of every process's partition, written by DeepSpeed itself into `directory`
+    (its `save_checkpoint`: every process must call this); returns `DEEPSPEED_STATE`, what the checkpoint records in
+    place of an optimizer state. DeepSpeed's own `state_dict()` is this process's partition only, and holds objects
+    that `torch.load(weights_only=True)` refuses: such checkpoints did not resume at all."""
+    accelerator.deepspeed_engine_wrapped.engine.save_checkpoint(directory, tag="state", save_latest=False)
+    accelerator.wait_for_everyone()
+    return DEEPSPEED_STATE
+
+
+def load_deepspeed_state(accelerator, checkpoint: str, recorded) -> None:
+    """Load what `save_deepspeed_state` wrote into checkpoint directory `checkpoint` (every process, each its own
+    partition; the world size must be the one that wrote it). A checkpoint written with DeepSpeed resumes only with
+    it, and one without it not under it: a UserError naming the checkpoint."""
+    from rlhfkit.errors import UserError
+
+    if accelerator.distributed_type != "DEEPSPEED":
+        raise UserError(f"{checkpoint}: its optimizer state is DeepSpeed's (written under DeepSpeed); resume it with the "
+                        f"same DeepSpeed launch and world size")
+    if recorded != DEEPSPEED_STATE:
+        raise UserError(f"{checkpoint}: written without DeepSpeed; DeepSpeed cannot take its optimizer state: resume it "
+                        f"without DeepSpeed, or start a new run")
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    # The weights come along (the same as the checkpoint's model files); the learning-rate schedule is rlhfkit's own.
+    engine.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state", load_optimizer_states=True,
+                           load_lr_scheduler_states=False)
 
 
 def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor | None:

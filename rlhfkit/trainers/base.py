@@ -31,8 +31,9 @@ from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_dir, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
 from rlhfkit.launch import distributed_state, log_launch, start_run
-from rlhfkit.sharding import (configure_deepspeed, fsdp_classes, load_optimizer_state, loaded_weights, optimizer_state,
-                              saved_weights, weight_layout_of)
+from rlhfkit.sharding import (DEEPSPEED_STATE, configure_deepspeed, fsdp_classes, load_deepspeed_state,
+                              load_optimizer_state, loaded_weights, optimizer_state, save_deepspeed_state, saved_weights,
+                              weight_layout_of)
 
 logger = logging.getLogger("rlhfkit")
 
@@ -580,7 +581,10 @@ class Trainer:
     def resume(self, checkpoint: str) -> None:
         state = load_checkpoint(checkpoint)
         self.load_models(checkpoint)
-        load_optimizer_state(self.accelerator, self.trained_models(), self.optimizer, state["optimizer"], checkpoint)
+        if self.accelerator.distributed_type == "DEEPSPEED" or state["optimizer"] == DEEPSPEED_STATE:
+            load_deepspeed_state(self.accelerator, checkpoint, state["optimizer"])
+        else:
+            load_optimizer_state(self.accelerator, self.trained_models(), self.optimizer, state["optimizer"], checkpoint)
         self.scheduler.load_state_dict(state["scheduler"])
         self.start_step = int(state["step"])
         self.bad_steps = int(state.get("bad_steps", 0))
@@ -593,15 +597,24 @@ class Trainer:
         acc = self.accelerator
         acc.wait_for_everyone()
         trained = self.trained_models()
-        optimizer = optimizer_state(acc, trained, self.optimizer)  # collective under FSDP
+        deepspeed_dir = os.path.join(self.cfg.output_dir, f"{TMP_PREFIX}deepspeed-{step}")
+        if acc.distributed_type == "DEEPSPEED":
+            optimizer = save_deepspeed_state(acc, deepspeed_dir)  # every process writes its partition
+        else:
+            optimizer = optimizer_state(acc, trained, self.optimizer)  # collective under FSDP
+
+        def save_models(directory: str) -> None:
+            self.save_models(directory, models)
+            if optimizer == DEEPSPEED_STATE:  # into the checkpoint being written: it appears with it, whole
+                os.replace(deepspeed_dir, os.path.join(os.path.dirname(directory), "deepspeed"))
+
         # FSDP / ZeRO-3: the weights whole while the main process writes them (gathering is collective)
         with contextlib.ExitStack() as stack:
             models = [stack.enter_context(saved_weights(acc, m, self.unwrap(m))) for m in trained]
             if acc.is_main_process:
                 state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
                          **self.extra_state()}
-                save_checkpoint(self.cfg.output_dir, step, lambda d: self.save_models(d, models), state,
-                                self.cfg.logging.save_total_limit)
+                save_checkpoint(self.cfg.output_dir, step, save_models, state, self.cfg.logging.save_total_limit)
         acc.wait_for_everyone()
 
     def permutation(self, n: int, epoch: int) -> torch.Tensor:

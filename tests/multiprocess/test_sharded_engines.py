@@ -5,6 +5,7 @@ them on CPU: see rlhfkit/sharding.py). What each process checks is in sharded_wo
 
 import importlib.util
 import json
+import shutil
 import os
 import socket
 import subprocess
@@ -156,3 +157,36 @@ def test_ppo_lora_critic_under_deepspeed_is_refused_in_one_line(tmp_path):
     assert "rlhfkit: error: model.lora.enabled: PPO's LoRA critic" in r.stderr and "(exitcode: 2)" in r.stderr, r.stderr[-3000:]
     assert f'File "{ROOT}/rlhfkit' not in r.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("zero3" not in ENGINES, reason="deepspeed is not installed (pip install 'rlhfkit[deepspeed]')")
+@pytest.mark.parametrize("zero", [2, 3])
+def test_deepspeed_checkpoint_resumes_to_the_uninterrupted_run(zero, tmp_path):
+    """A checkpoint written under DeepSpeed holds DeepSpeed's own optimizer state (checkpoint-N/deepspeed/, every
+    process its partition): resumed, the run ends where the uninterrupted one ends. Its trainer_state.pt held
+    DeepSpeed's state_dict before, which `torch.load(weights_only=True)` refused: resume=true found no checkpoint."""
+    from safetensors.torch import load_file
+
+    ds = dict(DS_CONFIG, zero_optimization={"stage": 2}) if zero == 2 else DS_CONFIG
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    (tmp_path / "ds.yaml").write_text(ACCELERATE_CONFIG.format(ds=tmp_path / "ds.json").replace(
+        "zero3_init_flag: true", f"zero3_init_flag: {str(zero == 3).lower()}"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("ACCELERATE_USE_CPU", None)
+    args = ["sft", "--config", "configs/sft_tiny.yaml", "logging.progress_bar=false", "max_steps=4", "logging.save_steps=2",
+            "data.eval=null", "optim.per_device_batch_size=8", "logging.logging_steps=1"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    for out, extra in ((full, []), (resumed, ["resume=true"])):
+        if extra:
+            shutil.copytree(full, out)  # the finished run resumes from checkpoint-2 and redoes steps 3 and 4
+        r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "ds.yaml"),
+                            "--main_process_port", str(free_port()), "-m", "rlhfkit.cli", *args, f"output_dir={out}", *extra],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0, r.stderr[-4000:]
+    assert sorted(os.listdir(full / "checkpoint-2")) == ["deepspeed", "model", "trainer_state.pt"]
+    assert "resuming from" in r.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, resumed)]
+    assert [round(r["loss"], 6) for r in rows[0]] == [round(r["loss"], 6) for r in rows[1]]
