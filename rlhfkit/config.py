@@ -229,10 +229,13 @@ class TrainConfig:
     # (`faults/skipped_total`); this many stop the run with exit status 2, its checkpoints intact.
     max_bad_steps: PosInt = 3
     padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
+    packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
 
     def check(self):
         if self.data.padding_free and not self.padding_free_supported:
             yield "data.padding_free", "is supported by the sft, rm, dpo and orpo stages only"
+        if self.data.packing and not self.packing_supported:
+            yield "data.packing", "is supported by the sft stage only (for the others, data.padding_free saves the padding)"
         if not self.data.train:
             yield "data.train", "is required (a local file or a hub dataset name)"
         if not self.output_dir:
@@ -262,6 +265,7 @@ class SFTOptions:
 @dataclass(frozen=True)
 class SFTConfig(TrainConfig):
     padding_free_supported = True
+    packing_supported = True
     algo: SFTOptions = field(default_factory=SFTOptions)
 
 

@@ -53,3 +53,19 @@ def test_unsupported_stage_refuses_padding_free_in_one_line(tmp_path, capsys, ar
     errors = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("rlhfkit: error:")]
     assert len(errors) == 1 and "config key 'data.padding_free'" in errors[0], errors
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("args", [
+    ["rm", "--config", "configs/rm_tiny.yaml"],
+    ["dpo", "--config", "configs/dpo_tiny.yaml"],
+    ["kto", "--config", "configs/kto_tiny.yaml"],
+    ["orpo", "--config", "configs/orpo_tiny.yaml"],
+    ["grpo", "--config", "configs/grpo_tiny.yaml"],
+    ["rft", "--config", "configs/rft_tiny.yaml"],
+], ids=["rm", "dpo", "kto", "orpo", "grpo", "rft"])
+def test_packing_outside_sft_is_refused_in_one_line(tmp_path, capsys, args):
+    """data.packing packs SFT examples; the other stages ignored it silently (the run trained unpacked)."""
+    assert main(args + [f"output_dir={tmp_path / 'run'}", "data.packing=true"]) == 2
+    errors = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("rlhfkit: error:")]
+    assert len(errors) == 1 and "config key 'data.packing' is supported by the sft stage only" in errors[0], errors
+    assert not os.path.exists(tmp_path / "run")
