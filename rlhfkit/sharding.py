@@ -96,12 +96,9 @@ def gathered_weights(accelerator, model, unwrapped=None):
       forwards (see below).
     """
     fsdp1, _ = fsdp_classes()
-    # accelerate's unwrap_model also strips an FSDP1 wrapper (1.15), leaving a model whose root weights stay sharded.
-    if fsdp1 is not None and isinstance(model, fsdp1):
-        module = model
-    else:
-        module = unwrapped if unwrapped is not None else accelerator.unwrap_model(model)
-    layout = weight_layout(module)
+    layout, sharded, module = _layout_of(accelerator, model, unwrapped)
+    if layout == "fsdp1":
+        module = sharded  # the wrapper: its root unit's weights are summoned through it
     if layout == "fsdp2":
         _, fsdp2 = fsdp_classes()
         units = [m for m in module.modules() if isinstance(m, fsdp2)]
