@@ -41,6 +41,8 @@ LAYERS = [
     "rlhfkit.data",
     "rlhfkit.generation",
     "rlhfkit.rewards",
+    "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
+    "rlhfkit.hub",  # model card and hub push
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
     "rlhfkit.evaluation.alarms",
     "rlhfkit.evaluation.dashboard",
