@@ -138,3 +138,25 @@ class TrackioSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def build_sinks(report_to: list[str], config: dict, *, project: str, run_name: str, output_dir: str,
+                is_main: bool) -> list[Sink]:
+    """The sinks `report_to` names, for the main process (the others log nothing: an empty list).
+
+    `config` is the resolved config (`run_config`); `project` the W&B and trackio project; `run_name` the run's name
+    in each tracker. W&B keeps its offline files under `output_dir/wandb/`, TensorBoard its event file under
+    `output_dir/runs/<run_name>/`; trackio writes to its own store (TRACKIO_DIR).
+    """
+    check_trackers(report_to)
+    if not is_main:
+        return []
+    sinks: list[Sink] = []
+    for name in report_to:
+        if name == "wandb":
+            sinks.append(WandbSink(project, run_name, config, output_dir))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(os.path.join(output_dir, "runs", run_name), config))
+        else:
+            sinks.append(TrackioSink(project, run_name, config))
+    return sinks

@@ -75,6 +75,9 @@ def test_wandb_run_has_the_project_the_run_name_the_config_metrics_and_a_samples
     sink.log(2, {"loss": 1.0})
     sink.log_samples(2, ROWS)
     sink.close()
+    import wandb
+
+    wandb.teardown()  # finish() can return before W&B's service has flushed the .wandb file; its shutdown waits
 
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     records = _wandb_records(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0])
@@ -155,3 +158,25 @@ def test_trackio_store_holds_metrics_config_and_samples(tmp_path):
     assert logs[:2] == [{"step": 1, "loss": 1.5, "objective/kl": 0.25}, {"step": 2, "loss": 1.0}]
     assert logs[2] == {"step": 2, "samples": {"_type": "trackio.table", "_value": ROWS}}
     assert os.path.isfile(tmp_path / "trackio" / "my-project.db")
+
+
+def test_build_sinks_makes_each_named_sink_on_the_main_process_only(tmp_path, monkeypatch):
+    from rlhfkit.trackers import TensorBoardSink, WandbSink, build_sinks, run_config
+    from rlhfkit.config import SFTConfig, load_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(SFTConfig, None, ["model.name_or_path=tiny", "data.train=x.jsonl", f"output_dir={tmp_path}"])
+    config = run_config(cfg, "sft")
+    assert config["stage"] == "sft" and config["optim"]["lr"] == cfg.optim.lr and config["output_dir"] == str(tmp_path)
+    kwargs = dict(project="p", run_name="r", output_dir=str(tmp_path))
+    assert build_sinks(["tensorboard", "wandb"], config, is_main=False, **kwargs) == []
+    with pytest.raises(UserError, match="unknown tracker 'mlflow'"):  # refused on every process, not only the main one
+        build_sinks(["mlflow"], config, is_main=False, **kwargs)
+    sinks = build_sinks(["tensorboard", "wandb"], config, is_main=True, **kwargs)
+    assert [type(s) for s in sinks] == [TensorBoardSink, WandbSink]
+    for s in sinks:
+        s.log(1, {"loss": 2.0})
+        s.close()
+    assert glob.glob(str(tmp_path / "runs" / "r" / "events.out.tfevents.*"))
+    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
