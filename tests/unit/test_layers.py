@@ -34,6 +34,7 @@ LAYERS = [
     "rlhfkit.algorithms",
     "rlhfkit.kl",
     "rlhfkit.config",
+    "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
@@ -41,6 +42,8 @@ LAYERS = [
     "rlhfkit.data",
     "rlhfkit.generation",
     "rlhfkit.rewards",
+    "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
+    "rlhfkit.hub",  # model card and hub push
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
     "rlhfkit.evaluation.alarms",
     "rlhfkit.evaluation.dashboard",
