@@ -33,6 +33,9 @@ LAYERS = [
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
     "rlhfkit.kl",
+    "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
+    "rlhfkit.config.sections",
+    "rlhfkit.config.stages",
     "rlhfkit.config",
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
