@@ -41,6 +41,11 @@ LAYERS = [
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
+    "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
+    "rlhfkit.data.formats",
+    "rlhfkit.data.render",
+    "rlhfkit.data.tokenize",
+    "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
     "rlhfkit.rewards",
