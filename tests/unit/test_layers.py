@@ -33,12 +33,20 @@ LAYERS = [
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
     "rlhfkit.kl",
+    "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
+    "rlhfkit.config.sections",
+    "rlhfkit.config.stages",
     "rlhfkit.config",
     "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
+    "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
+    "rlhfkit.data.formats",
+    "rlhfkit.data.render",
+    "rlhfkit.data.tokenize",
+    "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
     "rlhfkit.rewards",
