@@ -230,6 +230,15 @@ def ref_model_check(key: str, value: str | None, null_means: str):
 
 
 @dataclass(frozen=True)
+class AlarmsConfig:
+    """Thresholds of the alarms that configs can set (the others are `evaluation.alarms.AlarmThresholds` defaults)."""
+
+    # alignment_tax: fires when the policy's mean per-token NLL of the capability set exceeds the reference's by more
+    # than this many nats (0.1 = the reference texts' perplexity up 10.5%).
+    alignment_tax_nats: Positive = 0.1
+
+
+@dataclass(frozen=True)
 class KLConfig:
     controller: Literal["fixed", "adaptive"] = "fixed"  # adaptive: Ziegler et al. 2019 proportional controller
     coef: NonNeg = 0.05  # β (the initial β when adaptive)

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from annotated_types import Gt, Interval
 
 from rlhfkit.config.fields import NonNeg, PosInt, Positive, Seed
-from rlhfkit.config.sections import (DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig, TrainConfig,
+from rlhfkit.config.sections import (AlarmsConfig, DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig, TrainConfig,
                                      ref_model_check)
 
 
@@ -238,6 +238,10 @@ class EvalConfig:
     reference_gguf_file: str | None = None  # a .gguf file inside (or beside) `reference`, as model.gguf_file
     data: DataConfig = field(default_factory=DataConfig)  # held-out prompts: `data.eval` ({prompt} or {messages} records)
     preference_data: str | None = None  # pairwise preference records (a file or hub dataset): each reward model's accuracy
+    # Held-out reference texts in any SFT format (a file or hub dataset): the alignment tax, the policy's and the
+    # reference's mean per-token NLL of their responses and the difference (eval.json's `alignment_tax`).
+    capability_data: str | None = None
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)  # judges: each reward model (and their ensemble), the function
     judges: list[str] = field(default_factory=list)  # more Python judges, "name=module:function" (e.g. a gold judge)
@@ -261,6 +265,8 @@ class EvalConfig:
         yield from ref_model_check("reference", self.reference, "evaluate the policy alone")
         if self.reference_gguf_file and self.reference is None:
             yield "reference_gguf_file", "needs `reference`"
+        if self.capability_data and self.reference is None:
+            yield "capability_data", "measures the policy against the reference: it needs `reference`"
         if self.preference_data and not self.reward.model:
             yield "preference_data", "measures reward-model accuracy: it needs reward.model"
         names = [self.reward.function.rpartition(":")[2]] if self.reward.function else []

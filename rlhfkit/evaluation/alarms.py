@@ -35,6 +35,8 @@ TOP_SHARE_KEY = "response/top_share"
 EMPTY_KEY = "response/empty_rate"
 EOS_KEY = "response/eos_rate"
 CORR_KEY = "response/score_length_corr"
+# Capability retention (`evaluation.capability`): nats per token the policy lost on held-out reference texts.
+ALIGNMENT_TAX_KEY = "capability/delta_nats"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class AlarmThresholds:
     min_words: float = 5.0  # ... counting only steps whose responses average this many words (fewer: no phrasing)
     max_top_share: float = 0.9  # distinct_collapse: one response answers more than this share of the prompts
     degenerate_rise: float = 0.2  # degenerate_responses: empty or truncated rate up by this much (absolute)
+    # alignment_tax: the policy's per-token NLL of reference texts above the reference's by more than this (nats;
+    # 0.1 nats/token = perplexity up 10.5%). The config key `alarms.alignment_tax_nats` sets it.
+    alignment_tax_nats: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -220,9 +225,26 @@ def degenerate_responses(history: Sequence[Mapping], t: AlarmThresholds = AlarmT
     return alarms
 
 
+def alignment_tax(history: Sequence[Mapping], t: AlarmThresholds = AlarmThresholds()) -> list[Alarm]:
+    """The latest capability measurement (`ALIGNMENT_TAX_KEY`) shows the policy predicting held-out reference texts
+    worse than the reference model by more than `alignment_tax_nats` per token."""
+    series = _series(history, ALIGNMENT_TAX_KEY)
+    if not series:
+        return []
+    row, delta = series[-1]
+    if delta <= t.alignment_tax_nats:
+        return []
+    where = row.get("label") or f"step {row.get('step')}"
+    return [Alarm("alignment_tax", (
+        f"the policy's NLL of the capability set is {delta:.3f} nats/token above the reference's ({where}; "
+        f"threshold alarms.alignment_tax_nats={t.alignment_tax_nats:g}): capability lost, consider PPO-ptx "
+        "(algo.ptx_coef) or rolling back"))]
+
+
 def check_alarms(
     history: Sequence[Mapping], samples: SampleStats | None = None, thresholds: AlarmThresholds = AlarmThresholds()
 ) -> list[Alarm]:
     """Every alarm that fires on `history` (metric rows in logging order) and, when given, per-sample `samples`."""
     return (proxy_up_gold_down(history, thresholds) + length_correlation(history, samples, thresholds)
-            + distinct_collapse(history, thresholds) + degenerate_responses(history, thresholds))
+            + distinct_collapse(history, thresholds) + degenerate_responses(history, thresholds)
+            + alignment_tax(history, thresholds))

@@ -30,8 +30,11 @@ from rlhfkit.config import DataConfig, EvalConfig, ModelConfig, config_to_yaml
 from rlhfkit.data import build_datasets, collate_preference, collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import (
-    DISTINCT_KEY, EMPTY_KEY, EOS_KEY, TOP_SHARE_KEY, WORDS_KEY, SampleStats, check_alarms, diversity_figures,
+    ALIGNMENT_TAX_KEY, DISTINCT_KEY, EMPTY_KEY, EOS_KEY, TOP_SHARE_KEY, WORDS_KEY, AlarmThresholds, SampleStats,
+    check_alarms, diversity_figures,
 )
+from rlhfkit.evaluation.alarms import alignment_tax as check_alignment_tax
+from rlhfkit.evaluation.capability import AlignmentTax, alignment_tax, response_nll
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
@@ -278,6 +281,9 @@ class Evaluator:
             pairs = []
             if cfg.preference_data:
                 pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
+            capability = []
+            if cfg.capability_data:
+                capability, _ = build_datasets("sft", self.data_config(cfg.capability_data), tokenizer, cfg.seed)
         scorers = self.load_scorers(tokenizer, device)
         judges: dict[str, Judge] = {name: RewardModelJudge(s, cfg.batch_size) for name, s in scorers.items()}
         specs = [(cfg.reward.function.rpartition(":")[2], cfg.reward.function, "reward.function")] if cfg.reward.function else []
@@ -295,23 +301,40 @@ class Evaluator:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
         parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state)
+        tax = self.alignment_tax(policy, reference, capability, tokenizer.pad_token_id, state) if capability else None
         # 3. The main process judges and compares, adds reward-model accuracy and the training run's alarms, writes
         # eval.json (samples last) and prints the table; every process returns the headline figures.
-        return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device))
+        return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device, tax))
 
-    def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device) -> dict[str, float]:
+    def alignment_tax(self, policy, reference, examples: list[dict], pad_token_id: int, state) -> AlignmentTax:
+        """`capability.alignment_tax` of the capability set, each process scoring every world-th example."""
+        mine = examples[state.process_index :: state.num_processes]
+        sums = [response_nll(m, mine, pad_token_id, self.cfg.batch_size, state.device) for m in (policy, reference)]
+        reduce = None
+        if state.num_processes > 1:
+            from accelerate.utils import reduce as all_reduce
+
+            reduce = lambda t: all_reduce(t, reduction="sum")  # noqa: E731
+        return alignment_tax(*sums, all_reduce=reduce)
+
+    def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device, tax: AlignmentTax | None = None) -> dict[str, float]:
         cfg = self.cfg
         result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples)
         accuracy = {name: self.rm_accuracy(scorer, pairs, tokenizer.pad_token_id, device)
                     for name, scorer in scorers.items()} if pairs else {}
+        thresholds = AlarmThresholds(alignment_tax_nats=cfg.alarms.alignment_tax_nats)
+        if tax is not None:
+            result["alarms"] += [dataclasses.asdict(a) for a in
+                                 check_alignment_tax([{"label": "policy", ALIGNMENT_TAX_KEY: tax.delta}], thresholds)]
         if cfg.run_dir:
             with open(os.path.join(cfg.run_dir, "metrics.jsonl"), encoding="utf-8") as f:
                 history = [json.loads(line) for line in f if line.strip()]
-            result["alarms"] += [{**dataclasses.asdict(a), "source": "run_dir"} for a in check_alarms(history)]
+            result["alarms"] += [{**dataclasses.asdict(a), "source": "run_dir"} for a in check_alarms(history, thresholds=thresholds)]
         samples = result.pop("samples")
         report = {"policy_model": cfg.model.name_or_path, "reference_model": cfg.reference,
                   "generation": dataclasses.asdict(cfg.generation), "seed": cfg.seed, **result,
-                  "reward_model_accuracy": accuracy, "samples": samples}
+                  "reward_model_accuracy": accuracy, "alignment_tax": tax.as_dict() if tax is not None else None,
+                  "samples": samples}
         os.makedirs(cfg.output_dir, exist_ok=True)
         atomic_write_text(os.path.join(cfg.output_dir, "eval_config.yaml"), config_to_yaml(cfg))
         atomic_write_text(self.path, json.dumps(report, indent=2) + "\n")
@@ -385,6 +408,8 @@ def headline(report: dict) -> dict[str, float]:
     out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items()})
     out.update({f"win_rate/{name}": w for name, w in report["win_rate"].items()})
     out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
+    if report.get("alignment_tax"):
+        out["alignment_tax/delta_nats"] = report["alignment_tax"]["delta_nats"]
     return out
 
 
@@ -405,6 +430,9 @@ def summary_table(report: dict) -> str:
     rows += [(f"reward: {name}", r["mean"], ref and ref["reward"][name]["mean"], report["win_rate"].get(name))
              for name, r in pol["reward"].items()]
     rows += [(f"RM accuracy: {name}", a, None, None) for name, a in report["reward_model_accuracy"].items()]
+    if tax := report.get("alignment_tax"):
+        rows += [("capability NLL, nats/token", tax["policy_nll"], tax["reference_nll"], None),
+                 ("  alignment tax, nats/token", tax["delta_nats"], None, None)]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
     lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]

@@ -94,3 +94,39 @@ def test_bad_config_fails_before_loading(override, key, tmp_path, capsys):
     assert main(["eval", "--config", "configs/eval_tiny.yaml", f"output_dir={tmp_path / 'e'}", override]) == 2
     assert f"'{key}'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+def test_alignment_tax_block_and_alarm(tmp_path):
+    """capability_data: the policy's and the reference's per-token NLL of reference responses. The SFT run's own final
+    eval loss on the same file is the policy's figure; against the untrained model the loss of NLL fires the alarm."""
+    sft = tmp_path / "sft"
+    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={sft}", "max_steps=6", "logging.eval_steps=6",
+                 "logging.progress_bar=false"]) == 0
+    final_eval = [r for r in (json.loads(line) for line in (sft / "metrics.jsonl").read_text().splitlines()) if "eval/loss" in r][-1]
+    # The SFT model scored against the random tiny model: it predicts the held-out reviews far better (negative tax).
+    out = tmp_path / "gain"
+    assert main(BASE + [f"output_dir={out}", f"model.name_or_path={sft}", "capability_data=data/tiny/sft_eval.jsonl",
+                        "data.max_prompt_length=96"]) == 0
+    tax = json.loads((out / "eval.json").read_text())["alignment_tax"]
+    assert tax["policy_nll"] == pytest.approx(final_eval["eval/loss"], rel=1e-4)
+    assert tax["delta_nats"] == pytest.approx(tax["policy_nll"] - tax["reference_nll"]) and tax["delta_nats"] < -0.1
+    assert tax["tokens"] > 0
+    assert not [a for a in json.loads((out / "eval.json").read_text())["alarms"] if a["name"] == "alignment_tax"]
+    # The other way round, the random model has lost what the SFT model knew: the alarm fires, naming its threshold.
+    out = tmp_path / "loss"
+    assert main(BASE + [f"output_dir={out}", f"reference={sft}", "capability_data=data/tiny/sft_eval.jsonl",
+                        "data.max_prompt_length=96"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["alignment_tax"]["delta_nats"] == pytest.approx(-tax["delta_nats"], rel=1e-4)
+    alarm = [a for a in report["alarms"] if a["name"] == "alignment_tax"]
+    assert alarm and "alarms.alignment_tax_nats=0.1" in alarm[0]["message"]
+    # A higher threshold keeps it quiet.
+    out = tmp_path / "quiet"
+    assert main(BASE + [f"output_dir={out}", f"reference={sft}", "capability_data=data/tiny/sft_eval.jsonl",
+                        "data.max_prompt_length=96", "alarms.alignment_tax_nats=100"]) == 0
+    assert not [a for a in json.loads((out / "eval.json").read_text())["alarms"] if a["name"] == "alignment_tax"]
+
+
+def test_capability_data_needs_a_reference(tmp_path, capsys):
+    assert main(BASE + [f"output_dir={tmp_path / 'e'}", "reference=null", "capability_data=data/tiny/sft_eval.jsonl"]) == 2
+    assert "capability_data" in capsys.readouterr().err
