@@ -40,6 +40,7 @@ LAYERS = [
     "rlhfkit.models",
     "rlhfkit.data",
     "rlhfkit.generation",
+    "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
     "rlhfkit.rewards",
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
     "rlhfkit.evaluation.alarms",
