@@ -15,3 +15,10 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file or record is missing, malformed or of the wrong shape."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, cut to 300 characters, or its type's name when the message is empty:
+    a third-party error quoted inside a one-line message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__

@@ -213,8 +213,8 @@ def unwrap_model(model):
 def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> None:
     """Save `model` (and `tokenizer`, when given) as a plain Hugging Face directory, atomically.
 
-    A peft model is merged into full weights (on a copy: `model` stays trainable) unless `merge_lora` is False, in
-    which case only the adapter is saved; a 4-bit base is merged as `merged_full_precision` does. `out_dir` is
+    A peft model is merged into full weights unless `merge_lora` is False, in which case only the adapter is saved;
+    the merge runs on a CPU copy (`cpu_copy`), so `model` stays trainable and its device holds no second copy; a 4-bit base is merged as `merged_full_precision` does. `out_dir` is
     replaced only once everything is written: a failure midway leaves an existing `out_dir` untouched. `model` must
     already be unwrapped from accelerate/DDP.
     """
@@ -222,11 +222,26 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
         if isinstance(model, PeftModel) and merge_lora and getattr(model.get_base_model(), "is_loaded_in_4bit", False):
             merged_full_precision(model).save_pretrained(tmp)
         elif isinstance(model, PeftModel) and merge_lora:
-            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
+            cpu_copy(model).merge_and_unload().save_pretrained(tmp)
         else:
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` whose parameters and buffers live on the CPU, made without a copy on `model`'s device.
+
+    `copy.deepcopy` would clone every tensor where it lies (a second full model on the accelerator); here each tensor
+    is copied straight to the CPU and handed to deepcopy through its memo, so the module tree (peft wrappers, tied
+    weights: one tensor seen once) is rebuilt around the CPU tensors.
+    """
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(model, memo)
 
 
 def merged_full_precision(model: PeftModel) -> PreTrainedModel:

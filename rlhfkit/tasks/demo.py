@@ -434,7 +434,7 @@ def _rm_accuracy(scorer, model_cfg, pairs: list[dict]) -> dict:
     from rlhfkit.models import load_tokenizer
 
     tok = load_tokenizer(model_cfg)
-    examples, _ = tokenize_records(pairs, "pairwise", "preference", tok, DataConfig(train="-", max_length=512, max_prompt_length=256), "pairs")
+    examples, _ = tokenize_records(pairs, "preference", tok, DataConfig(train="-", max_length=512, max_prompt_length=256), "pairs")
     b = collate_preference(examples, tok.pad_token_id).to(_device())
     margin = (scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100)
               - scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100)).cpu()

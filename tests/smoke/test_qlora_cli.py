@@ -4,15 +4,17 @@ in 4 bits to score PPO's samples), the merged export, and the refusals through t
 
 import json
 import os
+import sys
+import types
 
 import pytest
 import torch
 
 from rlhfkit.cli import main
-from rlhfkit.config import LoraConfig, ModelConfig, QuantizationConfig, _bitsandbytes_problem
+from rlhfkit.config import LoraConfig, ModelConfig, QuantizationConfig, bitsandbytes_problem
 from rlhfkit.models import load_causal_lm, load_tokenizer, save_model
 
-PROBLEM = _bitsandbytes_problem()
+PROBLEM = bitsandbytes_problem()
 needs_bnb = pytest.mark.skipif(PROBLEM is not None, reason=f"bitsandbytes 4-bit cannot run here: {PROBLEM}")
 FOUR_BIT = ["model.lora.enabled=true", "model.quantization.load_in_4bit=true", "logging.progress_bar=false"]
 
@@ -174,10 +176,13 @@ def test_refusals_exit_2_with_one_line(case, tmp_path, capsys, monkeypatch):
     args = ["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={tmp_path / 'out'}", "max_steps=1",
             "model.quantization.load_in_4bit=true"]
     if case == "full fine-tuning":
-        monkeypatch.setattr("rlhfkit.config._bitsandbytes_problem", lambda: None)
+        # bitsandbytes as a machine where it runs sees it: the refusal is the config's rule, not this machine's
+        bnb = types.ModuleType("bitsandbytes")
+        bnb.__version__, bnb.supported_torch_devices = "0.50.2", {"cuda" if torch.cuda.is_available() else "cpu"}
+        monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
         expected = "config key 'model.quantization.load_in_4bit' needs model.lora.enabled=true"
     else:
-        monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)
+        monkeypatch.setitem(sys.modules, "bitsandbytes", None)
         args.append("model.lora.enabled=true")
         expected = "pip install 'rlhfkit[qlora]'"
     code, errors, err = run_cli(capsys, args)

@@ -1,4 +1,5 @@
-"""rlhfkit.data: loading, format detection, validation messages, rendering, masks, truncation, collators.
+"""rlhfkit.data: loading, format detection, validation messages, rendering, masks, truncation, collators, all through
+the public functions (`build_datasets`, `tokenize_records`, the collators).
 
 Everything runs offline on the char-level tiny tokenizer (ChatML template, pad == eos == "<|im_end|>"), so one
 character is one token and expected ids can be written down directly.
@@ -20,8 +21,6 @@ from rlhfkit.data import (
     collate_prompts,
     collate_sft,
     collate_unpaired,
-    detect_format,
-    load_records,
     pack_sft,
     tokenize_records,
 )
@@ -58,105 +57,124 @@ def ids(tok, text, special=False):
 
 def tokenize(records, kind, tok, source="d.jsonl", **cfg):
     cfg = DataConfig(train=source, **{"max_length": 256, "max_prompt_length": 128, **cfg})
-    return tokenize_records(records, detect_format(records, kind, source), kind, tok, cfg, source)
+    return tokenize_records(records, kind, tok, cfg, source)
 
 
 def labelled(example):
     return [t for t in example["labels"] if t != -100]
 
 
-# 1. Loading -----------------------------------------------------------------------------------------------------
+# 1. Loading: a "prompt" example carries its record whole (the prompt, and every other field in `columns`) ----------
 
+MSGS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 PC = [{"prompt": "p0", "completion": "c0"}, {"prompt": "p1", "completion": "c1"}, {"prompt": "p2", "completion": "c2"}]
 
 
-def test_load_jsonl_skips_blank_lines_and_keeps_first_n(tmp_path):
+def load(tok, source, **cfg):
+    """The records of `source` as `build_datasets` read them."""
+    train, _ = build_datasets("prompt", DataConfig(train=source, max_length=64, max_prompt_length=32, **cfg), tok, seed=0)
+    return [{"prompt": e["prompt"], **e["columns"]} for e in train]
+
+
+def test_load_jsonl_skips_blank_lines_and_keeps_first_n(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(PC[0]) + "\n\n  \n" + json.dumps(PC[1]) + "\n" + json.dumps(PC[2]))
-    assert load_records(str(path)) == PC
-    assert load_records(str(path), max_samples=2) == PC[:2]
+    assert load(tok, str(path)) == PC
+    assert load(tok, str(path), max_samples=2) == PC[:2]
 
 
-def test_load_json_list_and_json_lines_in_a_json_file(tmp_path):
+def test_load_json_list_and_json_lines_in_a_json_file(tmp_path, tok):
     (tmp_path / "list.json").write_text(json.dumps(PC))
     (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in PC))
-    assert load_records(str(tmp_path / "list.json")) == PC
-    assert load_records(str(tmp_path / "lines.json")) == PC
+    assert load(tok, str(tmp_path / "list.json")) == PC
+    assert load(tok, str(tmp_path / "lines.json")) == PC
 
 
-def test_load_csv_infers_bools_and_numbers(tmp_path):
+def test_load_csv_infers_bools_and_numbers(tmp_path, tok):
     (tmp_path / "d.csv").write_text("prompt,completion,label,margin\nhi,yo,true,1.5\nhey,no,false,\n")
-    assert load_records(str(tmp_path / "d.csv")) == [
+    assert load(tok, str(tmp_path / "d.csv")) == [
         {"prompt": "hi", "completion": "yo", "label": True, "margin": 1.5},
         {"prompt": "hey", "completion": "no", "label": False, "margin": None},
     ]
 
 
-def test_load_parquet_keeps_message_lists(tmp_path):
-    records = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+def test_load_parquet_keeps_message_lists(tmp_path, tok):
+    records = [{"prompt": MSGS[:1], "turns": MSGS}]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), tmp_path / "d.parquet")
-    assert load_records(str(tmp_path / "d.parquet")) == records
+    assert load(tok, str(tmp_path / "d.parquet")) == records
 
 
-def test_hub_names_go_to_datasets_and_failures_name_the_dataset(monkeypatch):
+def test_hub_names_go_to_datasets_and_failures_name_the_dataset(monkeypatch, tok):
     import datasets
 
     monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(PC))
-    assert load_records("org/name", max_samples=2) == PC[:2]
+    assert load(tok, "org/name", max_samples=2) == PC[:2]
 
     def fail(name, split):
         raise ConnectionError("no network\nmore detail")
 
     monkeypatch.setattr(datasets, "load_dataset", fail)
     with pytest.raises(DataError, match=r"^dataset 'org/name' \(split 'test'\) could not be loaded: no network$"):
-        load_records("org/name", split="test")
+        load(tok, "org/name", train_split="test")
 
 
 @pytest.mark.parametrize("source", ["x.jsonl", "data/x.txt", "./x", "/nonexistent/dir/file"])
-def test_missing_path_is_not_found(source):
+def test_missing_path_is_not_found(source, tok):
     with pytest.raises(DataError, match="^data file '" + source + "' not found$"):
-        load_records(source)
+        load(tok, source)
 
 
-def test_load_errors_name_file_and_line(tmp_path):
+def test_load_errors_name_file_and_line(tmp_path, tok):
     path = tmp_path / "x.jsonl"
     path.write_text("\n".join([json.dumps(PC[0])] * 6) + '\n{"prompt": "a" "completion": "b"}\n')
     with pytest.raises(DataError, match=r"x\.jsonl line 7: malformed JSON \(Expecting ',' delimiter: col 16\)$"):
-        load_records(str(path))
+        load(tok, str(path))
     path.write_text(json.dumps(PC[0]) + "\n[1, 2]\n")
     with pytest.raises(DataError, match=r"x\.jsonl line 2: expected a JSON object \(one record per line\), got list"):
-        load_records(str(path))
+        load(tok, str(path))
     path.write_text("\n \n")
     with pytest.raises(DataError, match=r"x\.jsonl: no records \(empty dataset\)$"):
-        load_records(str(path))
+        load(tok, str(path))
     (tmp_path / "x.json").write_text('[{"prompt": 1},')
     with pytest.raises(DataError, match=r"x\.json: malformed JSON \(Expecting value: line 1 col 16\)"):
-        load_records(str(tmp_path / "x.json"))
+        load(tok, str(tmp_path / "x.json"))
     (tmp_path / "x.txt").write_text("hello")
     with pytest.raises(DataError, match=r"x\.txt': unsupported extension '\.txt'"):
-        load_records(str(tmp_path / "x.txt"))
+        load(tok, str(tmp_path / "x.txt"))
+
+
+def test_an_empty_list_of_records_is_refused(tok):
+    with pytest.raises(DataError, match=r"^d\.jsonl: no records \(empty dataset\)$"):
+        tokenize([], "sft", tok)
 
 
 # 2. Format detection and validation -----------------------------------------------------------------------------
 
-MSGS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+USER, ANSWER = [{"role": "user", "content": "q"}], [{"role": "assistant", "content": "a"}]
+OTHER = [{"role": "assistant", "content": "b"}]
 
 
+# Each format is detected from its keys and read as the record written in another format means: both give the same
+# examples (on the chat-template tokenizer, where text turns become user/assistant messages).
 @pytest.mark.parametrize(
-    "kind,record,fmt",
+    "kind,record,same_as",
     [
-        ("sft", {"prompt": "p", "completion": "c"}, "prompt_completion"),
-        ("sft", {"messages": MSGS}, "messages"),
-        ("preference", {"prompt": "p", "chosen": "c", "rejected": "r", "margin": 1}, "pairwise"),
-        ("preference", {"prompt": MSGS[:1], "chosen": MSGS[1:], "rejected": "r"}, "pairwise"),
-        ("preference", {"chosen": "\n\nHuman: q\n\nAssistant: c", "rejected": "\n\nHuman: q\n\nAssistant: r"}, "hh_rlhf"),
-        ("unpaired", {"prompt": "p", "completion": "c", "label": False}, "unpaired"),
-        ("prompt", {"prompt": "p"}, "prompt"),
-        ("prompt", {"messages": MSGS}, "messages"),
+        ("sft", {"prompt": "q", "completion": "a"}, {"messages": MSGS}),
+        ("sft", {"prompt": USER, "completion": ANSWER}, {"messages": MSGS}),
+        ("preference", {"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1}, {"prompt": USER, "chosen": ANSWER, "rejected": OTHER, "margin": 1}),
+        ("preference", {"prompt": USER, "chosen": ANSWER, "rejected": "b"}, {"prompt": "q", "chosen": "a", "rejected": OTHER}),
+        ("preference", {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: b"},
+         {"prompt": USER, "chosen": ANSWER, "rejected": OTHER}),
+        ("unpaired", {"prompt": "q", "completion": "a", "label": False}, {"prompt": USER, "completion": ANSWER, "label": False}),
+        ("prompt", {"prompt": "q"}, {"messages": MSGS}),
     ],
 )
-def test_detect_format(kind, record, fmt):
-    assert detect_format([record, record], kind, "d.jsonl") == fmt
+def test_each_format_reads_as_its_equivalent(kind, record, same_as, tok):
+    (ex,), _ = tokenize([record], kind, tok)
+    (expected,), _ = tokenize([same_as], kind, tok)
+    if kind == "prompt":  # the example keeps the record's own prompt (text or turns): compare the ids
+        ex, expected = ex["prompt_ids"], expected["prompt_ids"]
+    assert ex == expected
 
 
 @pytest.mark.parametrize(
@@ -180,9 +198,9 @@ def test_detect_format(kind, record, fmt):
         ("preference", [{"chosen": "c", "rejected": "r"}], "x.jsonl record 0: fields 'chosen' and 'rejected' share no"),
     ],
 )
-def test_validation_errors_name_record_and_field(kind, records, message):
+def test_validation_errors_name_record_and_field(kind, records, message, tok):
     with pytest.raises(DataError) as err:
-        detect_format(records, kind, "x.jsonl")
+        tokenize(records, kind, tok, source="x.jsonl")
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -404,15 +422,22 @@ def test_prompt_examples_from_messages_keep_the_prompt_turns(tok):
     assert ex["prompt_ids"] == ids(tok, chat(tok, convo[:3], True))
 
 
-def test_pipeline_validates_each_record_once(tmp_path, tok, monkeypatch):
-    import rlhfkit.data as data
-
-    calls = []
-    real = data._canonical
-    monkeypatch.setattr(data, "_canonical", lambda record, *a: calls.append(record) or real(record, *a))
+def test_each_record_is_read_and_tokenized_in_one_pass(tmp_path, tok, monkeypatch):
+    """One read of the source and one map over its records, which validates and tokenizes each record once."""
+    maps = count_maps(monkeypatch)
     records = [{"prompt": f"p{i}", "answer": i} for i in range(3)]
-    build_datasets("prompt", DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64), tok, seed=0)
-    assert calls == records
+    train, _ = build_datasets("prompt", DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64), tok, seed=0)
+    assert maps == [3]
+    assert [{"prompt": e["prompt"], **e["columns"]} for e in train] == records
+
+
+def count_maps(monkeypatch) -> list[int]:
+    """The number of rows of every `datasets.Dataset.map` call from now on (the tokenizing pass is one such map)."""
+    import datasets
+
+    rows, real = [], datasets.Dataset.map
+    monkeypatch.setattr(datasets.Dataset, "map", lambda self, *a, **kw: rows.append(len(self)) or real(self, *a, **kw))
+    return rows
 
 
 # 8. Tokenisation through datasets.Dataset.map: the same ids as the list-based implementation, cached on disk --------
@@ -462,7 +487,8 @@ def current_digests(tokenizer, setting) -> dict[str, str]:
     out = {}
     for kind, name in TINY_FILES:
         source = f"data/tiny/{name}.jsonl"
-        records = load_records(source)
+        with open(source) as f:
+            records = [json.loads(line) for line in f if line.strip()]
         examples, stats = tokenize(records, kind, tokenizer, source=source, **SETTINGS[setting])
         out[name] = digest(examples, stats)
     for kind, fmt, records in FORMAT_CASES:
@@ -521,20 +547,16 @@ def test_token_ids_match_the_list_based_implementation(template, setting):
 def test_a_second_build_reads_the_cache_instead_of_tokenizing(tmp_path, tok, monkeypatch, caplog):
     import os
 
-    from rlhfkit import data
-
-    calls = []
-    real = data._encode
-    monkeypatch.setattr(data, "_encode", lambda *a: calls.append(a[2]) or real(*a))
+    calls = count_maps(monkeypatch)
     records = [{"prompt": "Q", "chosen": "good", "rejected": "bad", "margin": 1},
                {"prompt": "p", "chosen": "same", "rejected": "same"}, {"prompt": "a" * 40, "chosen": "yes", "rejected": "no"}]
     cfg = DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64, max_prompt_length=32)
     with caplog.at_level(logging.INFO, logger="rlhfkit"):
         first, _ = build_datasets("preference", cfg, tok, seed=0)
-        assert len(calls) == 3
+        assert calls == [3]
         caplog.clear()
         second, _ = build_datasets("preference", cfg, tok, seed=0)
-    assert len(calls) == 3  # nothing tokenized again
+    assert calls == [3]  # nothing tokenized again
     assert second == first and [e["margin"] for e in second] == [1.0, 0.0]
     assert os.listdir(os.path.join(os.environ["RLHFKIT_CACHE"], "data"))
     # The statistics and warnings come back with the cached rows.
@@ -549,7 +571,7 @@ def test_a_second_build_reads_the_cache_instead_of_tokenizing(tmp_path, tok, mon
     build_datasets("preference", cfg, plain, seed=0)
     write_jsonl(tmp_path / "p.jsonl", records[:2])
     build_datasets("preference", cfg, tok, seed=0)
-    assert len(calls) == 3 + 3 + 3 + 2
+    assert calls == [3, 3, 3, 2]
 
 
 def test_worker_processes_give_the_same_examples_and_errors(tmp_path, tok, monkeypatch):

@@ -33,15 +33,26 @@ LAYERS = [
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
     "rlhfkit.kl",
+    "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
+    "rlhfkit.config.sections",
+    "rlhfkit.config.stages",
     "rlhfkit.config",
+    "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
+    "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
+    "rlhfkit.data.formats",
+    "rlhfkit.data.render",
+    "rlhfkit.data.tokenize",
+    "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
     "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
     "rlhfkit.rewards",
+    "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
+    "rlhfkit.hub",  # model card and hub push
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
     "rlhfkit.evaluation.alarms",
     "rlhfkit.evaluation.dashboard",

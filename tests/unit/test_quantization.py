@@ -3,6 +3,7 @@ BitsAndBytesConfig built from the config, the rules that refuse a 4-bit base whe
 refusals when bitsandbytes is missing or cannot run on this machine."""
 
 import sys
+import types
 
 import pytest
 import torch
@@ -17,8 +18,19 @@ FOUR_BIT = ["model.quantization.load_in_4bit=true"]
 
 @pytest.fixture
 def bitsandbytes_runs(monkeypatch):
-    """The environment checks pass, whatever this machine has: the rules of the config alone are tested."""
-    monkeypatch.setattr("rlhfkit.config._bitsandbytes_problem", lambda: None)
+    """The environment checks pass, whatever this machine has: the rules of the config alone are tested. The check reads
+    bitsandbytes' public `__version__` and `supported_torch_devices`; a stand-in module supplies a version that runs
+    on this machine's device, in one process."""
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake_bitsandbytes())
+    for engine in ("FSDP", "DEEPSPEED"):
+        monkeypatch.delenv(f"ACCELERATE_USE_{engine}", raising=False)
+
+
+def fake_bitsandbytes(version="0.50.2"):
+    module = types.ModuleType("bitsandbytes")
+    module.__version__ = version
+    module.supported_torch_devices = {"cuda" if torch.cuda.is_available() else "cpu"}
+    return module
 
 
 def test_bnb_config_carries_every_field():

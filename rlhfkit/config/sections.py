@@ -1,0 +1,261 @@
+"""The config sections every stage shares (model, data, optim, logging, generation, reward, KL) and `TrainConfig`,
+the keys of every training stage. Each field is declared once, here, with its type, its range and its documentation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, Literal
+
+from annotated_types import Ge, Interval, Len, doc
+
+from rlhfkit.config.fields import Fraction, NonNeg, NonNegInt, PosInt, Positive, Seed
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False  # train LoRA adapters (peft) instead of the full model
+    r: PosInt = 16  # adapter rank
+    alpha: PosInt = 32  # scaling numerator: the update is scaled by alpha / r
+    dropout: Fraction = 0.05  # dropout on the adapter input
+    target_modules: str | list[str] = "all-linear"  # peft target modules; "all-linear" = every linear but the head
+    merge_on_save: bool = True  # save merged full weights (loadable without peft); False saves the adapter only
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """QLoRA (Dettmers et al. 2023, arXiv 2305.14314): the frozen base held in 4 bits by bitsandbytes (the optional
+    extra: `pip install 'rlhfkit[qlora]'`), each block dequantized to `bnb_4bit_compute_dtype` for its matmul; a
+    trained model trains LoRA adapters on it. The names are those of transformers' `BitsAndBytesConfig`; the
+    defaults are the paper's (NF4, double quantization), not transformers' (FP4, single). One process or DDP."""
+
+    load_in_4bit: bool = False  # linear layers in 4 bits; embeddings, norms and the LM/score head stay in model.dtype
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"  # NormalFloat4 (the paper's data type) or plain FP4
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # matmul dtype; the paper's is bfloat16
+    bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too (about 0.4 bit per weight saved)
+
+    def check(self):
+        if self.load_in_4bit and (problem := bitsandbytes_problem()):
+            yield "load_in_4bit", problem
+
+
+def bitsandbytes_problem() -> str | None:
+    """Why 4-bit loading cannot run on this machine, or None."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return "needs bitsandbytes, which is not installed: pip install 'rlhfkit[qlora]'"
+    import torch
+    from packaging.version import Version
+
+    if Version(bitsandbytes.__version__) < Version("0.46.1"):  # transformers' minimum, the first with a CPU backend
+        return f"needs bitsandbytes >= 0.46.1, found {bitsandbytes.__version__}: pip install -U 'rlhfkit[qlora]'"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in bitsandbytes.supported_torch_devices:
+        return (f"is not supported on this machine: bitsandbytes {bitsandbytes.__version__} runs 4-bit layers on "
+                f"{', '.join(sorted(bitsandbytes.supported_torch_devices))}, not {device}")
+    if any(os.environ.get(f"ACCELERATE_USE_{k}", "").lower() in ("1", "true") for k in ("FSDP", "DEEPSPEED")):
+        return "works with one process or DDP, not FSDP or DeepSpeed (they shard 4-bit weights only when told how)"
+    return None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A local directory, a hub name (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"), a directory or hub repo holding
+    # `gguf_file`, or "tiny" for a tiny random model and tokenizer built offline (tests and *_tiny.yaml configs).
+    name_or_path: str = ""
+    gguf_file: str | None = None  # a .gguf file inside name_or_path (or a path); converted once to safetensors
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # weights dtype on load
+    gradient_checkpointing: bool = False  # trade compute for activation memory
+    trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
+    # Keep only the first N transformer layers (None = all): a smaller, faster model from the bottom of a larger
+    # one, e.g. a reward or value model initialised from the SFT model at a fraction of its cost.
+    num_layers: PosInt | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # QLoRA: a 4-bit base
+
+    def check(self):
+        if not self.name_or_path:
+            yield "name_or_path", "is required (a local directory, a hub name, or 'tiny')"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training stages read `train` (required there) and `eval`; `rlhfkit eval` reads its held-out prompts from
+    `eval` (required there) with `eval_split`, `max_prompt_length`, `max_length` and `truncation`."""
+
+    train: str = ""  # a local .jsonl/.json/.csv/.parquet file or a hub dataset name
+    eval: str | None = None  # same forms as `train`; None = hold out `eval_fraction` of train (or no eval)
+    train_split: str = "train"  # split used when `train` is a hub dataset
+    eval_split: str = "test"  # split used when `eval` is a hub dataset
+    eval_fraction: Fraction = 0.0  # with no `eval`: this fraction of train is held out (seeded) for evaluation
+    # Tokens in prompt + response (eval: of a `preference_data` pair); longer responses are cut (counted, reported).
+    max_length: Annotated[int, Ge(2)] = 1024
+    max_prompt_length: int = 512  # tokens in the prompt; see `truncation`
+    truncation: Literal["truncate", "error"] = "truncate"  # over-long prompt: keep its last tokens, or fail
+    packing: bool = False  # SFT only: concatenate examples into full `max_length` rows (no padding waste)
+    # SFT, RM, DPO/IPO/cDPO/SimPO and ORPO: each micro-batch's sequences end to end in one row, position ids restarting
+    # at 0 per sequence and no attention mask, so no pad token is computed and no token attends across sequences (unlike
+    # `packing`); loss, gradients, log-probs and rewards equal the padded batch's (the RM reads each sequence's score
+    # at its last token). Attention runs per sequence (flash attention, or sdpa split by sequence); eager, sliding-window
+    # or softcapped attention runs one masked (N, N) product over the row, which can cost more than the padding saved.
+    padding_free: bool = False
+    max_samples: PosInt | None = None  # use only the first N records of each split (quick experiments)
+
+    def check(self):
+        if not 1 <= self.max_prompt_length < self.max_length:
+            yield "max_prompt_length", f"must be in [1, max_length={self.max_length}), got {self.max_prompt_length}"
+        if self.padding_free and self.packing:
+            yield "padding_free", "and data.packing are exclusive: packing lets attention cross example boundaries"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: NonNeg = 1e-5  # peak learning rate (AdamW)
+    weight_decay: NonNeg = 0.0
+    adam_betas: Annotated[list[Fraction], Len(2, 2)] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: Positive = 1e-8
+    scheduler: Literal["constant", "linear", "cosine"] = "linear"  # decay after warmup
+    warmup_steps: NonNegInt = 0  # linear warmup steps; overrides warmup_ratio when > 0
+    warmup_ratio: Fraction = 0.0  # warmup as a fraction of the total optimizer steps
+    max_grad_norm: Positive | None = 1.0  # clip the global gradient norm; None = no clipping
+    per_device_batch_size: PosInt = 8  # examples (pairs, for preference data) per micro-batch per process
+    grad_accum_steps: PosInt = 1  # micro-batches per optimizer step
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    logging_steps: PosInt = 10  # write metrics every N optimizer steps
+    eval_steps: NonNegInt = 0  # evaluate every N steps (0 = only at the end of training)
+    save_steps: NonNegInt = 0  # write a resumable checkpoint every N steps (0 = none before the final save)
+    save_total_limit: PosInt = 2  # keep the N newest checkpoints
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)  # extra metric sinks
+    progress_bar: bool = True  # tqdm bar with the live loss
+    run_name: str | None = None  # name shown in TensorBoard/W&B (default: output_dir's name)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How responses are sampled; `generation.generate` takes this section as its sampling parameters."""
+
+    max_new_tokens: PosInt = 64  # response length cap; a response cut here has no EOS (see reward.missing_eos_penalty)
+    temperature: Positive = 1.0  # applied identically to sampling and to old, new and reference log-probs
+    top_k: Annotated[int, Ge(0), doc("0 = off")] = 0
+    top_p: Annotated[float, Interval(gt=0, le=1), doc("1.0 = off")] = 1.0
+    num_samples: PosInt = 1  # responses per prompt: the group size k of RLOO/GRPO (>= 2 there)
+    # "rlhfkit": our decode loop over transformers' KV cache (samples the trained density only; the model's own
+    # generation_config plays no part); "hf": transformers' `generate`, the reference it is tested against.
+    engine: Literal["rlhfkit", "hf"] = "rlhfkit"
+    # With engine "rlhfkit": a static KV cache and a compiled one-token step (on a GPU, CUDA graphs through
+    # torch.compile mode "reduce-overhead"); each new batch shape compiles once, so it pays off over many steps.
+    compile: bool = False
+
+    def check(self):
+        if self.compile and self.engine != "rlhfkit":
+            yield "compile", "compiles rlhfkit's decode loop: needs generation.engine=rlhfkit"
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The reward sources and their weights (TRL's `reward_funcs` and `reward_weights`): first the reward models of
+    `model` (each a source named after its directory; with `ensemble` mean|min and several models, one source named
+    `ensemble_<mean|min>`), then the functions of `function` (each named after the function). A row's reward is
+    Σ weight · score over the sources that scored it (a function returns None for a row it does not apply to), and each
+    source is logged as rewards/<name>/mean and rewards/<name>/std. `rlhfkit eval` makes each reward model a judge
+    ("reward_model" when alone, else "reward_model/<directory name>", plus "reward_model/ensemble_<mean|min>" for
+    several) and each function one named after the function; it reports raw scores (the last five fields are unused)."""
+
+    model: list[str] = field(default_factory=list)  # reward-model directories; one with its own tokenizer scores re-tokenised text
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # the reward models in 4 bits (frozen)
+    ensemble: Literal["mean", "min", "none"] = "mean"  # several reward models as one source (mean; min is conservative), or none: each its own
+    function: str | list[str] | None = None  # "module:function" or a list of them, called under TRL's contract (rlhfkit.reward_functions)
+    weights: list[float] | None = None  # one per source, in the order above; null = 1 each
+    gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
+    missing_eos_penalty: Annotated[float, Ge(0), doc("subtracted, as in TRL, from the score of a response cut at "
+                                                     "max_new_tokens: e.g. 1.0 penalises truncation")] | None = None
+    normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max
+    clip: Positive | None = None  # clip scores to [-clip, clip] after normalisation
+
+    @property
+    def functions(self) -> list[str]:
+        return [self.function] if isinstance(self.function, str) else list(self.function or [])
+
+    @property
+    def num_sources(self) -> int:
+        return (1 if len(self.model) > 1 and self.ensemble != "none" else len(self.model)) + len(self.functions)
+
+    def check(self):
+        refs = [("gold_function", self.gold_function)] if self.gold_function else []
+        refs += [("function" if isinstance(self.function, str) else f"function[{i}]", f) for i, f in enumerate(self.functions)]
+        for name, ref in refs:
+            if ":" not in ref:
+                yield name, f"must be 'module:function', got {ref!r}"
+        if self.weights is not None and len(self.weights) != self.num_sources:
+            yield "weights", (f"must give one weight per reward source ({self.num_sources}: the reward models, or their "
+                              f"ensemble, then the functions), got {len(self.weights)}")
+
+    def check_has_source(self):
+        if not self.model and not self.functions:
+            yield "reward.model", ("give at least one reward source: reward.model (reward-model directories) and/or "
+                                   "reward.function (module:function, or a list)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Keys every training stage shares."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output_dir: str = ""  # where the model, config.yaml, metrics.jsonl and checkpoints go
+    seed: Seed = 42  # seeds data order, initialisation of new heads, dropout and sampling
+    max_steps: int = -1  # optimizer steps; -1 = run `num_epochs` over the training set
+    num_epochs: Positive = 1.0  # passes over the training set when max_steps is -1
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast through accelerate
+    resume: bool = False  # continue from the newest checkpoint in output_dir
+    overwrite: bool = False  # allow writing into an output_dir that holds another run
+    # A non-finite loss or gradient (online RL: also reward or log-prob) skips the update and is counted
+    # (`faults/skipped_total`); this many stop the run with exit status 2, its checkpoints intact.
+    max_bad_steps: PosInt = 3
+    padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
+    packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
+
+    def check(self):
+        if self.data.padding_free and not self.padding_free_supported:
+            yield "data.padding_free", "is supported by the sft, rm, dpo and orpo stages only"
+        if self.data.packing and not self.packing_supported:
+            yield "data.packing", "is supported by the sft stage only (for the others, data.padding_free saves the padding)"
+        if not self.data.train:
+            yield "data.train", "is required (a local file or a hub dataset name)"
+        if not self.output_dir:
+            yield "output_dir", "is required"
+        if self.max_steps == 0 or self.max_steps < -1:
+            yield "max_steps", f"must be >= 1 or -1 (use num_epochs), got {self.max_steps}"
+        if self.resume and self.overwrite:
+            yield "resume", "and overwrite=true are contradictory: resume continues the run overwrite would replace"
+        if self.model.quantization.load_in_4bit and not self.model.lora.enabled:
+            yield "model.quantization.load_in_4bit", ("needs model.lora.enabled=true: a 4-bit base stays frozen (QLoRA "
+                                                      "trains LoRA adapters on it) and cannot be fine-tuned in full")
+
+
+def ref_model_check(key: str, value: str | None, null_means: str):
+    """The check of an optional reference-model field: null is allowed (it means `null_means`), blank text is not."""
+    if value is not None and not value.strip():
+        yield key, f"must be a model path or hub name, or null ({null_means})"
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    controller: Literal["fixed", "adaptive"] = "fixed"  # adaptive: Ziegler et al. 2019 proportional controller
+    coef: NonNeg = 0.05  # β (the initial β when adaptive)
+    target: Positive = 6.0  # adaptive: sequence KL (nats) to steer to
+    horizon: PosInt = 10000  # adaptive: samples over which β moves by at most 20%
+
+    def check(self):
+        if self.controller == "adaptive" and self.coef == 0:
+            yield "controller", "adaptive needs coef > 0"
+
+

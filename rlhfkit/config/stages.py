@@ -1,0 +1,275 @@
+"""One config class per stage (`SFTConfig`, `RMConfig`, ..., `EvalConfig`): the shared `TrainConfig` plus the
+stage's own `algo` section and the rules that join its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from annotated_types import Gt, Interval
+
+from rlhfkit.config.fields import NonNeg, PosInt, Positive, Seed
+from rlhfkit.config.sections import (DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig, TrainConfig,
+                                     ref_model_check)
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    completion_only: bool = True  # loss on completion (assistant) tokens only; False = on every token
+
+
+@dataclass(frozen=True)
+class SFTConfig(TrainConfig):
+    padding_free_supported = True
+    packing_supported = True
+    algo: SFTOptions = field(default_factory=SFTOptions)
+
+
+@dataclass(frozen=True)
+class RMOptions:
+    # Bradley-Terry loss -log σ(r_c - r_r - m): m is the record's "margin" field (Llama 2, arXiv 2307.09288 eq. 2)
+    # when the data has one, times `margin_scale`; 0 turns margins off.
+    margin_scale: NonNeg = 1.0
+    # Reward centering (Eisenstein et al. 2023, arXiv 2312.09244): + coef · (r_c + r_r)², keeping scores near 0.
+    center_coef: NonNeg = 0.0
+    # Where a sequence's score is read: "last" = at its last real token (the EOS; the usual reward model), "mean" =
+    # the mean of the head over the response tokens (a linear head on mean-pooled states). Saved with the model
+    # (config.json `rlhfkit_pooling`), so every later scorer reads it the same way. Mean pooling learns lexical
+    # properties (sentiment, keywords) from far fewer pairs when the EOS state of a small model carries little.
+    pooling: Literal["last", "mean"] = "last"
+    # Train the score head only, on the frozen model (a linear probe): each step costs a forward, and a few hundred
+    # pairs cannot overfit it the way they overfit LoRA or full fine-tuning. model.lora is then ignored.
+    head_only: bool = False
+
+
+@dataclass(frozen=True)
+class RMConfig(TrainConfig):
+    padding_free_supported = True
+    algo: RMOptions = field(default_factory=RMOptions)
+
+    def check(self):
+        yield from super().check()
+        if self.algo.head_only and self.model.quantization.load_in_4bit:
+            yield "algo.head_only", ("and model.quantization.load_in_4bit are exclusive: the probe trains a head on a "
+                                     "full-precision body; with a 4-bit base train LoRA adapters (head_only=false)")
+
+
+@dataclass(frozen=True)
+class DPOOptions:
+    # "sigmoid" = DPO (Rafailov et al. 2023, arXiv 2305.18290; cDPO with label_smoothing > 0), "ipo" = IPO (Azar et al.
+    # 2023, arXiv 2310.12036) on length-averaged log-probs as TRL does, "hinge" = SLiC-HF's hinge on the DPO log-ratio,
+    # "simpo" = SimPO (Meng et al. 2024, arXiv 2405.14734): length-normalised and reference-free (no reference model).
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    beta: Positive = 0.1  # β: KL strength (DPO, hinge), IPO's τ, SimPO's reward scale (the paper uses 2.0-2.5)
+    # ε: assumed label-flip probability (cDPO; "sigmoid" and "simpo" only)
+    label_smoothing: Annotated[float, Interval(ge=0, lt=0.5)] = 0.0
+    simpo_gamma: NonNeg = 0.5  # SimPO's target margin γ in reward units (the paper's γ, TRL's simpo_gamma)
+    # Compute the reference log-probs of the train and eval sets once before training, then drop a separate reference
+    # copy: no reference forward per step and, for full fine-tuning, no second model in memory while training.
+    precompute_ref_logprobs: bool = False
+    # The reference model; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
+    ref_model: str | None = None
+
+    def check(self):
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            yield "label_smoothing", f"applies only to loss_type sigmoid (cDPO) or simpo, got loss_type={self.loss_type}"
+        if self.loss_type == "simpo" and self.ref_model is not None:
+            yield "ref_model", "must be null with loss_type=simpo: SimPO uses no reference model"
+        if self.loss_type == "simpo" and self.precompute_ref_logprobs:
+            yield "precompute_ref_logprobs", "must be false with loss_type=simpo: SimPO uses no reference model"
+        yield from ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
+
+
+@dataclass(frozen=True)
+class DPOConfig(TrainConfig):
+    padding_free_supported = True
+    algo: DPOOptions = field(default_factory=DPOOptions)
+
+
+@dataclass(frozen=True)
+class ORPOOptions:
+    # ORPO (Hong et al. 2024, arXiv 2403.07691): chosen-response NLL + β · odds-ratio loss; no reference model.
+    beta: NonNeg = 0.1  # the paper's λ, the odds-ratio weight (TRL's ORPO `beta`)
+
+
+@dataclass(frozen=True)
+class ORPOConfig(TrainConfig):
+    padding_free_supported = True
+    algo: ORPOOptions = field(default_factory=ORPOOptions)
+
+
+@dataclass(frozen=True)
+class KTOOptions:
+    # KTO (Ethayarajh et al. 2024, arXiv 2402.01306) on unpaired completions labelled desirable or not.
+    beta: Positive = 0.1  # β, the value function's sharpness
+    desirable_weight: NonNeg = 1.0  # λ_D; the paper advises λ_D·n_D / (λ_U·n_U) in [1, 4/3]
+    undesirable_weight: NonNeg = 1.0  # λ_U
+    ref_model: str | None = None  # as DPO's algo.ref_model
+
+    def check(self):
+        if self.desirable_weight == 0 and self.undesirable_weight == 0:
+            yield "desirable_weight", "and undesirable_weight are both 0: nothing would be learned"
+        yield from ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
+
+
+@dataclass(frozen=True)
+class KTOConfig(TrainConfig):
+    algo: KTOOptions = field(default_factory=KTOOptions)
+
+    def check(self):
+        yield from super().check()
+        if self.optim.per_device_batch_size < 2:
+            yield "optim.per_device_batch_size", (f"must be >= 2 for KTO, got {self.optim.per_device_batch_size}: KTO's "
+                                                  "reference point z0 is estimated from mismatched pairs within a batch")
+
+
+@dataclass(frozen=True)
+class OnlineOptions:
+    algorithm: str = "ppo"  # a name in rlhfkit.algorithms: ppo, rloo, grpo, dr_grpo, dapo, reinforce_pp, ...
+    rollout_batch_size: PosInt = 16  # prompts sampled per step (per process); samples = prompts × num_samples
+    ppo_epochs: PosInt = 1  # passes over each rollout
+    num_minibatches: PosInt = 1  # optimizer steps per pass (each split into micro-batches of per_device_batch_size)
+    # Where π_old's log-probs come from when the experience is read more than once: "recompute" = a no-grad forward
+    # of the policy after sampling; "sampler" = those the decode loop recorded (one policy forward fewer per step,
+    # as TRL's PPO; they differ by numerics only: policy/sampler_logprob_gap, measured at the first update forward).
+    # With one pass and no KL in the reward, π_old is the update forward's own log-probs either way.
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    clip_eps: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # ratio clip ε (lower side)
+    clip_eps_high: Positive | None = None  # upper side (DAPO's clip-higher, 0.28); None = clip_eps
+    dual_clip: Annotated[float, Gt(1)] | None = None  # dual-clip constant c > 1 for negative advantages; None = off
+    vf_coef: NonNeg = 0.1  # value-loss weight (PPO)
+    clip_range_value: Positive | None = 0.2  # value clip (PPO); None = off
+    entropy_coef: NonNeg = 0.0  # entropy bonus weight c: the loss subtracts c · H(π(·|s_t)), the full distribution's entropy
+    disable_dropout: bool = True  # dropout off in policy and critic for the run (as TRL); false keeps it in the update forwards
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0  # discount
+    lam: Annotated[float, Interval(ge=0, le=1)] = 0.95  # GAE λ
+    whiten_advantages: bool | None = None  # whiten advantages over the rollout; None = only for PPO (GAE)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None  # None = algorithm default
+    target_kl: Positive | None = None  # stop a rollout's remaining epochs once approx-KL exceeds this
+    dynamic_filtering: bool = False  # DAPO: drop groups whose samples all scored the same (no signal)
+    mask_truncated: bool = False  # DAPO: responses without EOS take no loss
+    value_model: str | None = None  # critic initialisation; None = the first reward model, else the policy
+    # With `value_model` a causal LM (no trained score head): start the critic's value head at random instead of
+    # refusing the directory. Off by default, so a causal LM given where a reward model was meant fails loudly.
+    allow_new_value_head: bool = False
+    sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
+    table_steps: PosInt = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
+
+    def check(self):
+        if self.allow_new_value_head and not self.value_model:
+            yield "allow_new_value_head", ("applies only with algo.value_model (without it the critic starts from the "
+                                           "first reward model's trained head, or from the policy with a new head)")
+
+
+@dataclass(frozen=True)
+class OnlineConfig(TrainConfig):
+    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    algo: OnlineOptions = field(default_factory=OnlineOptions)
+
+    def check(self):
+        from rlhfkit.algorithms import ALGORITHMS
+
+        yield from super().check()
+        yield from self.reward.check_has_source()
+        k, name = self.generation.num_samples, self.algo.algorithm
+        if name not in ALGORITHMS:
+            yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
+        elif ALGORITHMS[name].advantage not in ("gae", "reinforce_pp") and k < 2:
+            yield "generation.num_samples", f"{name} compares samples of one prompt: needs >= 2, got {k}"
+        if self.algo.old_logprobs == "sampler" and self.generation.engine != "rlhfkit":
+            yield "algo.old_logprobs", ("'sampler' reads rlhfkit's decode loop: needs generation.engine=rlhfkit "
+                                        "(transformers' generate applies the model's own generation config)")
+        samples = self.algo.rollout_batch_size * k
+        if samples % self.algo.num_minibatches:
+            yield "algo.num_minibatches", f"must divide the rollout's {samples} samples"
+        elif (samples // self.algo.num_minibatches) % self.optim.per_device_batch_size:
+            yield "optim.per_device_batch_size", f"must divide the minibatch of {samples // self.algo.num_minibatches} samples"
+
+
+@dataclass(frozen=True)
+class RFTOptions:
+    iterations: PosInt = 1  # sample -> keep the best -> fine-tune rounds; each samples from the policy the last one trained
+    prompts_per_iteration: PosInt | None = None  # a seeded random subset of the train prompts per iteration; None = all
+    min_score: float | None = None  # drop a prompt whose best sample scores below this (None = keep every prompt)
+    sampling_batch_size: PosInt = 16  # prompts per `generate` call (samples per call = this × generation.num_samples)
+
+
+@dataclass(frozen=True)
+class RFTConfig(TrainConfig):
+    """Best-of-n / rejection-sampling fine-tuning, iterated. `generation.num_samples` is n. `max_steps` and
+    `num_epochs` size the SFT of *each iteration* (optimizer steps, or passes over the kept samples); with
+    `logging.save_steps` > 0 a resumable checkpoint is written after every iteration but the last."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: RFTOptions = field(default_factory=RFTOptions)
+
+    def check(self):
+        yield from super().check()
+        yield from self.reward.check_has_source()
+        # Selection and min_score read the raw scores (plus reward.missing_eos_penalty): normalising would change
+        # min_score's units and clipping would create ties, while neither can improve which sample is best.
+        if self.reward.normalize != "none":
+            yield "reward.normalize", f"must be 'none' for rft (the best sample is chosen on raw scores), got {self.reward.normalize!r}"
+        if self.reward.clip is not None:
+            yield "reward.clip", "must be null for rft (clipping only creates ties among the best samples)"
+
+
+# Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
+_EVAL_UNUSED = {
+    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples"), "it reads data.eval; max_prompts limits it"),
+    "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
+               "it reports each judge's raw scores; add a gold judge to `judges`"),
+}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`rlhfkit eval`: sample the policy and the reference on held-out prompts (same seed), score both with every
+    judge, and write `output_dir/eval.json`. Scores are raw (no normalisation, clipping or EOS penalty)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy being evaluated
+    # The reference policy (usually the policy's starting point): a model directory, hub name or "tiny". KL, win rates
+    # and the reference's own figures need it; null evaluates the policy alone. It must share the policy's tokenizer.
+    reference: str | None = None
+    reference_gguf_file: str | None = None  # a .gguf file inside (or beside) `reference`, as model.gguf_file
+    data: DataConfig = field(default_factory=DataConfig)  # held-out prompts: `data.eval` ({prompt} or {messages} records)
+    preference_data: str | None = None  # pairwise preference records (a file or hub dataset): each reward model's accuracy
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # judges: each reward model (and their ensemble), the function
+    judges: list[str] = field(default_factory=list)  # more Python judges, "name=module:function" (e.g. a gold judge)
+    run_dir: str | None = None  # a training run whose metrics.jsonl the reward-hacking alarms also read
+    max_prompts: PosInt | None = None  # evaluate only the first N prompts
+    batch_size: PosInt = 16  # prompts per generation call (each gives generation.num_samples responses)
+    num_examples: PosInt = 16  # side-by-side sample generations kept in eval.json
+    output_dir: str = ""  # where eval.json and eval_config.yaml go (may be the training run's directory)
+    seed: Seed = 42  # sampling seed: the policy and the reference draw with the same seed per batch
+    overwrite: bool = False  # replace an existing eval.json in output_dir
+
+    def check(self):
+        if not self.data.eval:
+            yield "data.eval", "is required (held-out prompts: a local file or a hub dataset name)"
+        for section, (names, why) in _EVAL_UNUSED.items():
+            value, default = getattr(self, section), type(getattr(self, section))()
+            yield from ((f"{section}.{n}", f"is not used by eval ({why})")
+                        for n in names if getattr(value, n) != getattr(default, n))
+        if not self.output_dir:
+            yield "output_dir", "is required"
+        yield from ref_model_check("reference", self.reference, "evaluate the policy alone")
+        if self.reference_gguf_file and self.reference is None:
+            yield "reference_gguf_file", "needs `reference`"
+        if self.preference_data and not self.reward.model:
+            yield "preference_data", "measures reward-model accuracy: it needs reward.model"
+        names = [ref.rpartition(":")[2] for ref in self.reward.functions]
+        for i, spec in enumerate(self.judges):
+            name, sep, ref = spec.partition("=")
+            if not sep or not name.strip() or ":" not in ref:
+                yield f"judges[{i}]", f"must be 'name=module:function', got {spec!r}"
+            names.append(name.strip())
+        if duplicates := sorted({n for n in names if names.count(n) > 1}):
+            yield "judges", f"judge names must be unique, got {', '.join(duplicates)} twice"
+

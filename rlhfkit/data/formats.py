@@ -1,0 +1,176 @@
+"""Record formats per kind: detection from the first record's keys, validation record by record, and the canonical
+form every format is turned into (`Canonical`). Each problem is a one-line `DataError` naming the source, the record
+(its 0-based index among the loaded records) and the field."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlhfkit.data.sources import type_of
+from rlhfkit.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+
+KINDS = ("sft", "preference", "unpaired", "prompt")
+ROLES = ("system", "user", "assistant")
+HH_ASSISTANT = "\n\nAssistant:"
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+# Per kind: (format name, required fields), in detection order: the first whose fields the first record has wins.
+_FORMATS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "sft": (("prompt_completion", ("prompt", "completion")), ("messages", ("messages",))),
+    "preference": (("pairwise", ("prompt", "chosen", "rejected")), ("hh_rlhf", ("chosen", "rejected"))),
+    "unpaired": (("unpaired", ("prompt", "completion", "label")),),
+    "prompt": (("prompt", ("prompt",)), ("messages", ("messages",))),
+}
+
+
+@dataclass
+class Canonical:
+    """One validated record in canonical form."""
+
+    prompt: str | list[dict]  # the prompt turns (text or messages); for SFT "messages", the turns before the first answer
+    responses: list[str | list[dict]]  # [completion], [chosen, rejected], or [] (prompt-only and SFT "messages")
+    turns: list[dict] | None = None  # SFT "messages": the whole conversation; the loss covers every assistant turn
+    hh: bool = False  # HH-RLHF transcripts: parsed into messages when the tokenizer has a chat template
+    margin: float = 0.0
+    desirable: bool = True
+    columns: dict | None = None  # prompt-only: the record's other fields (all but "prompt" and "messages")
+
+
+def detect(records: list[dict] | datasets.Dataset, kind: str, source: str) -> str:
+    """The format of `records`, from the first record's keys (no record is validated)."""
+    if kind not in _FORMATS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+    if not records:
+        raise DataError(f"{source}: no records (empty dataset)")
+    formats = _FORMATS[kind]
+    keys = records[0].keys()
+    for fmt, required in formats:
+        if all(name in keys for name in required):
+            break
+    else:
+        # Report the first missing field of the format the record is closest to.
+        _, required = max(formats, key=lambda f: sum(name in keys for name in f[1]))
+        missing = next(name for name in required if name not in keys)
+        shapes = " or ".join("{" + ", ".join(fields) + "}" for _, fields in formats)
+        raise DataError(f"{source} record 0: missing field '{missing}' (expected {shapes})")
+    return fmt
+
+
+def canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> Canonical:
+    """Validates one record of format `fmt` and returns it in canonical form; raises DataError naming the field."""
+    where = f"{source} record {i}"
+
+    def get(name: str):
+        if name not in record:
+            raise DataError(f"{where}: missing field '{name}' (format '{fmt}', detected from record 0)")
+        return record[name]
+
+    if fmt == "messages":
+        turns = _messages(get("messages"), "messages", where)
+        if kind == "prompt":
+            prompt = turns[:-1] if turns[-1]["role"] == "assistant" else turns
+            if not prompt:
+                raise DataError(f"{where}: field 'messages' has no turn before its final assistant turn (nothing to prompt with)")
+            return Canonical(prompt=prompt, responses=[], columns=_columns(record))
+        first = next((j for j, m in enumerate(turns) if m["role"] == "assistant"), None)
+        if first is None:
+            raise DataError(f"{where}: field 'messages' has no assistant turn (nothing to learn from)")
+        return Canonical(prompt=turns[:first], responses=[], turns=turns)
+    if fmt == "hh_rlhf":
+        chosen, rejected = get("chosen"), get("rejected")
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: field '{name}' must be a string (an HH-RLHF transcript), got {type_of(value)}")
+        end = os.path.commonprefix([chosen, rejected]).rfind(HH_ASSISTANT)
+        if end < 0:
+            raise DataError(
+                f"{where}: fields 'chosen' and 'rejected' share no '\\n\\nAssistant:' turn "
+                "(expected HH-RLHF transcripts '\\n\\nHuman: ...\\n\\nAssistant: ...')"
+            )
+        end += len(HH_ASSISTANT)
+        return Canonical(prompt=chosen[:end], responses=[chosen[end:], rejected[end:]], hh=True, margin=_margin(record, where))
+    prompt = _text_or_messages(get("prompt"), "prompt", where)
+    if fmt == "prompt":
+        return Canonical(prompt=prompt, responses=[], columns=_columns(record))
+    if fmt == "pairwise":
+        responses = [_response(get(name), name, prompt, where) for name in ("chosen", "rejected")]
+        return Canonical(prompt=prompt, responses=responses, margin=_margin(record, where))
+    completion = _response(get("completion"), "completion", prompt, where)
+    if fmt == "unpaired":
+        label = get("label")
+        if not isinstance(label, bool):
+            raise DataError(f"{where}: field 'label' must be a bool (true = desirable), got {type_of(label)}")
+        return Canonical(prompt=prompt, responses=[completion], desirable=label)
+    return Canonical(prompt=prompt, responses=[completion])  # sft prompt_completion
+
+
+def _columns(record: dict) -> dict:
+    """A prompt record's fields other than the prompt itself, passed on to reward functions."""
+    return {k: v for k, v in record.items() if k not in ("prompt", "messages")}
+
+
+def _text_or_messages(value, name: str, where: str) -> str | list[dict]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return _messages(value, name, where)
+    raise DataError(f"{where}: field '{name}' must be a string or a list of {{role, content}} messages, got {type_of(value)}")
+
+
+def _messages(value, name: str, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if value == [] else type_of(value)
+        raise DataError(f"{where}: field '{name}' must be a non-empty list of {{role, content}} messages, got {got}")
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: field '{name}' message {j} must be a {{role, content}} dict, got {type_of(message)}")
+        if message.get("role") not in ROLES:
+            raise DataError(f"{where}: field '{name}' message {j}: role must be one of system, user, assistant, got {message.get('role')!r}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: field '{name}' message {j}: content must be a string, got {type_of(message.get('content'))}")
+    return value
+
+
+def _response(value, name: str, prompt: str | list[dict], where: str) -> str | list[dict]:
+    """A completion/chosen/rejected: text, or assistant-first messages (a leading copy of the prompt is removed)."""
+    response = _text_or_messages(value, name, where)
+    if isinstance(response, str):
+        return response
+    prompt_turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    n = len(prompt_turns)
+    if len(response) > n and all(_same_turn(a, b) for a, b in zip(response[:n], prompt_turns)):
+        response = response[n:]
+    if response[0]["role"] != "assistant":
+        raise DataError(f"{where}: field '{name}' must start with an assistant turn (the response), got role '{response[0]['role']}'")
+    return response
+
+
+def _same_turn(a: dict, b: dict) -> bool:
+    return a["role"] == b["role"] and a["content"] == b["content"]
+
+
+def _margin(record: dict, where: str) -> float:
+    margin = record.get("margin")
+    if margin is None:  # absent, or a null cell in a CSV/Parquet column
+        return 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise DataError(f"{where}: field 'margin' must be a finite number, got {margin!r}")
+    return float(margin)
+
+
+
+def hh_messages(transcript: str) -> list[dict]:
+    """'\\n\\nHuman: a\\n\\nAssistant: b' -> [user a, assistant b]; text before the first turn becomes a system turn."""
+    parts = _HH_TURN.split(transcript)
+    messages = [{"role": "system", "content": parts[0].strip()}] if parts[0].strip() else []
+    for speaker, content in zip(parts[1::2], parts[2::2]):
+        messages.append({"role": "user" if speaker == "Human" else "assistant", "content": content.strip()})
+    return messages
+

@@ -1,0 +1,64 @@
+"""Capability retention, the "alignment tax": how much worse the policy predicts held-out reference texts than the
+reference model does.
+
+The seeds' remedy 4 (evaluate general ability after each round, roll back when it degrades) needs a figure: the mean
+per-token negative log-likelihood of reference responses (SFT-format records: prompt + response, or chat turns) under
+the policy and under the reference, and their difference in nats per token. A positive difference is capability the
+policy lost; `rlhfkit eval` writes it as the `alignment_tax` block of eval.json and the online evaluation logs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.data import collate_sft
+from rlhfkit.losses.sft import token_nll
+from rlhfkit.models import scored_logits
+
+
+@dataclass(frozen=True)
+class AlignmentTax:
+    """Mean per-token NLL (nats) of the reference responses under the policy and under the reference model."""
+
+    policy_nll: float
+    reference_nll: float
+    tokens: int  # response tokens scored (every process's share)
+
+    @property
+    def delta(self) -> float:
+        """policy_nll - reference_nll: nats per token the policy lost (negative: it predicts them better)."""
+        return self.policy_nll - self.reference_nll
+
+    def as_dict(self) -> dict[str, float]:
+        return {"policy_nll": self.policy_nll, "reference_nll": self.reference_nll, "delta_nats": self.delta,
+                "tokens": self.tokens}
+
+
+@torch.no_grad()
+def response_nll(model, examples: Sequence[dict], pad_token_id: int, batch_size: int, device) -> torch.Tensor:
+    """(2,) [Σ NLL, token count] of the labelled (response) tokens of tokenised SFT `examples` under `model`, in fp32.
+
+    Sums, not a mean, so that shares from several processes add up to the whole set's figure."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(0, len(examples), batch_size):
+        batch = collate_sft(list(examples[start : start + batch_size]), pad_token_id).to(device)
+        logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
+        nll, parts = token_nll(logits, batch.labels[:, first:])  # (B, T-first-1)
+        total += torch.stack([nll.double().sum(), parts["mask"].double().sum()])
+    return total
+
+
+def alignment_tax(policy_sums: torch.Tensor, reference_sums: torch.Tensor,
+                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AlignmentTax:
+    """The `AlignmentTax` of two `response_nll` results (this process's share; `all_reduce` sums them over
+    processes when given)."""
+    sums = torch.stack([policy_sums, reference_sums])  # (2, 2)
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    tokens = int(sums[0, 1].item())
+    if tokens == 0:
+        raise ValueError("no response tokens to score in the capability set")
+    return AlignmentTax(policy_nll=float(sums[0, 0] / tokens), reference_nll=float(sums[1, 0] / tokens), tokens=tokens)

@@ -1,0 +1,182 @@
+"""The tracker sinks with the real packages, offline: what each writes is read back with the tracker's own reader
+(W&B: its protobuf records in the offline run's .wandb file; TensorBoard: EventAccumulator; trackio: its Api)."""
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlhfkit.errors import UserError
+from rlhfkit.trackers import TRACKERS, check_trackers, flat_config
+
+CONFIG = {"stage": "grpo", "seed": 3, "optim": {"lr": 0.1, "scheduler": "linear"}, "reward": {"model": [], "clip": None}}
+ROWS = [{"prompt": "Rate it:", "completion": "great | fine\nreally", "reward": 0.5},
+        {"prompt": "Say hi", "completion": "hi", "reward": -1.25}]
+
+
+def test_flat_config_keeps_scalars_and_writes_the_rest_as_json():
+    assert flat_config(CONFIG) == {"stage": "grpo", "seed": 3, "optim.lr": 0.1, "optim.scheduler": "linear",
+                                   "reward.model": "[]", "reward.clip": "null"}
+
+
+def test_unknown_or_missing_tracker_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(UserError, match=r"^config key 'logging.report_to': unknown tracker 'mlflow' \(known: "
+                                        r"tensorboard, wandb, trackio\)$"):
+        check_trackers(["tensorboard", "mlflow"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trackio" else real(name, *a))
+    with pytest.raises(UserError) as exc:
+        check_trackers(["trackio"])
+    assert str(exc.value) == ("config key 'logging.report_to' includes 'trackio' but it is not installed: "
+                              "pip install 'rlhfkit[trackio]'")
+    check_trackers(["tensorboard", "wandb"])  # installed (the dev extra): accepted
+    assert set(TRACKERS) == {"tensorboard", "wandb", "trackio"}
+
+
+# W&B ------------------------------------------------------------------------------------------------------------
+
+
+def _wandb_records(path: str) -> list:
+    """The protobuf records of a .wandb file: a 7-byte header, then LevelDB-log chunks (crc32c, length, type: 1 full,
+    2 first, 3 middle, 4 last) in 32 KiB blocks, each record a `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, pos, block, pieces, records = open(path, "rb").read(), 7, 32768, b"", []
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        pieces += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pieces)
+            records.append(record)
+            pieces = b""
+    return records
+
+
+def test_wandb_run_has_the_project_the_run_name_the_config_metrics_and_a_samples_table(tmp_path, monkeypatch):
+    from rlhfkit.trackers import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink("my-project", "run-7", CONFIG, str(tmp_path))
+    sink.log(1, {"loss": 1.5, "objective/kl": 0.25})
+    sink.log(2, {"loss": 1.0})
+    sink.log_samples(2, ROWS)
+    sink.close()
+    import wandb
+
+    wandb.teardown()  # finish() can return before W&B's service has flushed the .wandb file; its shutdown waits
+
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    records = _wandb_records(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0])
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("my-project", "run-7")
+    config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+    assert config == CONFIG
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h.get("loss"), h.get("objective/kl")) for h in history] == [(1, 1.5, 0.25), (2, 1.0, None)]
+    assert (history[1]["samples/_type"], history[1]["samples/nrows"], history[1]["samples/ncols"]) == ("table-file", 2, 3)
+    with open(os.path.join(run_dir, "files", history[1]["samples/path"])) as f:
+        table = json.load(f)
+    assert table == {"columns": ["prompt", "completion", "reward"], "data": [list(r.values()) for r in ROWS]}
+
+
+# TensorBoard ----------------------------------------------------------------------------------------------------
+
+
+def test_tensorboard_event_file_holds_scalars_samples_as_text_and_the_config_as_hparams(tmp_path):
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    from tensorboard.util.tensor_util import make_ndarray
+
+    from rlhfkit.trackers import TensorBoardSink
+
+    sink = TensorBoardSink(str(tmp_path / "tb"), CONFIG)
+    sink.log(1, {"loss": 1.5, "objective/kl": 0.25})
+    sink.log(2, {"loss": 1.0})
+    sink.log_samples(2, ROWS)
+    sink.close()
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.5), (2, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("objective/kl")] == [(1, 0.25)]
+    (samples,) = acc.Tensors("samples/text_summary")
+    assert samples.step == 2
+    assert make_ndarray(samples.tensor_proto)[0].decode() == (
+        "| prompt | completion | reward |\n|---|---|---|\n"
+        "| Rate it: | great \\| fine<br>really | 0.5 |\n| Say hi | hi | -1.25 |")
+    (config_text,) = acc.Tensors("config/text_summary")
+    assert yaml.safe_load(make_ndarray(config_text.tensor_proto)[0].decode().strip("`").removeprefix("yaml\n")) == CONFIG
+    start = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
+    assert hparams == {"stage": "grpo", "seed": 3.0, "optim.lr": 0.1, "optim.scheduler": "linear",
+                       "reward.model": "[]", "reward.clip": "null"}
+
+
+# trackio --------------------------------------------------------------------------------------------------------
+
+
+def test_trackio_store_holds_metrics_config_and_samples(tmp_path):
+    # trackio reads TRACKIO_DIR when it is imported: a fresh interpreter points it at tmp_path.
+    script = textwrap.dedent(f"""
+        import json
+        from rlhfkit.trackers import TrackioSink
+        sink = TrackioSink("my-project", "run-7", {CONFIG!r})
+        sink.log(1, {{"loss": 1.5, "objective/kl": 0.25}})
+        sink.log(2, {{"loss": 1.0}})
+        sink.log_samples(2, {ROWS!r})
+        sink.close()
+
+        import trackio
+        from trackio.sqlite_storage import SQLiteStorage
+        (run,) = list(trackio.Api().runs("my-project"))
+        print("RESULT" + json.dumps({{"name": run.name, "config": run.config,
+                                      "logs": SQLiteStorage.get_logs("my-project", "run-7")}}))
+    """)
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+    assert result["name"] == "run-7"
+    assert {k: v for k, v in result["config"].items() if not k.startswith("_")} == CONFIG
+    logs = [{k: v for k, v in row.items() if k != "timestamp"} for row in result["logs"]]
+    assert logs[:2] == [{"step": 1, "loss": 1.5, "objective/kl": 0.25}, {"step": 2, "loss": 1.0}]
+    assert logs[2] == {"step": 2, "samples": {"_type": "trackio.table", "_value": ROWS}}
+    assert os.path.isfile(tmp_path / "trackio" / "my-project.db")
+
+
+def test_build_sinks_makes_each_named_sink_on_the_main_process_only(tmp_path, monkeypatch):
+    from rlhfkit.trackers import TensorBoardSink, WandbSink, build_sinks, run_config
+    from rlhfkit.config import SFTConfig, load_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(SFTConfig, None, ["model.name_or_path=tiny", "data.train=x.jsonl", f"output_dir={tmp_path}"])
+    config = run_config(cfg, "sft")
+    assert config["stage"] == "sft" and config["optim"]["lr"] == cfg.optim.lr and config["output_dir"] == str(tmp_path)
+    kwargs = dict(project="p", run_name="r", output_dir=str(tmp_path))
+    assert build_sinks(["tensorboard", "wandb"], config, is_main=False, **kwargs) == []
+    with pytest.raises(UserError, match="unknown tracker 'mlflow'"):  # refused on every process, not only the main one
+        build_sinks(["mlflow"], config, is_main=False, **kwargs)
+    sinks = build_sinks(["tensorboard", "wandb"], config, is_main=True, **kwargs)
+    assert [type(s) for s in sinks] == [TensorBoardSink, WandbSink]
+    for s in sinks:
+        s.log(1, {"loss": 2.0})
+        s.close()
+    assert glob.glob(str(tmp_path / "runs" / "r" / "events.out.tfevents.*"))
+    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
