@@ -1,14 +1,22 @@
-"""Rewards for online RL: scalar scores of whole sequences from reward models and ensembles of them, or from Python
-functions of the text.
+"""Rewards for the sampling stages (online RL, rejection sampling, eval judges): reward models, ensembles of them and
+Python reward functions, combined with weights into one score per sequence, as TRL's `GRPOTrainer` combines its
+`reward_funcs`.
 
-A reward model scorer (`RewardFn`) takes token ids and their attention mask (B, T) and returns one float32 score per
-sequence (B,). A Python reward function (`reward.function`, `reward.gold_function`, eval `judges`) follows
-`RewardFunction`'s contract: `fn(prompts, completions, **kwargs)` with the dataset's own prompts and every other
-field of the prompt records as keyword arguments, called once per rollout.
+Three kinds of thing, one name each:
+- a `Scorer` reads token ids (B, T) and returns one float32 score per sequence (B,): `RewardModelScorer` (one
+  reward model) or `EnsembleScorer` (several, mean or min);
+- a reward source scores a rollout's rows (B,): a `RewardFunction` (a Python function under TRL's contract,
+  `rlhfkit.reward_functions`), a `RewardModelSource` (a reward model, re-tokenising the text when its tokenizer is
+  not the policy's) or an `EnsembleSource` (several reward models as one source);
+- `Rewards` is every source of a run with its weight: calling it on a rollout gives `Scores` (the weighted total
+  and each source's own scores, for `rewards/<name>/mean|std`), and `gold` the held-out judge's.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -18,13 +26,18 @@ from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
+from rlhfkit.reward_functions import (
+    RewardFunction, RewardInputs, is_conversational, load_reward_function, unique_names, warn_unscored_once, weighted_sum,
+)
 from rlhfkit.sharding import place_frozen
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
 
 
-class RewardFn(Protocol):
+class Scorer(Protocol):
+    """Scores sequences given as token ids of the scorer's own tokenizer."""
+
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
         """(B, T), (B, T), optional (B, T) 1 on the response tokens -> (B,)."""
         ...
@@ -100,7 +113,7 @@ def sequence_scores_padding_free(model, batch) -> Tensor:
 
 
 class RewardModelScorer:
-    """A reward model as a `RewardFn`; `input_ids` must come from `tokenizer` (the reward model's own)."""
+    """A reward model as a `Scorer`; `input_ids` must come from `tokenizer` (the reward model's own)."""
 
     def __init__(self, model, tokenizer=None):
         self.model = model
@@ -112,14 +125,14 @@ class RewardModelScorer:
 
 
 class EnsembleScorer:
-    """Several reward functions reduced to one score per sequence.
+    """Several scorers (reward models sharing one tokenizer) reduced to one score per sequence (`reduce_ensemble`).
 
     `reduce="mean"` averages; `reduce="min"` takes the most pessimistic member, the conservative ensemble that
     curbs reward over-optimisation (Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization",
     arXiv 2310.02743, worst-case optimisation).
     """
 
-    def __init__(self, scorers: list[RewardFn], reduce: Literal["mean", "min"] = "mean"):
+    def __init__(self, scorers: list[Scorer], reduce: Literal["mean", "min"] = "mean"):
         if not scorers:
             raise ValueError("EnsembleScorer needs at least one scorer")
         if reduce not in ("mean", "min"):
@@ -129,8 +142,12 @@ class EnsembleScorer:
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
         args = (input_ids, attention_mask) if response_mask is None else (input_ids, attention_mask, response_mask)
-        scores = torch.stack([s(*args) for s in self.scorers])  # (K, B)
-        return scores.mean(0) if self.reduce == "mean" else scores.min(0).values
+        return reduce_ensemble(torch.stack([s(*args) for s in self.scorers]), self.reduce)
+
+
+def reduce_ensemble(scores: Tensor, reduce: str) -> Tensor:
+    """(K, B) the scores of K ensemble members -> (B,): their mean, or (reduce "min") the most pessimistic one."""
+    return scores.mean(0) if reduce == "mean" else scores.min(0).values
 
 
 def load_reward_scorer(
@@ -150,133 +167,7 @@ def load_reward_scorer(
     return scorers[0] if len(scorers) == 1 else EnsembleScorer(scorers, reduce)
 
 
-# Python reward functions and score post-processing --------------------------------------------------------------
-
-
-def load_reward_function(ref: str, key: str = "reward.function") -> RewardFunction:
-    """Import the function `ref` = "module:function", named in errors as `key` (its config key).
-
-    Importing runs the module's code, so a config that names a function is code: load configs you trust. The
-    working directory is importable while the module imports (as for `python -m`), then `sys.path` is restored, so
-    the user's own modules never shadow later imports; import what the function needs at the module's top level.
-    """
-    import importlib
-    import os
-    import sys
-
-    label = f"{key} '{ref}'"
-    module_name, _, name = ref.partition(":")
-    saved = list(sys.path)
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"{label}: cannot import module '{module_name}' ({_first_line(exc)})") from None
-    except Exception as exc:  # the module's own code failed at import: the user's to fix
-        raise UserError(f"{label}: cannot import module '{module_name}' ({type(exc).__name__}: {_first_line(exc)})") from None
-    finally:
-        sys.path[:] = saved
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"{label}: module '{module_name}' has no function '{name}'")
-    return RewardFunction(fn, label)
-
-
-class RewardFunction:
-    """A Python reward function under rlhfkit's calling contract (TRL's convention for reward functions).
-
-    The function is called once per rollout batch, for all B rows at once:
-
-        fn(prompts, completions, **kwargs) -> B numbers (a list, tuple, 1-D tensor or array), higher is better
-
-    - prompts: each row's prompt as the dataset holds it (a string, or the prompt's message dicts); rows of the
-      same prompt repeat it. Without dataset examples, the chat-rendered prompt text (special tokens dropped).
-    - completions: each row's response text, special tokens dropped.
-    - kwargs: every other field of the prompt records (e.g. `answer`, test cases) as a list over the rows (None for
-      a row whose record lacks the field), and `completion_ids` (each row's response token ids, up to and including
-      EOS). A keyword is passed only if the function names it or takes **kwargs, so `(prompts, completions)`
-      functions keep working.
-
-    Non-finite scores pass through (the trainers count the step as bad); anything else that is not one number
-    per row, and any exception the function raises, is a one-line `UserError` that names the function (`label`).
-    """
-
-    def __init__(self, fn, label: str):
-        import inspect
-
-        self.fn = fn
-        self.label = label
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):  # builtins without a signature: the two positional arguments only
-            params = []
-        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        self.any_keyword = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-        named = [p for p in params[2:] if p.kind in keyword]  # after (prompts, completions)
-        self.keywords = {p.name for p in named}
-        self.required = [p.name for p in named if p.default is inspect.Parameter.empty]
-
-    def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]] | None = None,
-                 columns: dict[str, list] | None = None) -> list[float]:
-        """One float per completion; `columns` maps each record field to its values over the rows."""
-        available = {**(columns or {}), **({"completion_ids": completion_ids} if completion_ids is not None else {})}
-        for name in self.required:
-            if name not in available:
-                fields = ", ".join(sorted(columns or {})) or "none"
-                raise UserError(f"{self.label} takes an argument '{name}', but the prompt records have no field "
-                                f"'{name}' (fields: {fields})")
-        kwargs = {k: v for k, v in available.items() if self.any_keyword or k in self.keywords}
-        try:
-            value = self.fn(prompts, completions, **kwargs)
-        except Exception as exc:  # the user's code failed: name it and where, on one line
-            raise UserError(f"{self.label} raised {type(exc).__name__}: {_first_line(exc)}{_where(exc)}") from None
-        return _as_scores(value, len(completions), self.label)
-
-
-def _as_scores(value, n: int, label: str) -> list[float]:
-    """`value` as n python floats, or a UserError saying what it was instead."""
-    import numbers
-
-    expected = f"expected a list of {n} numbers (one per completion)"
-    if hasattr(value, "shape") and hasattr(value, "tolist"):  # a tensor or an array
-        if len(value.shape) != 1 or value.shape[0] != n:
-            raise UserError(f"{label} returned a {type(value).__name__} of shape {tuple(value.shape)}, expected shape ({n},)")
-        items = value.tolist()
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    elif value is None:
-        raise UserError(f"{label} returned None, {expected}")
-    else:
-        raise UserError(f"{label} returned a {type(value).__name__} ({_short(value)}), {expected}")
-    if len(items) != n:
-        raise UserError(f"{label} returned a {type(value).__name__} of {len(items)} values, expected {n} (one per completion)")
-    scores = []
-    for i, v in enumerate(items):
-        if hasattr(v, "shape") and hasattr(v, "item") and len(v.shape) == 0:  # a 0-d tensor or numpy scalar
-            v = v.item()
-        if not isinstance(v, numbers.Real):
-            raise UserError(f"{label} returned a non-number at row {i}: {_short(v)} ({type(v).__name__})")
-        scores.append(float(v))  # NaN/inf stay: a non-finite step is the trainer's to count
-    return scores
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else "")[:300]
-
-
-def _where(exc: BaseException) -> str:
-    """" (file.py:LINE)" of the innermost frame that raised, or ""."""
-    import os
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if len(frames) > 1 else ""
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+# Score post-processing ----------------------------------------------------------------------------------------
 
 
 class RunningMoments:
@@ -326,52 +217,30 @@ def normalize_scores(
     return x.clamp(-clip, clip) if clip is not None else x
 
 
-class RewardSource:
-    """The reward of the sampling stages (online RL, rejection sampling): reward model(s) scoring a rollout's token
-    ids, or a Python function (`RewardFunction`) of its text and its prompt records; plus an optional gold judge
-    that is only logged.
-
-    Python functions load first, so a bad `module:function` fails before any reward model loads. Reward models
-    score `batch_size` rows per forward (None: the whole rollout at once).
-    """
-
-    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None):
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.function = load_reward_function(cfg.function) if cfg.function else None
-        self.gold_function = load_reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
-        self.scorer = load_reward_scorer(cfg.model, reduce=cfg.ensemble, quantization=cfg.quantization) if cfg.model else None
-        for member in getattr(self.scorer, "scorers", [self.scorer] if self.scorer is not None else []):
-            member.model = place_frozen(member.model, device)  # ZeRO-3: a sharded inference engine (rlhfkit.sharding)
-
-    def __call__(self, rollout, examples: list[dict] | None = None) -> Tensor:
-        """(B,) float32 scores of a `Rollout`, on its device; `examples[i]` is the prompt example (`data`'s prompt
-        kind: "prompt", "columns") of row i, repeated for each sample of a prompt by the caller."""
-        if self.scorer is None:
-            return call_reward_function(self.function, self.tokenizer, rollout, examples)
-        ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
-        step = self.batch_size or ids.shape[0]
-        return torch.cat([self.scorer(ids[i : i + step], mask[i : i + step], resp[i : i + step])
-                          for i in range(0, ids.shape[0], step)]).float()
-
-    def gold(self, rollout, examples: list[dict] | None = None) -> Tensor | None:
-        """(B,) float32 gold-judge scores (the same contract as the reward function), or None without one."""
-        if self.gold_function is None:
-            return None
-        return call_reward_function(self.gold_function, self.tokenizer, rollout, examples)
+# Reward sources and their weighted sum ----------------------------------------------------------------------------
 
 
-def call_reward_function(fn: RewardFunction, tokenizer, rollout, examples: list[dict] | None = None) -> Tensor:
-    """`fn` on all rows of `rollout` at once (the `RewardFunction` contract): (B,) float32 on the rollout's device.
+@dataclass(frozen=True)
+class Scores:
+    """The rewards of a rollout's B rows (`Rewards.__call__`)."""
 
-    `examples[i]` is row i's prompt example; without examples, prompts are the decoded prompt text and no record
-    field is passed.
+    total: Tensor  # (B,) fp32: Σ_k weight_k · score_k over the sources that apply to the row; 0 where none does
+    per_source: dict[str, Tensor]  # source name -> (B,) fp32 its own scores, NaN where it returned None
+    unscored: Tensor  # (B,) bool: the rows every source returned None for
+
+
+def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, trainer_state=None) -> RewardInputs:
+    """What the reward sources see of `rollout` (B rows), under TRL's contract (`rlhfkit.reward_functions`).
+
+    `examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`: "prompt", "columns"), repeated for
+    each sample of a prompt by the caller. Without examples, prompts are the decoded prompt text and no record field
+    is passed. A row whose prompt is a message list gets its completion as `[{"role": "assistant", "content": text}]`.
     """
     n = rollout.response_ids.shape[0]
     if examples is not None and len(examples) != n:
         raise ValueError(f"{len(examples)} examples for a rollout of {n} rows: repeat each prompt's example per sample")
     completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.response_ids, rollout.response_mask)]
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if examples is None:
         prompts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
                    for row, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
@@ -380,5 +249,163 @@ def call_reward_function(fn: RewardFunction, tokenizer, rollout, examples: list[
         prompts = [e["prompt"] for e in examples]
         names = list(dict.fromkeys(k for e in examples for k in e["columns"]))  # first-seen order
         columns = {k: [e["columns"].get(k) for e in examples] for k in names}
-    scores = fn(prompts, completions, completion_ids, columns)
-    return torch.tensor(scores, dtype=torch.float32, device=rollout.response_ids.device)
+    completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+    return RewardInputs(prompts, completions, completion_ids, columns, trainer_state)
+
+
+class RewardModelSource:
+    """A reward model as a reward source, named `name` (its directory's name).
+
+    When its tokenizer is the policy's (the same vocabulary), it scores the rollout's own token ids, exactly as
+    sampled. Otherwise, as TRL does, it scores the text re-tokenised with its own tokenizer: the prompt followed by
+    the completion on standard data, its own chat template over the prompt's messages and the assistant's reply on
+    conversational data. Scores are read in chunks of `batch_size` rows (None: all at once).
+    """
+
+    def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None):
+        self.scorer, self.name, self.batch_size = scorer, name, batch_size
+        own = scorer.tokenizer
+        self.retokenize = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
+
+    @torch.no_grad()
+    def __call__(self, rollout, inputs: RewardInputs) -> Tensor:
+        """(B,) fp32 scores of the rollout's rows, on its device."""
+        if self.retokenize:
+            ids, mask, resp = (t.to(rollout.input_ids.device) for t in self.encode(inputs))
+        else:
+            ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
+        step = self.batch_size or ids.shape[0]
+        return torch.cat([self.scorer(ids[i : i + step], mask[i : i + step], resp[i : i + step])
+                          for i in range(0, ids.shape[0], step)]).float()
+
+    def encode(self, inputs: RewardInputs) -> tuple[Tensor, Tensor, Tensor]:
+        """Each row's prompt + completion in the reward model's own tokens, right-padded: ids, attention mask and
+        response mask (B, T'), the response being what follows the prompt's own tokens."""
+        tok = self.scorer.tokenizer
+        texts, prompt_texts = [], []
+        for prompt, completion in zip(inputs.prompts, inputs.completions):
+            if is_conversational(prompt):
+                if not getattr(tok, "chat_template", None):
+                    raise UserError(f"reward model '{self.name}': its tokenizer has no chat template, which it needs "
+                                    "to score conversational prompts in its own tokens")
+                texts.append(tok.apply_chat_template(list(prompt) + list(completion), tokenize=False))
+                prompt_texts.append(tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True))
+            else:
+                texts.append(prompt + completion)
+                prompt_texts.append(prompt)
+        enc = tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        mask = enc["attention_mask"]
+        response = mask.clone()
+        for i, n in enumerate(len(ids) for ids in tok(prompt_texts, add_special_tokens=False)["input_ids"]):
+            response[i, :n] = 0
+        return enc["input_ids"], mask, response
+
+
+class EnsembleSource:
+    """Several reward models as one source: the mean or the minimum of their scores (`reduce_ensemble`)."""
+
+    def __init__(self, members: list[RewardModelSource], reduce: Literal["mean", "min"]):
+        self.members, self.reduce, self.name = members, reduce, f"ensemble_{reduce}"
+
+    def __call__(self, rollout, inputs: RewardInputs) -> Tensor:
+        return reduce_ensemble(torch.stack([m(rollout, inputs) for m in self.members]), self.reduce)
+
+
+def _has_own_tokenizer(path: str) -> bool:
+    """Whether a reward model at `path` ships a tokenizer (a hub name is assumed to)."""
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in files)
+
+
+def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quantization: QuantizationConfig | None = None,
+                             batch_size: int | None = None, dtype: str = "float32") -> RewardModelSource:
+    """The frozen reward model at `path` as a source scoring the policy's rollouts.
+
+    A reward model saved without a tokenizer can only read the policy's token ids: it is refused (naming both) when
+    its vocabulary is not the policy tokenizer's, since its scores of those ids would mean nothing. An embedding
+    padded past the tokenizer to a multiple of 64 (as Qwen's is) counts as the same vocabulary.
+    """
+    from transformers import AutoConfig
+
+    from rlhfkit.model_sources import from_pretrained, resolve_model_path
+
+    cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig())
+    where = resolve_model_path(cfg)
+    tokenizer = load_tokenizer(cfg) if _has_own_tokenizer(where) else None
+    if tokenizer is None:
+        size, policy_size = from_pretrained(AutoConfig, where).vocab_size, len(policy_tokenizer)
+        if not (size == policy_size or (size > policy_size and size % 64 == 0)):
+            raise UserError(f"reward model '{path}' has no tokenizer of its own and its vocabulary ({size} tokens) is not "
+                            f"the policy tokenizer's ('{policy_name}', {policy_size} tokens): it cannot score the "
+                            "policy's tokens; save the reward model with its tokenizer")
+    model = load_reward_model(cfg, tokenizer if tokenizer is not None else policy_tokenizer, trainable=False)
+    name = os.path.basename(os.path.normpath(path))
+    return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
+
+
+def _reward_function(entry, key: str) -> RewardFunction:
+    """A `module:function` reference, or a callable given from Python, as a `RewardFunction`."""
+    if callable(entry):
+        return entry if isinstance(entry, RewardFunction) else RewardFunction(entry, f"{key} {getattr(entry, '__name__', entry)!r}")
+    return load_reward_function(entry, key)
+
+
+def as_list(value) -> list:
+    """A config field that takes one value or a list of them, as a list (None: empty)."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Rewards:
+    """Every reward source of a sampling stage with its weight, plus an optional gold judge that is only logged.
+
+    The sources, in order (the order of `reward.weights`): the reward models of `reward.model`, each a source named
+    after its directory (with `reward.ensemble` mean or min and several models, one source `ensemble_<mean|min>`),
+    then the functions of `reward.function`, each named after the function (a repeated name gets its position
+    appended). Weights default to 1 each. Functions load first, so a bad `module:function` fails before any reward
+    model loads.
+    """
+
+    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy"):
+        self.tokenizer = tokenizer
+        functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
+        self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
+        models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size)
+                  for path in as_list(cfg.model)]
+        for source in models:
+            source.scorer.model = place_frozen(source.scorer.model, device)  # ZeRO-3: a sharded inference engine
+        if len(models) > 1 and cfg.ensemble != "none":
+            models = [EnsembleSource(models, cfg.ensemble)]
+        self.sources = models + functions
+        self.names = unique_names([s.name for s in self.sources])
+        weights = list(getattr(cfg, "weights", None) or [1.0] * len(self.sources))
+        if len(weights) != len(self.sources):
+            raise UserError(f"config key 'reward.weights': {len(weights)} weights for {len(self.sources)} reward sources "
+                            f"({', '.join(self.names)}): give one per source")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self._warned = [False]
+
+    def __call__(self, rollout, examples: list[dict] | None = None, trainer_state=None) -> Scores:
+        """The `Scores` of a `Rollout`'s rows, on its device; `examples[i]` is row i's prompt example (`data`'s prompt
+        kind: "prompt", "columns"), repeated for each sample of a prompt by the caller."""
+        inputs = reward_inputs(self.tokenizer, rollout, examples, trainer_state)
+        device = rollout.response_ids.device
+        values, applies = [], []
+        for source in self.sources:
+            if isinstance(source, RewardFunction):
+                raw = source(inputs)
+                values.append(torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=device))
+                applies.append(torch.tensor([v is not None for v in raw], device=device))
+            else:
+                values.append(source(rollout, inputs).to(device))
+                applies.append(torch.ones(len(inputs.completions), dtype=torch.bool, device=device))
+        total, unscored = weighted_sum(torch.stack(values, -1), torch.stack(applies, -1), self.weights)
+        warn_unscored_once(unscored, inputs, self._warned)
+        return Scores(total, dict(zip(self.names, values)), unscored)
+
+    def gold(self, rollout, examples: list[dict] | None = None, trainer_state=None) -> Tensor | None:
+        """(B,) float32 gold-judge scores (the same contract as the reward functions; NaN where it returned None),
+        or None without one."""
+        if self.gold_function is None:
+            return None
+        raw = self.gold_function(reward_inputs(self.tokenizer, rollout, examples, trainer_state))
+        return torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=rollout.response_ids.device)

@@ -159,29 +159,47 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Training takes exactly one source, `model` or `function`. `rlhfkit eval` makes each reward model a judge
+    """The reward sources and their weights (TRL's `reward_funcs` and `reward_weights`): first the reward models of
+    `model` (each a source named after its directory; with `ensemble` mean|min and several models, one source named
+    `ensemble_<mean|min>`), then the functions of `function` (each named after the function). A row's reward is
+    Σ weight · score over the sources that scored it (a function returns None for a row it does not apply to), and each
+    source is logged as rewards/<name>/mean and rewards/<name>/std. `rlhfkit eval` makes each reward model a judge
     ("reward_model" when alone, else "reward_model/<directory name>", plus "reward_model/ensemble_<mean|min>" for
-    several) and `function` one named after the function; it reports raw scores (the last four fields are unused)."""
+    several) and each function one named after the function; it reports raw scores (the last five fields are unused)."""
 
-    model: list[str] = field(default_factory=list)  # reward-model directories (sharing the policy's tokenizer)
+    model: list[str] = field(default_factory=list)  # reward-model directories; one with its own tokenizer scores re-tokenised text
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # the reward models in 4 bits (frozen)
-    ensemble: Literal["mean", "min"] = "mean"  # how an ensemble combines its members ("min" is conservative)
-    function: str | None = None  # "module:function": fn(prompts, completions, **record fields) -> one float per completion
+    ensemble: Literal["mean", "min", "none"] = "mean"  # several reward models as one source (mean; min is conservative), or none: each its own
+    function: str | list[str] | None = None  # "module:function" or a list of them, called under TRL's contract (rlhfkit.reward_functions)
+    weights: list[float] | None = None  # one per source, in the order above; null = 1 each
     gold_function: str | None = None  # optional "module:function" gold judge: logged as objective/gold, never trained on
     missing_eos_penalty: Annotated[float, Ge(0), doc("subtracted, as in TRL, from the score of a response cut at "
                                                      "max_new_tokens: e.g. 1.0 penalises truncation")] | None = None
     normalize: Literal["none", "batch", "running", "minmax"] = "none"  # z-score per batch / running, or min-max
     clip: Positive | None = None  # clip scores to [-clip, clip] after normalisation
 
-    def check(self):
-        for name in ("function", "gold_function"):
-            if getattr(self, name) and ":" not in getattr(self, name):
-                yield name, f"must be 'module:function', got {getattr(self, name)!r}"
+    @property
+    def functions(self) -> list[str]:
+        return [self.function] if isinstance(self.function, str) else list(self.function or [])
 
-    def check_one_source(self):
-        if bool(self.model) == bool(self.function):
-            yield "reward.model", ("give exactly one reward source: reward.model (reward-model directories) or "
-                                   "reward.function (module:function)")
+    @property
+    def num_sources(self) -> int:
+        return (1 if len(self.model) > 1 and self.ensemble != "none" else len(self.model)) + len(self.functions)
+
+    def check(self):
+        refs = [("gold_function", self.gold_function)] if self.gold_function else []
+        refs += [("function" if isinstance(self.function, str) else f"function[{i}]", f) for i, f in enumerate(self.functions)]
+        for name, ref in refs:
+            if ":" not in ref:
+                yield name, f"must be 'module:function', got {ref!r}"
+        if self.weights is not None and len(self.weights) != self.num_sources:
+            yield "weights", (f"must give one weight per reward source ({self.num_sources}: the reward models, or their "
+                              f"ensemble, then the functions), got {len(self.weights)}")
+
+    def check_has_source(self):
+        if not self.model and not self.functions:
+            yield "reward.model", ("give at least one reward source: reward.model (reward-model directories) and/or "
+                                   "reward.function (module:function, or a list)")
 
 
 @dataclass(frozen=True)

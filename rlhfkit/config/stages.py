@@ -174,7 +174,7 @@ class OnlineConfig(TrainConfig):
         from rlhfkit.algorithms import ALGORITHMS
 
         yield from super().check()
-        yield from self.reward.check_one_source()
+        yield from self.reward.check_has_source()
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
@@ -210,7 +210,7 @@ class RFTConfig(TrainConfig):
 
     def check(self):
         yield from super().check()
-        yield from self.reward.check_one_source()
+        yield from self.reward.check_has_source()
         # Selection and min_score read the raw scores (plus reward.missing_eos_penalty): normalising would change
         # min_score's units and clipping would create ties, while neither can improve which sample is best.
         if self.reward.normalize != "none":
@@ -222,7 +222,8 @@ class RFTConfig(TrainConfig):
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
 _EVAL_UNUSED = {
     "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples"), "it reads data.eval; max_prompts limits it"),
-    "reward": (("gold_function", "missing_eos_penalty", "normalize", "clip"), "it reports raw scores; add a gold judge to `judges`"),
+    "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
+               "it reports each judge's raw scores; add a gold judge to `judges`"),
 }
 
 
@@ -269,7 +270,7 @@ class EvalConfig:
             yield "capability_data", "measures the policy against the reference: it needs `reference`"
         if self.preference_data and not self.reward.model:
             yield "preference_data", "measures reward-model accuracy: it needs reward.model"
-        names = [self.reward.function.rpartition(":")[2]] if self.reward.function else []
+        names = [ref.rpartition(":")[2] for ref in self.reward.functions]
         for i, spec in enumerate(self.judges):
             name, sep, ref = spec.partition("=")
             if not sep or not name.strip() or ":" not in ref:

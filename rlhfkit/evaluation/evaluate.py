@@ -9,10 +9,10 @@ process) and the main process alone judges, writes eval.json and prints the tabl
 
 A judge is any `judge(rollout, examples) -> list[float]`: one score per row of the rollout, higher is better, where
 `examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`). Each judge is called once per model,
-on all of that model's samples. `python_judge` wraps a Python reward function under the reward-function contract
-(`rewards.RewardFunction`: the dataset's own prompts, the completions, every other field of the prompt records as
-keyword arguments); `RewardModelJudge` wraps a reward-model scorer, which reads the rollout's token ids (so it must
-share the policy's tokenizer).
+on all of that model's samples. `python_judge` wraps a Python reward function under TRL's reward contract
+(`rlhfkit.reward_functions`: keywords prompts=, completions=, completion_ids=, every other field of the prompt records,
+trainer_state=None); `RewardModelJudge` wraps a reward-model source (`rewards.RewardModelSource`: the rollout's own
+token ids, or the text re-tokenised when the reward model's tokenizer is not the policy's).
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
-from rlhfkit.rewards import (
-    EnsembleScorer, RewardFunction, call_reward_function, load_reward_function, load_reward_scorer,
-)
+from rlhfkit.reward_functions import RewardFunction, load_reward_function
+from rlhfkit.rewards import EnsembleSource, as_list, load_reward_model_source, reduce_ensemble, reward_inputs
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
@@ -57,26 +56,23 @@ Judge = Callable[[Rollout, list[dict] | None], list[float]]
 
 
 def python_judge(fn: Callable, tokenizer) -> Judge:
-    """A Python reward function `fn(prompts, completions, **kwargs)` (e.g. `rlhfkit.tasks.toy:vowel_reward`, or a
-    `RewardFunction` from `rewards.load_reward_function`) as a judge; `tokenizer` decodes the rollout."""
+    """A Python reward function under TRL's contract (e.g. `rlhfkit.tasks.toy:vowel_reward`, or a `RewardFunction`
+    from `reward_functions.load_reward_function`) as a judge; `tokenizer` decodes the rollout. A row the function
+    returns None for has no score (NaN), which `_judge_all` refuses: a judge scores every sample."""
     reward = fn if isinstance(fn, RewardFunction) else RewardFunction(fn, f"judge {getattr(fn, '__name__', fn)!r}")
-    return lambda rollout, examples: call_reward_function(reward, tokenizer, rollout, examples).tolist()
+    return lambda rollout, examples: [math.nan if v is None else v for v in reward(reward_inputs(tokenizer, rollout, examples))]
 
 
 class RewardModelJudge:
-    """A reward-model scorer (`rewards.load_reward_scorer`: one model or an ensemble) as a judge: it scores the
-    rollout's prompt + response token ids in chunks of `batch_size` rows, so it must share the policy's tokenizer."""
+    """A reward-model source (`rewards.RewardModelSource`, or an `EnsembleSource` of them) as a judge."""
 
-    def __init__(self, scorer, batch_size: int = 16):
-        self.scorer = scorer
-        self.batch_size = batch_size
+    def __init__(self, source, tokenizer):
+        self.source = source
+        self.tokenizer = tokenizer
 
     @torch.no_grad()
     def __call__(self, rollout: Rollout, examples: list[dict] | None = None) -> list[float]:
-        ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
-        chunks = [self.scorer(ids[i : i + self.batch_size], mask[i : i + self.batch_size], resp[i : i + self.batch_size])
-                  for i in range(0, ids.shape[0], self.batch_size)]
-        return torch.cat(chunks).float().tolist()
+        return self.source(rollout, reward_inputs(self.tokenizer, rollout, examples)).float().tolist()
 
 
 # 2. The core -------------------------------------------------------------------------------------------------
@@ -95,8 +91,9 @@ def _judge_all(judges: dict[str, Judge], rollout: Rollout, examples: list[dict])
         if len(scores) != n:
             raise UserError(f"judge '{name}' returned {len(scores)} scores for {n} completions")
         if not all(math.isfinite(s) for s in scores):
-            bad = next(s for s in scores if not math.isfinite(s))
-            raise UserError(f"judge '{name}' returned a non-finite score: {bad}")
+            i, bad = next((i, s) for i, s in enumerate(scores) if not math.isfinite(s))
+            what = "None (no score)" if math.isnan(bad) else f"a non-finite score: {bad}"
+            raise UserError(f"judge '{name}' returned {what} at row {i}: eval needs a finite score for every sample")
         out[name] = scores
     return out
 
@@ -285,8 +282,8 @@ class Evaluator:
             if cfg.capability_data:
                 capability, _ = build_datasets("sft", self.data_config(cfg.capability_data), tokenizer, cfg.seed)
         scorers = self.load_scorers(tokenizer, device)
-        judges: dict[str, Judge] = {name: RewardModelJudge(s, cfg.batch_size) for name, s in scorers.items()}
-        specs = [(cfg.reward.function.rpartition(":")[2], cfg.reward.function, "reward.function")] if cfg.reward.function else []
+        judges: dict[str, Judge] = {name: RewardModelJudge(s, tokenizer) for name, s in scorers.items()}
+        specs = [(ref.rpartition(":")[2], ref, "reward.function") for ref in as_list(cfg.reward.function)]
         specs += [(name.strip(), ref.strip(), "judges") for name, _, ref in (spec.partition("=") for spec in cfg.judges)]
         judges.update({name: python_judge(load_reward_function(ref, key), tokenizer) for name, ref, key in specs})
         # 2. The models, then the evaluation itself.
@@ -348,29 +345,46 @@ class Evaluator:
                           max_prompt_length=d.max_prompt_length, truncation=d.truncation, max_samples=max_samples)
 
     def load_scorers(self, tokenizer, device) -> dict[str, object]:
-        """name -> scorer: each reward model, and their ensemble when there are several."""
-        r = self.cfg.reward
+        """name -> reward-model source: each reward model, and their ensemble when there are several (and
+        reward.ensemble is not none)."""
+        r, cfg = self.cfg.reward, self.cfg
         members = {}
         for path in r.model:
-            scorer = load_reward_scorer(path, quantization=r.quantization)
-            _same_tokenizer(scorer.tokenizer, tokenizer, f"reward model '{path}'")
-            scorer.model.to(device)
+            source = load_reward_model_source(path, tokenizer, cfg.model.name_or_path, r.quantization, cfg.batch_size)
+            source.scorer.model.to(device)
             base = "reward_model" if len(r.model) == 1 else f"reward_model/{os.path.basename(os.path.normpath(path))}"
             name = base if base not in members else f"{base}_{len(members)}"  # two directories of the same name
-            members[name] = scorer
-        if len(members) > 1:
-            members[f"reward_model/ensemble_{r.ensemble}"] = EnsembleScorer(list(members.values()), r.ensemble)
+            members[name] = source
+        if len(members) > 1 and r.ensemble != "none":
+            members[f"reward_model/ensemble_{r.ensemble}"] = EnsembleSource(list(members.values()), r.ensemble)
         return members
 
     @torch.no_grad()
-    def rm_accuracy(self, scorer, pairs: list[dict], pad_token_id: int, device) -> float:
-        """The fraction of preference `pairs` whose chosen response `scorer` scores above the rejected one."""
+    def rm_accuracy(self, source, pairs: list[dict], pad_token_id: int, device) -> float:
+        """The fraction of preference `pairs` whose chosen response the reward model (or ensemble) `source` scores
+        above the rejected one. The pairs are in the policy's tokens: a reward model with a tokenizer of its own is
+        given the pairs in its own tokens (`pairs_for`)."""
+        members = source.members if isinstance(source, EnsembleSource) else [source]
         chosen, rejected = [], []
-        for start in range(0, len(pairs), self.cfg.batch_size):
-            b = collate_preference(pairs[start : start + self.cfg.batch_size], pad_token_id).to(device)
-            chosen.append(scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100))
-            rejected.append(scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
-        return reward_model_accuracy(torch.cat(chosen), torch.cat(rejected))
+        for member in members:
+            c, r = [], []
+            own = self.pairs_for(member) if member.retokenize else pairs
+            pad = member.scorer.tokenizer.pad_token_id if member.retokenize else pad_token_id
+            for start in range(0, len(own), self.cfg.batch_size):
+                b = collate_preference(own[start : start + self.cfg.batch_size], pad).to(device)
+                c.append(member.scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100))
+                r.append(member.scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
+            chosen.append(torch.cat(c))
+            rejected.append(torch.cat(r))
+        if isinstance(source, EnsembleSource):
+            return reward_model_accuracy(reduce_ensemble(torch.stack(chosen), source.reduce),
+                                         reduce_ensemble(torch.stack(rejected), source.reduce))
+        return reward_model_accuracy(chosen[0], rejected[0])
+
+    def pairs_for(self, source) -> list[dict]:
+        """`preference_data` in the reward model's own tokens."""
+        pairs, _ = build_datasets("preference", self.data_config(self.cfg.preference_data), source.scorer.tokenizer, self.cfg.seed)
+        return pairs
 
 
 def _on_main_process(state, fn: Callable):
@@ -394,7 +408,7 @@ def _on_main_process(state, fn: Callable):
 def _same_tokenizer(other, tokenizer, what: str) -> None:
     if other.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"{what} has a different tokenizer ({len(other)} tokens) from the policy's ({len(tokenizer)}): "
-                        "they must share one, since KL and reward models read the same token ids")
+                        "they must share one, since the KL compares log-probs of the same token ids")
 
 
 # 4. Reporting ------------------------------------------------------------------------------------------------

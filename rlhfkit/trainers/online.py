@@ -40,7 +40,8 @@ from rlhfkit.models import (
     save_model,
 )
 from rlhfkit.ops import kl_penalty, masked_mean
-from rlhfkit.rewards import RewardSource, RunningMoments, normalize_scores, token_scores
+from rlhfkit.reward_functions import source_stats, trainer_state
+from rlhfkit.rewards import Rewards, RunningMoments, normalize_scores, token_scores
 from rlhfkit.sharding import clip_grad_norm, gathered_weights, loaded_weights
 from rlhfkit.trainers.base import (
     Trainer, build_optimizer, build_scheduler, last_checkpoint_note, load_model_weights,
@@ -66,7 +67,8 @@ class OnlineTrainer(Trainer):
         policy = load_causal_lm(cfg.model, self.tokenizer)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
         self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device) if self.algo.needs_reference else None
-        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
+        self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
+                              policy_name=cfg.model.name_or_path)
         value = self.load_critic(policy) if self.algo.needs_value else None
         if a.disable_dropout:
             for module in (policy, value):
@@ -188,7 +190,9 @@ class OnlineTrainer(Trainer):
         if not self.on_every_process(ro is not None):
             return None, stats
         rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
-        scores = self.reward(ro, rows).float()  # 2. score: (B,), once for the whole rollout batch
+        scored = self.reward(ro, rows, trainer_state(step, self.total_steps))  # 2. score, once for the whole rollout batch
+        scores = scored.total  # (B,) the weighted sum over the reward sources
+        stats.update(source_stats({name: self.gather(v) for name, v in scored.per_source.items()}))
         # 3. No-grad forwards without dropout, on the unwrapped modules (no DDP collectives): with unchanged weights
         # they give exactly the update forward's values.
         policy = self.unwrap(self.model)

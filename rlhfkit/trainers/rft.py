@@ -31,7 +31,7 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
-from rlhfkit.rewards import RewardSource
+from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.base import (
     Trainer, build_optimizer, build_scheduler,
@@ -77,7 +77,8 @@ class RFTTrainer(Trainer):
     def build(self) -> None:
         cfg, acc = self.cfg, self.accelerator
         policy = load_causal_lm(cfg.model, self.tokenizer)
-        self.reward = RewardSource(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size)
+        self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
+                              policy_name=cfg.model.name_or_path)
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)
@@ -148,7 +149,7 @@ class RFTTrainer(Trainer):
             batches = [(b, self.sample_batch(policy, chosen, starts, iteration, b if b is not None else 0)) for b in mine]
         for b, (examples, ro) in batches:
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
-            scores = penalize_missing_eos(self.reward(ro, rows), ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
+            scores = penalize_missing_eos(self.reward(ro, rows).total, ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             if b is None:
                 continue
             best = select_best(scores, ro.group_ids)  # (G,)

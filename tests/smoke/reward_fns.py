@@ -1,12 +1,17 @@
 """Reward functions for the CLI tests, loaded as `tests.smoke.reward_fns:NAME` (the tests run from the repository
 root, which is importable while a reward function loads)."""
 
+import asyncio
+
 CALLS: list[dict] = []  # one entry per call of `record`
+STEPS: list[int] = []  # trainer_state.global_step at each call of `by_step`
 
 
 def record(prompts, completions, **kwargs):
-    """Records what it was given; scores 0."""
-    CALLS.append({"prompts": list(prompts), "n": len(completions), "kwargs": {k: list(v) for k, v in kwargs.items()}})
+    """Records what it was given (of trainer_state, its global_step); scores 0."""
+    state = kwargs.pop("trainer_state", None)
+    CALLS.append({"prompts": list(prompts), "n": len(completions), "kwargs": {k: list(v) for k, v in kwargs.items()},
+                  "global_step": getattr(state, "global_step", None)})
     return [0.0] * len(completions)
 
 
@@ -24,3 +29,36 @@ def one_too_few(prompts, completions):
 
 def raises(prompts, completions):
     raise KeyError("answer")
+
+
+# TRL-shaped functions (issue 19): each is called with keywords only --------------------------------------------
+
+
+def completions_only(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def with_answer(completions, answer, **kwargs):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def keyword_only(*, prompts, completions):
+    return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+
+def none_for_some(completions, **kwargs):
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def always_none(completions, **kwargs):
+    return [None] * len(completions)
+
+
+async def awaited(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(len(c) > 3) for c in completions]
+
+
+def by_step(completions, trainer_state, **kwargs):
+    STEPS.append(trainer_state.global_step)
+    return [0.0] * len(completions)

@@ -1,6 +1,7 @@
 """Python reward functions through the real CLI: the worked arithmetic example, what a function receives (the
-dataset's own prompts, every record field, one call per rollout batch) in grpo, rft and eval, and a bad function or
-judge ending the run with status 2 and one line that names it."""
+dataset's own prompts, every record field, one call per rollout batch) in grpo, rft and eval, TRL-shaped functions
+(keywords only, None rows, async, trainer_state, several weighted), and a bad function or judge ending the run with
+status 2 and one line that names it."""
 
 import json
 import os
@@ -139,3 +140,60 @@ def test_bad_judge_in_eval(fn, tmp_path, capsys):
     assert code == 2 and len(errors) == 1, err
     assert errors[0].startswith(f"rlhfkit: error: judges '{FNS}:{fn}' {BAD[fn]}"), errors[0]
     assert "Traceback" not in err and not (tmp_path / "eval" / "eval.json").exists()
+
+
+# 4. TRL's contract (issue 19): the shapes TRL users write, through `rlhfkit grpo` ------------------------------
+
+ARITH = ["grpo", "--config", "configs/grpo_arithmetic.yaml", "max_steps=2", "logging.progress_bar=false"]
+
+
+@pytest.mark.parametrize("fn", ["completions_only", "with_answer", "keyword_only", "none_for_some", "awaited"])
+def test_trl_shaped_function_trains(fn, tmp_path):
+    out = tmp_path / "run"
+    assert main(ARITH + [f"reward.function={FNS}:{fn}", f"output_dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if f"rewards/{fn}/mean" in r]
+    assert len(logged) == 2 and all(r[f"rewards/{fn}/mean"] == r[f"rewards/{fn}/mean"] for r in logged)  # not NaN
+    if fn == "none_for_some":  # the odd rows are not scored: the mean is over the rows scored 1.0, the std is 0
+        assert all(r[f"rewards/{fn}/mean"] == 1.0 and r[f"rewards/{fn}/std"] == 0.0 for r in logged)
+        assert all(r["objective/scores"] == 0.5 for r in logged)  # Σ over sources: 1 on even rows, 0 on the odd
+
+
+def test_trl_think_format_reward_trains_on_conversational_prompts(tmp_path):
+    """TRL's own function reads `completion[0]["content"]`: it needs the completions as message lists."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}) + "\n"
+                            for r in RECORDS))
+    out = tmp_path / "run"
+    assert main(ARITH + [f"data.train={chat}", "reward.function=trl.rewards:think_format_reward", f"output_dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rewards/think_format_reward/mean"] for r in rows if "objective/scores" in r] == [0.0, 0.0]  # no <think> yet
+
+
+def test_trainer_state_counts_optimizer_steps(tmp_path):
+    from tests.smoke import reward_fns
+
+    reward_fns.STEPS.clear()
+    assert main(ARITH + ["max_steps=3", f"reward.function={FNS}:by_step", f"output_dir={tmp_path / 'run'}"]) == 0
+    assert reward_fns.STEPS == [0, 1, 2]
+
+
+def test_several_functions_weighted_are_each_logged(tmp_path):
+    out = tmp_path / "run"
+    assert main(ARITH + [f"reward.function=[{FNS}:with_answer, {FNS}:none_for_some]", "reward.weights=[2.0, 0.5]",
+                         f"output_dir={out}"]) == 0
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "objective/scores" in r]
+    assert len(rows) == 2
+    for r in rows:  # 16 rows: with_answer on all, none_for_some (1.0) on the 8 even rows
+        expected = 2.0 * r["rewards/with_answer/mean"] + 0.5 * 8 / 16
+        assert abs(r["objective/scores"] - expected) < 1e-6, r
+        assert r["rewards/none_for_some/mean"] == 1.0
+
+
+def test_rows_no_source_scores_warn_once_and_score_zero(tmp_path, caplog):
+    out = tmp_path / "run"
+    caplog.set_level("WARNING", logger="rlhfkit")
+    assert main(ARITH + [f"reward.function={FNS}:always_none", f"output_dir={out}"]) == 0
+    assert len([r for r in caplog.records if "every reward source returned None" in r.getMessage()]) == 1
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "objective/scores" in r]
+    assert [r["objective/scores"] for r in rows] == [0.0, 0.0]

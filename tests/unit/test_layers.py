@@ -49,6 +49,7 @@ LAYERS = [
     "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
+    "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
     "rlhfkit.rewards",
     "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
     "rlhfkit.hub",  # model card and hub push

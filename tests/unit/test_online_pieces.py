@@ -5,7 +5,8 @@ import torch
 
 from rlhfkit.errors import UserError
 from rlhfkit.generation import response_mask_from_eos
-from rlhfkit.rewards import RunningMoments, load_reward_function, normalize_scores
+from rlhfkit.reward_functions import RewardInputs, load_reward_function
+from rlhfkit.rewards import RunningMoments, normalize_scores
 
 
 def test_response_mask_stops_after_first_eos():
@@ -37,7 +38,7 @@ def test_running_moments_match_the_whole_history():
 
 
 def test_reward_function_loading_errors():
-    assert load_reward_function("rlhfkit.tasks.toy:vowel_reward")([""], ["aab"]) == [pytest.approx(2 / 3)]
+    assert load_reward_function("rlhfkit.tasks.toy:vowel_reward")(RewardInputs([""], ["aab"], [[]])) == [pytest.approx(2 / 3)]
     with pytest.raises(UserError, match="cannot import module 'no_such_module'"):
         load_reward_function("no_such_module:f")
     with pytest.raises(UserError, match="has no function 'nope'"):

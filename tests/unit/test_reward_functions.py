@@ -1,6 +1,8 @@
-"""Python reward functions (`reward.function`, `reward.gold_function`, eval judges): the calling contract (original
-prompts, completions, every data column as a keyword argument, one call per rollout), what a bad return value or a
-raising function becomes (a one-line UserError naming the function), and importing without touching sys.path.
+"""Python reward functions (`reward.function`, `reward.gold_function`, eval judges) under TRL's contract: keywords
+(prompts=, completions=, completion_ids=, every data column, trainer_state=), conversational completions as message
+lists, None for a row a function does not apply to, async functions, several sources weighted, reward models with a
+tokenizer of their own; what a bad return value or a raising function becomes (a one-line UserError naming the
+function), and importing without touching sys.path.
 
 Rollouts are built by hand on the char-level tiny tokenizer (one character = one token, pad == eos)."""
 
@@ -16,7 +18,8 @@ from rlhfkit.config import DataConfig
 from rlhfkit.data import build_datasets
 from rlhfkit.errors import UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
-from rlhfkit.rewards import RewardSource, load_reward_function
+from rlhfkit.reward_functions import RewardInputs, load_reward_function
+from rlhfkit.rewards import RewardModelSource, Rewards, reward_inputs
 from rlhfkit.types import Rollout
 
 
@@ -61,9 +64,23 @@ def module(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+def rewards(function=None, gold_function=None, model=(), weights=None, ensemble="mean", batch_size=None):
+    cfg = SimpleNamespace(function=function, gold_function=gold_function, model=list(model), ensemble=ensemble,
+                          weights=weights, quantization=None)
+    return Rewards(cfg, build_tiny_tokenizer(), "cpu", batch_size=batch_size, policy_name="tiny")
+
+
 def source(function=None, gold_function=None):
-    cfg = SimpleNamespace(function=function, gold_function=gold_function, model=[], ensemble="mean")
-    return RewardSource(cfg, build_tiny_tokenizer(), "cpu")
+    """One reward function: called on a rollout, its (B,) scores."""
+    r = rewards(function, gold_function)
+
+    class Total:
+        gold = r.gold
+
+        def __call__(self, *args, **kwargs):
+            return r(*args, **kwargs).total
+
+    return Total()
 
 
 RECORDER = """
@@ -87,12 +104,13 @@ def test_one_call_with_original_prompts_completions_and_every_column(tok, module
     scores = source(f"{name}:reward")(ro, rows)
     (call,) = sys.modules[name].CALLS
     assert call["prompts"] == ["3+4=", "3+4=", [{"role": "user", "content": "5+5="}]] + [[{"role": "user", "content": "5+5="}]]
-    assert call["completions"] == ["7", "x", "10", "ten"]  # special tokens (EOS, padding) stripped
+    # Special tokens (EOS, padding) stripped; a row with a conversational prompt gets the assistant's message.
+    assert call["completions"] == ["7", "x", [{"role": "assistant", "content": "10"}], [{"role": "assistant", "content": "ten"}]]
     assert call["answer"] == ["7", "7", "10", "10"]
-    assert call["kwargs"] == {"level": [1, 1, None, None]}  # a column some records lack: None for those rows
+    assert call["kwargs"] == {"level": [1, 1, None, None], "trainer_state": None}  # a column some records lack: None
     assert call["completion_ids"] == [tok("7")["input_ids"] + [tok.eos_token_id], tok("x")["input_ids"] + [tok.eos_token_id],
                                       tok("10")["input_ids"] + [tok.eos_token_id], tok("ten")["input_ids"] + [tok.eos_token_id]]
-    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 1.0, 2.0, 3.0]
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 1.0, 1.0, 1.0]  # len() of a one-message list is 1
 
 
 def test_two_argument_functions_get_no_keywords(tok):
@@ -106,7 +124,7 @@ def test_without_examples_prompts_are_the_decoded_prompt_text(tok, module):
     name = module(RECORDER.replace("completions, answer, completion_ids", "completions, completion_ids").replace('"answer": answer, ', ""))
     source(f"{name}:reward")(rollout(tok, ["3+4="], ["7"]))
     (call,) = sys.modules[name].CALLS
-    assert call["prompts"] == ["user\n3+4=\nassistant\n"] and call["kwargs"] == {}
+    assert call["prompts"] == ["user\n3+4=\nassistant\n"] and call["kwargs"] == {"trainer_state": None}
 
 
 def test_gold_function_follows_the_same_contract(tok, module):
@@ -143,7 +161,7 @@ BAD = {
     "scalar": ("return 0.5", "returned a float (0.5), expected a list of 2 numbers (one per completion)"),
     "short": ("return [1.0]", "returned a list of 1 values, expected 2 (one per completion)"),
     "strings": ("return ['1', '0']", "returned a non-number at row 0: '1' (str)"),
-    "none inside": ("return [1.0, None]", "returned a non-number at row 1: None (NoneType)"),
+    "nan string": ("return [1.0, 'nan']", "returned a non-number at row 1: 'nan' (str)"),
     "nested": ("return [[1.0], [0.0]]", "returned a non-number at row 0: [1.0] (list)"),
     "tensor shape": ("import torch; return torch.zeros(2, 1)", "returned a Tensor of shape (2, 1), expected shape (2,)"),
     "0-d tensor": ("import torch; return torch.tensor(1.0)", "returned a Tensor of shape (), expected shape (2,)"),
@@ -189,7 +207,7 @@ def test_accepted_return_types_and_non_finite_values(tok, module):
 def test_loading_leaves_sys_path_unchanged(module, tmp_path):
     name = module("def fn(prompts, completions):\n    return [0.0] * len(completions)\n")
     before = list(sys.path)
-    assert load_reward_function(f"{name}:fn")(["p"], ["c"]) == [0.0]  # the working directory is importable ...
+    assert load_reward_function(f"{name}:fn")(RewardInputs(["p"], ["c"], [[]])) == [0.0]  # the working directory is importable ...
     assert sys.path == before  # ... only while importing
     assert str(tmp_path) not in sys.path
 
@@ -221,17 +239,279 @@ def test_dataset_columns_reach_the_function(tok, module, tmp_path):
     ro = rollout(tok, ["3+4=", "2+2="], ["7", "5"])
     source(f"{name}:reward")(ro, [examples[g] for g in ro.group_ids.tolist()])
     (call,) = sys.modules[name].CALLS
-    assert call["prompts"] == ["3+4=", "2+2="] and call["answer"] == ["7", "4"] and call["kwargs"] == {"hint": [None, "even"]}
+    assert call["prompts"] == ["3+4=", "2+2="] and call["answer"] == ["7", "4"]
+    assert call["kwargs"] == {"hint": [None, "even"], "trainer_state": None}
+
+
+class LengthScorer:
+    """A stub reward model on the policy's tokens: each row's response length; records its batch sizes."""
+
+    tokenizer = None
+
+    def __init__(self):
+        self.sizes = []
+
+    def __call__(self, ids, mask, response_mask):
+        self.sizes.append(ids.shape[0])
+        return response_mask.sum(-1).float()
 
 
 def test_reward_models_score_in_chunks_of_batch_size(tok):
-    sizes = []
+    scorer = LengthScorer()
+    rm = RewardModelSource(scorer, "rm", tok, batch_size=2)
+    ro = rollout(tok, ["q", "r"], ["a", "bb", "ccc", "dddd"], k=2)
+    assert rm(ro, reward_inputs(tok, ro)).tolist() == [2.0, 3.0, 4.0, 5.0]  # responses + EOS
+    assert scorer.sizes == [2, 2]
 
-    def scorer(ids, mask, response_mask):
-        sizes.append(ids.shape[0])
-        return response_mask.sum(-1).float()  # each row's response length
 
-    src = source("rlhfkit.tasks.toy:vowel_reward")
-    src.scorer, src.batch_size = scorer, 2
-    assert src(rollout(tok, ["q", "r"], ["a", "bb", "ccc", "dddd"], k=2)).tolist() == [2.0, 3.0, 4.0, 5.0]
-    assert sizes == [2, 2]
+# 5. TRL's contract: keywords, conversational data, None, async, several sources, trainer_state -------------------
+
+SHAPES = """
+import asyncio
+
+def completions_only(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+def with_solution(completions, solution, **kwargs):
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+def keyword_only(*, prompts, completions):
+    return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+def some_none(completions, **kwargs):
+    return [None if c.startswith("x") else 2.0 for c in completions]
+
+async def awaited(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(c.count("b")) for c in completions]
+
+def by_step(completions, trainer_state, **kwargs):
+    return [float(trainer_state.global_step)] * len(completions)
+
+CALLS = []
+def everything(**kwargs):
+    CALLS.append(kwargs)
+    return [0.0] * len(kwargs["completions"])
+"""
+
+
+@pytest.fixture
+def shapes(module):
+    return module(SHAPES)
+
+
+def rows_of(ro, examples):
+    return [examples[g] for g in ro.group_ids.tolist()]
+
+
+@pytest.mark.parametrize("fn,expected", [
+    ("completions_only", [1.0, 2.0, 2.0, 1.0]),
+    ("with_solution", [1.0, 0.0, 0.0, 0.0]),
+    ("keyword_only", [5.0, 6.0, 4.0, 3.0]),
+    ("awaited", [0.0, 2.0, 0.0, 0.0]),
+])
+def test_trl_shaped_functions_are_called_with_keywords(fn, expected, tok, shapes):
+    ro = rollout(tok, ["3+4=", "q1"], ["7", "bb", "10", "x"], k=2)
+    examples = [{"prompt": "3+4=", "columns": {"solution": "7"}}, {"prompt": "q1", "columns": {"solution": "2"}}]
+    assert rewards(f"{shapes}:{fn}")(ro, rows_of(ro, examples)).total.tolist() == expected
+
+
+def test_everything_a_kwargs_function_receives(tok, shapes):
+    from transformers import TrainerState
+
+    ro = rollout(tok, ["q"], ["ab", "c"], k=2)
+    state = TrainerState(global_step=3, max_steps=10)
+    rewards(f"{shapes}:everything")(ro, rows_of(ro, [{"prompt": "q", "columns": {"solution": "a", "id": 7}}]), state)
+    (call,) = sys.modules[shapes].CALLS
+    assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "solution", "id"}
+    assert call["prompts"] == ["q", "q"] and call["completions"] == ["ab", "c"] and call["solution"] == ["a", "a"]
+    assert call["id"] == [7, 7] and call["trainer_state"] is state
+    assert call["completion_ids"] == [tok("ab")["input_ids"] + [tok.eos_token_id], tok("c")["input_ids"] + [tok.eos_token_id]]
+
+
+def test_trainer_state_reaches_the_function(tok, shapes):
+    from rlhfkit.reward_functions import trainer_state
+
+    ro = rollout(tok, ["q"], ["a"])
+    assert rewards(f"{shapes}:by_step")(ro, None, trainer_state(5, 20)).total.tolist() == [5.0]
+
+
+def test_conversational_prompts_and_completions_are_message_lists(tok, module):
+    name = module(RECORDER.replace("completions, answer, completion_ids", "completions, completion_ids")
+                  .replace('"answer": answer, ', "").replace("len(c)", "len(c[0]['content'])"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ro = rollout(tok, ["Hi"], ["yo", "hey"], k=2)
+    scores = rewards(f"{name}:reward")(ro, rows_of(ro, [{"prompt": messages, "columns": {}}])).total
+    (call,) = sys.modules[name].CALLS
+    assert call["prompts"] == [messages, messages]
+    assert call["completions"] == [[{"role": "assistant", "content": "yo"}], [{"role": "assistant", "content": "hey"}]]
+    assert scores.tolist() == [2.0, 3.0]
+
+
+def test_trl_think_format_reward_on_conversational_data(tok):
+    ro = rollout(tok, ["q"], ["<think>\nhmm\n</think>\n42", "42"], k=2)
+    rows = rows_of(ro, [{"prompt": [{"role": "user", "content": "q"}], "columns": {}}])
+    assert rewards("trl.rewards:think_format_reward")(ro, rows).total.tolist() == [1.0, 0.0]
+
+
+def test_trl_accuracy_reward_returns_none_for_an_unparseable_solution(tok):
+    pytest.importorskip("math_verify")
+    ro = rollout(tok, ["q"], ["\\boxed{2}", "\\boxed{3}"], k=2)
+    rows = rows_of(ro, [{"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "$2$"}}])
+    assert rewards("trl.rewards:accuracy_reward")(ro, rows).total.tolist() == [1.0, 0.0]
+
+
+def test_none_is_dropped_from_the_weighted_sum_and_an_unscored_row_scores_zero_with_one_warning(tok, shapes, caplog):
+    """Two functions, weights 0.5 and 2: completions "7", "xy", "bb", "x" (rows 1 and 3 start with x)."""
+    ro = rollout(tok, ["q"], ["7", "xy", "bb", "x"], k=4)
+    r = rewards([f"{shapes}:some_none", f"{shapes}:awaited"], weights=[0.5, 2.0])
+    both = rewards([f"{shapes}:some_none", f"{shapes}:some_none"], weights=[1.0, 1.0])
+    caplog.set_level("WARNING", logger="rlhfkit")
+    scores = r(ro)
+    # some_none: 2, None, 2, None; awaited (count of "b"): 0, 0, 2, 0.
+    assert scores.total.tolist() == [0.5 * 2, 2.0 * 0, 0.5 * 2 + 2.0 * 2, 2.0 * 0]
+    assert scores.unscored.tolist() == [False, False, False, False]
+    torch.testing.assert_close(scores.per_source["some_none"], torch.tensor([2.0, math.nan, 2.0, math.nan]), equal_nan=True)
+    assert not caplog.records
+    first = both(ro)
+    assert first.total.tolist() == [4.0, 0.0, 4.0, 0.0] and first.unscored.tolist() == [False, True, False, True]
+    assert list(first.per_source) == ["some_none", "some_none_1"]  # a repeated name gets its position
+    both(ro)
+    warnings = [rec for rec in caplog.records if "returned None" in rec.getMessage()]
+    assert len(warnings) == 1 and "2 row(s)" in warnings[0].getMessage()
+
+
+def test_a_nan_the_function_returns_itself_is_not_dropped(tok, module):
+    name = module("def fn(completions, **kw):\n    return [float('nan'), 1.0]\n")
+    total = rewards([f"{name}:fn", "rlhfkit.tasks.toy:vowel_reward"])(rollout(tok, ["q"], ["a", "b"], k=2)).total
+    assert math.isnan(total[0]) and total[1] == 1.0
+
+
+def test_source_stats_are_trls_nanmean_and_bessel_nanstd():
+    from rlhfkit.reward_functions import source_stats
+
+    stats = source_stats({"fmt": torch.tensor([1.0, 3.0, math.nan]), "one": torch.tensor([math.nan, 4.0, math.nan])})
+    assert stats["rewards/fmt/mean"] == 2.0 and stats["rewards/fmt/std"] == pytest.approx(math.sqrt(2.0))
+    assert stats["rewards/one/mean"] == 4.0 and math.isnan(stats["rewards/one/std"])  # TRL: NaN for one value
+
+
+def test_weights_must_match_the_sources(tok):
+    with pytest.raises(UserError) as err:
+        rewards(["rlhfkit.tasks.toy:vowel_reward"], weights=[1.0, 2.0])
+    assert str(err.value) == ("config key 'reward.weights': 2 weights for 1 reward sources (vowel_reward): give one per source")
+
+
+# 6. Reward models next to functions, and reward models with a tokenizer of their own -----------------------------
+
+OTHER_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def other_tokenizer():
+    """A character-level tokenizer whose ids differ from the tiny one's (reversed order, other specials)."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>"] + list(reversed(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+    out.chat_template = OTHER_TEMPLATE
+    return out
+
+
+def save_rm(path, tokenizer, vocab_size=None, seed=0):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def own_scores(path, texts):
+    """The reward model at `path` on `texts` in its own tokens, one text at a time (no padding): its last token."""
+    from rlhfkit.models import load_reward_model
+    from rlhfkit.config import ModelConfig
+
+    tokenizer = other_tokenizer()
+    model = load_reward_model(ModelConfig(name_or_path=path), tokenizer, trainable=False)
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            ids = torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])
+            out.append(model(input_ids=ids).logits[0, 0])
+    return torch.stack(out)
+
+
+def test_a_reward_model_with_its_own_tokenizer_scores_the_retokenised_text(tok, tmp_path):
+    path = save_rm(tmp_path / "rm_other", other_tokenizer())
+    ro = rollout(tok, ["Say hi.", "Go"], ["hi!", "hello there", "no", "ok"], k=2)
+    standard = [{"prompt": "Say hi.", "columns": {}}, {"prompt": "Go", "columns": {}}]
+    r = rewards(model=[path], batch_size=3)
+    assert r.sources[0].retokenize and r.names == ["rm_other"]
+    expected = own_scores(path, ["Say hi.hi!", "Say hi.hello there", "Gono", "Gook"])  # TRL: prompt + completion
+    torch.testing.assert_close(r(ro, rows_of(ro, standard)).total, expected, atol=1e-5, rtol=0)
+    chat = [{"prompt": [{"role": "user", "content": "Say hi."}], "columns": {}},
+            {"prompt": [{"role": "user", "content": "Go"}], "columns": {}}]
+    expected = own_scores(path, [f"[user] {p}\n[assistant] {c}\n" for p, c in
+                                 [("Say hi.", "hi!"), ("Say hi.", "hello there"), ("Go", "no"), ("Go", "ok")]])
+    torch.testing.assert_close(r(ro, rows_of(ro, chat)).total, expected, atol=1e-5, rtol=0)
+
+
+def test_reward_models_and_functions_mixed_with_weights(tok, tmp_path):
+    path = save_rm(tmp_path / "judge", other_tokenizer())
+    ro = rollout(tok, ["Go"], ["aa", "bcd"], k=2)
+    rows = rows_of(ro, [{"prompt": "Go", "columns": {}}])
+    scores = rewards("rlhfkit.tasks.toy:vowel_reward", model=[path], weights=[2.0, 0.5])(ro, rows)
+    rm = own_scores(path, ["Goaa", "Gobcd"])
+    assert list(scores.per_source) == ["judge", "vowel_reward"]  # reward models first, then functions
+    torch.testing.assert_close(scores.per_source["judge"], rm, atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores.total, 2.0 * rm + 0.5 * torch.tensor([1.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_an_ensemble_is_one_source_and_none_keeps_each_model(tok, tmp_path):
+    a, b = save_rm(tmp_path / "a", other_tokenizer(), seed=1), save_rm(tmp_path / "b", other_tokenizer(), seed=2)
+    ro = rollout(tok, ["Go"], ["aa", "bcd"], k=2)
+    rows = rows_of(ro, [{"prompt": "Go", "columns": {}}])
+    sa, sb = own_scores(a, ["Goaa", "Gobcd"]), own_scores(b, ["Goaa", "Gobcd"])
+    low = rewards(model=[a, b], ensemble="min")(ro, rows)
+    assert list(low.per_source) == ["ensemble_min"]
+    torch.testing.assert_close(low.total, torch.minimum(sa, sb), atol=1e-5, rtol=0)
+    each = rewards(model=[a, b], ensemble="none", weights=[1.0, -1.0])(ro, rows)
+    assert list(each.per_source) == ["a", "b"]
+    torch.testing.assert_close(each.total, sa - sb, atol=1e-5, rtol=0)
+
+
+def test_a_reward_model_without_a_tokenizer_and_another_vocabulary_is_refused(tmp_path):
+    path = save_rm(tmp_path / "bare", None, vocab_size=50)
+    with pytest.raises(UserError) as err:
+        rewards(model=[path])
+    assert str(err.value) == (f"reward model '{path}' has no tokenizer of its own and its vocabulary (50 tokens) is not the "
+                              f"policy tokenizer's ('tiny', {len(build_tiny_tokenizer())} tokens): it cannot score the "
+                              "policy's tokens; save the reward model with its tokenizer")
+
+
+def test_a_reward_model_on_the_policys_tokens_reads_the_rollout_ids(tok, tmp_path):
+    path = save_rm(tmp_path / "same", None, vocab_size=len(tok))  # no tokenizer, the policy's vocabulary
+    r = rewards(model=[path])
+    assert not r.sources[0].retokenize
+    ro = rollout(tok, ["Go"], ["aa"])
+    expected = own_scores_ids(path, ro)
+    torch.testing.assert_close(r(ro).total, expected, atol=1e-5, rtol=0)
+
+
+def own_scores_ids(path, ro):
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.models import load_reward_model
+
+    model = load_reward_model(ModelConfig(name_or_path=path), build_tiny_tokenizer(), trainable=False)
+    ids = ro.input_ids[ro.attention_mask.bool()].unsqueeze(0)  # one row: its real tokens, ending with EOS
+    with torch.no_grad():  # the head at the last token (transformers' own pooling skips an EOS that is also pad)
+        return model.score(model.model(input_ids=ids).last_hidden_state)[:, -1, 0]

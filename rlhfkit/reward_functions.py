@@ -1,0 +1,269 @@
+"""Python reward functions under TRL's calling contract, and the pure arithmetic that combines several reward sources.
+
+A reward function (`reward.function`, `reward.gold_function`, eval `judges`, or a callable given from Python) is
+called once per rollout batch, for all B rows at once, with keywords only, as TRL's `GRPOTrainer` calls it:
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **every other dataset column)
+        -> B values (a list, tuple, 1-D tensor or array), higher is better; None for a row it does not apply to
+
+- prompts: each row's prompt as the dataset holds it: a string, or (conversational data) its list of messages.
+- completions: each row's response text, special tokens dropped; on conversational data the one-message list
+  `[{"role": "assistant", "content": text}]`, as TRL gives it.
+- completion_ids: each row's response token ids (the policy's), up to and including EOS.
+- every other field of the prompt records (e.g. `solution`, test cases), as a list over the rows (None for a row
+  whose record lacks it).
+- trainer_state: a `transformers.TrainerState` (`global_step` = optimizer steps done, `max_steps`) in training, for
+  rewards that change with progress; None in `rlhfkit eval`.
+
+Unlike TRL, a function is given only the keywords it accepts (it names them, or takes `**kwargs`), so rlhfkit's
+older `fn(prompts, completions)` functions keep working. An `async def` function is awaited. TRL also passes
+`log_extra` and `log_metric`; rlhfkit does not (a function that requires them is refused at its first call).
+
+None means "does not apply to this row" (TRL: NaN, dropped by `nansum`). Unlike TRL, a NaN the function returns
+itself is not dropped: it passes through to the total, where the trainer counts the step as non-finite.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhfkit.errors import UserError
+
+logger = logging.getLogger("rlhfkit")
+
+CONTRACT_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """What every reward function of one call sees, row i of each list being rollout row i (B rows)."""
+
+    prompts: list  # (B,) strings, or message lists
+    completions: list  # (B,) strings, or [{"role": "assistant", "content": text}]
+    completion_ids: list[list[int]]  # (B,) each row's response ids, EOS included
+    columns: dict[str, list] = field(default_factory=dict)  # every other record field -> (B,) values
+    trainer_state: Any = None  # transformers.TrainerState in training, None in eval
+
+    def keywords(self) -> dict[str, Any]:
+        return {**self.columns, "prompts": self.prompts, "completions": self.completions,
+                "completion_ids": self.completion_ids, "trainer_state": self.trainer_state}
+
+
+def completion_text(completion) -> str:
+    """The text of one completion: the string itself, or the content of a conversational completion's messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(m.get("content") or "") for m in completion)
+
+
+def is_conversational(prompt) -> bool:
+    """Whether a prompt is a list of {role, content} messages (TRL's conversational format)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+class RewardFunction:
+    """A Python reward function under TRL's contract (module docstring), named `name` in metrics and `label` in
+    errors. Calling it gives one float per row, None where the function returned None.
+
+    An exception the function raises, a return value that is not one number (or None) per row, and a required
+    argument no record field supplies each end the run with one line that names the function.
+    """
+
+    def __init__(self, fn, label: str, name: str | None = None):
+        self.fn = fn
+        self.label = label
+        self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # builtins without a signature: all keywords
+            params = []
+        self.any_keyword = not params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        named = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        self.keywords = {p.name for p in named}
+        self.required = [p.name for p in named if p.default is inspect.Parameter.empty]
+        positional_only = [p.name for p in params if p.kind == inspect.Parameter.POSITIONAL_ONLY]
+        if positional_only:
+            raise UserError(f"{label} takes positional-only arguments ({', '.join(positional_only)}): reward "
+                            "functions are called with keywords (prompts=, completions=, ...)")
+
+    def __call__(self, inputs: RewardInputs) -> list[float | None]:
+        """One float per row of `inputs`, None where the function returned None (it does not apply to the row)."""
+        available = inputs.keywords()
+        for name in self.required:
+            if name not in available:
+                fields = ", ".join(sorted(inputs.columns)) or "none"
+                raise UserError(f"{self.label} takes an argument '{name}', but the prompt records have no field "
+                                f"'{name}' (fields: {fields})")
+        kwargs = {k: v for k, v in available.items() if self.any_keyword or k in self.keywords}
+        try:
+            value = self.fn(**kwargs)
+            if inspect.isawaitable(value):
+                value = _run(value)
+        except UserError:
+            raise
+        except Exception as exc:  # the user's code failed: name it and where, on one line
+            raise UserError(f"{self.label} raised {type(exc).__name__}: {_first_line(exc)}{_where(exc)}") from None
+        return _as_scores(value, len(inputs.completions), self.label)
+
+
+def _run(awaitable):
+    """The result of an awaitable, on a fresh event loop; in a thread of its own when this thread already runs one
+    (a notebook), where `asyncio.run` is refused."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def wait():
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
+
+
+def trainer_state(global_step: int, max_steps: int):
+    """The `trainer_state` reward functions receive in training: a `transformers.TrainerState`."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=global_step, max_steps=max_steps)
+
+
+def load_reward_function(ref: str, key: str = "reward.function") -> RewardFunction:
+    """Import the function `ref` = "module:function", named in errors as `key` (its config key).
+
+    Importing runs the module's code, so a config that names a function is code: load configs you trust. The
+    working directory is importable while the module imports (as for `python -m`), then `sys.path` is restored, so
+    the user's own modules never shadow later imports; import what the function needs at the module's top level.
+    """
+    import importlib
+    import os
+    import sys
+
+    label = f"{key} '{ref}'"
+    module_name, _, name = ref.partition(":")
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{label}: cannot import module '{module_name}' ({_first_line(exc)})") from None
+    except Exception as exc:  # the module's own code failed at import: the user's to fix
+        raise UserError(f"{label}: cannot import module '{module_name}' ({type(exc).__name__}: {_first_line(exc)})") from None
+    finally:
+        sys.path[:] = saved
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"{label}: module '{module_name}' has no function '{name}'")
+    return RewardFunction(fn, label, name)
+
+
+def _as_scores(value, n: int, label: str) -> list[float | None]:
+    """`value` as n python floats (or None), or a UserError saying what it was instead."""
+    expected = f"expected a list of {n} numbers (one per completion)"
+    if hasattr(value, "shape") and hasattr(value, "tolist"):  # a tensor or an array
+        if len(value.shape) != 1 or value.shape[0] != n:
+            raise UserError(f"{label} returned a {type(value).__name__} of shape {tuple(value.shape)}, expected shape ({n},)")
+        items = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif value is None:
+        raise UserError(f"{label} returned None, {expected}")
+    else:
+        raise UserError(f"{label} returned a {type(value).__name__} ({_short(value)}), {expected}")
+    if len(items) != n:
+        raise UserError(f"{label} returned a {type(value).__name__} of {len(items)} values, expected {n} (one per completion)")
+    scores = []
+    for i, v in enumerate(items):
+        if hasattr(v, "shape") and hasattr(v, "item") and len(v.shape) == 0:  # a 0-d tensor or numpy scalar
+            v = v.item()
+        if v is None:
+            scores.append(None)  # does not apply to this row
+            continue
+        if not isinstance(v, numbers.Real):
+            raise UserError(f"{label} returned a non-number at row {i}: {_short(v)} ({type(v).__name__})")
+        scores.append(float(v))
+    return scores
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:300]
+
+
+def _where(exc: BaseException) -> str:
+    """" (file.py:LINE)" of the innermost frame that raised, or ""."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if len(frames) > 1 else ""
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Several sources: the weighted sum and the per-source figures (pure) ----------------------------------------------
+
+
+def weighted_sum(values: Tensor, applies: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The total reward of each row over K sources, and which rows no source scored.
+
+    Args:
+        values: (B, K) each source's score of each row (anything where it does not apply).
+        applies: (B, K) bool, False where a source returned None for the row (TRL's NaN).
+        weights: (K,) each source's weight (TRL's `reward_weights`).
+
+    Returns (total (B,) = Σ_k w_k · v_bk over the sources that apply, as TRL's `nansum`, so 0 for a row no source
+    scored; unscored (B,) bool). A non-finite value of a source that applies stays in the total.
+    """
+    terms = torch.where(applies, values.float() * weights.to(values.device).float(), torch.zeros((), device=values.device))
+    return terms.sum(-1), ~applies.any(-1)
+
+
+def nanstd(x: Tensor) -> Tensor:
+    """The standard deviation of the non-NaN entries of `x`, Bessel-corrected (TRL's `nanstd`); NaN for < 2 entries."""
+    count = (~torch.isnan(x)).sum()
+    variance = torch.nanmean((x - torch.nanmean(x)) ** 2)
+    return (variance * count / (count - 1)).sqrt() if count > 1 else torch.tensor(math.nan)
+
+
+def source_stats(per_source: dict[str, Tensor]) -> dict[str, float]:
+    """`rewards/<name>/mean` and `rewards/<name>/std` of each source's (B,) scores over the rows it applies to (NaN
+    where it returned None), as TRL logs them."""
+    out = {}
+    for name, scores in per_source.items():
+        x = scores.detach().float().cpu()
+        out[f"rewards/{name}/mean"] = float(torch.nanmean(x))
+        out[f"rewards/{name}/std"] = float(nanstd(x))
+    return out
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """`names` with a repeat made unique by its position ("len", "len" -> "len", "len_1"), for metric keys."""
+    out: list[str] = []
+    for i, n in enumerate(names):
+        out.append(n if n not in out else f"{n}_{i}")
+    return out
+
+
+def warn_unscored_once(unscored: Tensor, inputs: RewardInputs, warned: list[bool]) -> None:
+    """Warn, once per run (`warned` holds the flag), that some row was scored by no source; it scores 0."""
+    if warned[0] or not bool(unscored.any()):
+        return
+    warned[0] = True
+    i = int(unscored.nonzero()[0, 0])
+    logger.warning("every reward source returned None for %d row(s), which score 0 (first: prompt %r, completion %r); "
+                   "make sure at least one source scores each row (this warning is not repeated)",
+                   int(unscored.sum()), _short(inputs.prompts[i]), _short(completion_text(inputs.completions[i])))
