@@ -55,6 +55,7 @@ LAYERS = [
     "rlhfkit.hub",  # model card and hub push
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
     "rlhfkit.evaluation.alarms",
+    "rlhfkit.evaluation.capability",  # the alignment tax: NLL of reference texts under policy and reference
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
