@@ -47,6 +47,8 @@ def _type_phrase(tp: Any) -> str:
         return " or ".join(_type_phrase(a) for a in args)
     if origin is list:
         return f"a list of {_type_phrase(args[0])}"
+    if origin is dict:
+        return f"a mapping of {_type_phrase(args[0])} to {_type_phrase(args[1])}"
     names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -107,6 +109,8 @@ def _coerce(value: Any, tp: Any, key: str, nullable: bool = False) -> Any:
                 continue
     elif origin is list and isinstance(value, (list, tuple)):
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict and isinstance(value, dict):
+        return {_coerce(k, args[0], f"{key}.{k}"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
     elif origin is Literal and value in args:
         return value
     elif tp is float and not isinstance(value, bool) and (isinstance(value, (int, float)) or (

@@ -81,6 +81,10 @@ class ModelConfig:
             yield "name_or_path", "is required (a local directory, a hub name, or 'tiny')"
 
 
+# The fields a record of any stage can have (rlhfkit.data's formats): what data.columns may map a column to.
+RECORD_FIELDS = ("prompt", "completion", "chosen", "rejected", "label", "margin", "messages", "text")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Training stages read `train` (required there) and `eval`; `rlhfkit eval` reads its held-out prompts from
@@ -103,8 +107,18 @@ class DataConfig:
     # or softcapped attention runs one masked (N, N) product over the row, which can cost more than the padding saved.
     padding_free: bool = False
     max_samples: PosInt | None = None  # use only the first N records of each split (quick experiments)
+    subset: str | None = None  # the configuration (subset) of the hub datasets `train` and `eval` name
+    # Record fields read from other columns, field -> column (e.g. {prompt: question}): TRL's column renaming.
+    columns: dict[str, str] = field(default_factory=dict)
 
     def check(self):
+        for name in self.columns:
+            if name not in RECORD_FIELDS:
+                yield f"columns.{name}", ("is not a record field: give data.columns.<field>=<column>, field one of "
+                                          + ", ".join(RECORD_FIELDS))
+        for column in sorted(set(self.columns.values())):
+            if len(names := sorted(k for k, v in self.columns.items() if v == column)) > 1:
+                yield "columns", f"renames column '{column}' twice (to {' and '.join(names)})"
         if not 1 <= self.max_prompt_length < self.max_length:
             yield "max_prompt_length", f"must be in [1, max_length={self.max_length}), got {self.max_prompt_length}"
         if self.padding_free and self.packing:

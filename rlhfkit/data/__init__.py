@@ -22,14 +22,20 @@ reclaim the space, or turn caching off with `datasets.disable_caching()`.
 Record formats per kind ("text|messages" = a string or a list of {role, content} dicts, role in system/user/assistant):
     sft         prompt_completion  {prompt: text|messages, completion: text|messages}
                 messages           {messages}: the loss covers every assistant turn
+                text               {text}: language modelling, the loss covers every token of the raw text and EOS
     preference  pairwise           {prompt: text|messages, chosen: text|messages, rejected: text|messages, margin?: number}
                                    chosen/rejected are the assistant turn(s); a message list that repeats the prompt
                                    turns first (UltraFeedback-style full conversations) has them removed
-                hh_rlhf            {chosen, rejected}: full "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts; the prompt
-                                   is their shared prefix up to and including the last "\\n\\nAssistant:"
+                implicit_prompt    {chosen: messages, rejected: messages, margin?}: their shared first turns are the
+                                   prompt (TRL's conversational implicit prompt), or {chosen: text, rejected: text}: full
+                                   "\\n\\nHuman: ...\\n\\nAssistant: ..." HH-RLHF transcripts, the prompt their shared
+                                   prefix up to and including the last "\\n\\nAssistant:"
     unpaired    unpaired           {prompt: text|messages, completion: text|messages, label: bool (true = desirable)}
     prompt      prompt             {prompt: text|messages}
                 messages           {messages}: every turn is prompt; a final assistant turn is dropped
+
+`data.columns` (field -> column) renames a dataset's columns to these fields before detection; `data.subset` is the
+configuration of a hub dataset (`datasets.load_dataset(name, subset, split=...)`).
 
 Every problem is a one-line `DataError` naming the source and where: parse errors name the 1-based line of a .jsonl
 file; validation and tokenization errors name the record, its 0-based index among the loaded records. With worker

@@ -23,8 +23,8 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
 # Per kind: (format name, required fields), in detection order: the first whose fields the first record has wins.
 _FORMATS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "sft": (("prompt_completion", ("prompt", "completion")), ("messages", ("messages",))),
-    "preference": (("pairwise", ("prompt", "chosen", "rejected")), ("hh_rlhf", ("chosen", "rejected"))),
+    "sft": (("prompt_completion", ("prompt", "completion")), ("messages", ("messages",)), ("text", ("text",))),
+    "preference": (("pairwise", ("prompt", "chosen", "rejected")), ("implicit_prompt", ("chosen", "rejected"))),
     "unpaired": (("unpaired", ("prompt", "completion", "label")),),
     "prompt": (("prompt", ("prompt",)), ("messages", ("messages",))),
 }
@@ -41,16 +41,18 @@ class Canonical:
     margin: float = 0.0
     desirable: bool = True
     columns: dict | None = None  # prompt-only: the record's other fields (all but "prompt" and "messages")
+    text: str | None = None  # SFT language modelling: the whole text takes the loss (`prompt` is then "")
 
 
-def detect(records: list[dict] | datasets.Dataset, kind: str, source: str) -> str:
-    """The format of `records`, from the first record's keys (no record is validated)."""
+def detect(records: list[dict] | datasets.Dataset, kind: str, source: str, columns: dict[str, str]) -> str:
+    """The format of `records`, from the first record's keys once `columns` (data.columns) renamed them (no record
+    is validated)."""
     if kind not in _FORMATS:
         raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
     if not records:
         raise DataError(f"{source}: no records (empty dataset)")
     formats = _FORMATS[kind]
-    keys = records[0].keys()
+    keys = rename_columns(records[0], columns, f"{source} record 0").keys()
     for fmt, required in formats:
         if all(name in keys for name in required):
             break
@@ -83,19 +85,14 @@ def canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> Canonic
         if first is None:
             raise DataError(f"{where}: field 'messages' has no assistant turn (nothing to learn from)")
         return Canonical(prompt=turns[:first], responses=[], turns=turns)
-    if fmt == "hh_rlhf":
-        chosen, rejected = get("chosen"), get("rejected")
-        for name, value in (("chosen", chosen), ("rejected", rejected)):
-            if not isinstance(value, str):
-                raise DataError(f"{where}: field '{name}' must be a string (an HH-RLHF transcript), got {type_of(value)}")
-        end = os.path.commonprefix([chosen, rejected]).rfind(HH_ASSISTANT)
-        if end < 0:
-            raise DataError(
-                f"{where}: fields 'chosen' and 'rejected' share no '\\n\\nAssistant:' turn "
-                "(expected HH-RLHF transcripts '\\n\\nHuman: ...\\n\\nAssistant: ...')"
-            )
-        end += len(HH_ASSISTANT)
-        return Canonical(prompt=chosen[:end], responses=[chosen[end:], rejected[end:]], hh=True, margin=_margin(record, where))
+    if fmt == "text":
+        text = get("text")
+        if not isinstance(text, str) or not text:
+            got = repr(text) if text == "" else type_of(text)
+            raise DataError(f"{where}: field 'text' must be a non-empty string, got {got}")
+        return Canonical(prompt="", responses=[], text=text)
+    if fmt == "implicit_prompt":
+        return _implicit_prompt(get("chosen"), get("rejected"), where, _margin(record, where))
     prompt = _text_or_messages(get("prompt"), "prompt", where)
     if fmt == "prompt":
         return Canonical(prompt=prompt, responses=[], columns=_columns(record))
@@ -109,6 +106,51 @@ def canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> Canonic
             raise DataError(f"{where}: field 'label' must be a bool (true = desirable), got {type_of(label)}")
         return Canonical(prompt=prompt, responses=[completion], desirable=label)
     return Canonical(prompt=prompt, responses=[completion])  # sft prompt_completion
+
+
+def rename_columns(record: dict, columns: dict[str, str], where: str) -> dict:
+    """`record` with each column that `columns` (data.columns: field -> column) maps under its field's name."""
+    if not columns:
+        return record
+    for name, column in columns.items():
+        if column not in record:
+            raise DataError(f"{where}: data.columns.{name} names column '{column}', which the record does not have "
+                            f"(its fields: {', '.join(sorted(record))})")
+        if name in record and name not in columns.values():
+            raise DataError(f"{where}: data.columns.{name} names column '{column}', but the record also has a field "
+                            f"'{name}' (rename or drop one)")
+    field_of = {column: name for name, column in columns.items()}
+    return {field_of.get(key, key): value for key, value in record.items()}
+
+
+def _implicit_prompt(chosen, rejected, where: str, margin: float) -> Canonical:
+    """A pair with an implicit prompt: HH-RLHF transcripts (the prompt ends at their last shared "\n\nAssistant:"),
+    or TRL's conversational form, two message lists whose shared first turns are the prompt."""
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        end = os.path.commonprefix([chosen, rejected]).rfind(HH_ASSISTANT)
+        if end < 0:
+            raise DataError(
+                f"{where}: fields 'chosen' and 'rejected' share no '\\n\\nAssistant:' turn "
+                "(expected HH-RLHF transcripts '\\n\\nHuman: ...\\n\\nAssistant: ...')"
+            )
+        end += len(HH_ASSISTANT)
+        return Canonical(prompt=chosen[:end], responses=[chosen[end:], rejected[end:]], hh=True, margin=margin)
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be message lists (an implicit prompt) or "
+                        f"both HH-RLHF transcripts (strings), got {type_of(chosen)} and {type_of(rejected)}")
+    sides = {"chosen": _messages(chosen, "chosen", where), "rejected": _messages(rejected, "rejected", where)}
+    n = next((j for j, (a, b) in enumerate(zip(chosen, rejected)) if not _same_turn(a, b)), min(len(chosen), len(rejected)))
+    if len(chosen) == len(rejected) == n:  # one conversation twice: its last turn is both responses (dropped later)
+        n -= 1
+    if n == 0:
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' share no turn (an implicit prompt is their shared first turns)")
+    for (name, turns), other in zip(sides.items(), ("rejected", "chosen")):
+        if len(turns) == n:
+            raise DataError(f"{where}: field '{name}' has no turn after the prompt it shares with '{other}' (nothing to prefer)")
+        if turns[n]["role"] != "assistant":
+            raise DataError(f"{where}: field '{name}' must continue the prompt it shares with '{other}' with an assistant "
+                            f"turn (the response), got role '{turns[n]['role']}'")
+    return Canonical(prompt=chosen[:n], responses=[chosen[n:], rejected[n:]], margin=margin)
 
 
 def _columns(record: dict) -> dict:

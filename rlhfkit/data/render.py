@@ -28,6 +28,10 @@ class Encoder:
     def ids(self, text: str, special: bool = False) -> list[int]:
         return self.tok(text, add_special_tokens=special)["input_ids"]
 
+    def text(self, text: str) -> list[int]:
+        """Language modelling: the raw text (never a chat template) with the tokenizer's special tokens, then EOS."""
+        return self.ids(text, special=True) + [self.tok.eos_token_id]
+
     def render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
         if not self.template:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)

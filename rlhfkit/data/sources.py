@@ -19,22 +19,26 @@ DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
 
 
-def open_source(source: str, split: str, max_samples: int | None) -> tuple[str, Callable[[], list[dict] | datasets.Dataset]]:
+def open_source(source: str, subset: str | None, split: str, max_samples: int | None) -> tuple[str, Callable[[], list[dict] | datasets.Dataset]]:
     """A fingerprint of `source`'s records (a local file's content hash, a hub dataset's own datasets fingerprint),
     and the function that reads them (a file's records as a list, a hub dataset as a `datasets.Dataset`), keeping
     the first `max_samples`: a file is only read when its tokenized examples are not cached yet.
 
     A source that looks like a path (a data extension, a "/" plus an extension, or a leading "." "/" "~") must exist;
-    anything else shaped like "name" or "org/name" goes to `datasets.load_dataset(source, split=split)`.
+    anything else shaped like "name" or "org/name" goes to `datasets.load_dataset(source, subset, split=split)`.
     """
     path = os.path.expanduser(source)
     if os.path.isfile(path):
         fingerprint = f"{_file_hash(path)}{os.path.splitext(path)[1].lower()}-{max_samples}"
         return fingerprint, lambda: _read_file(path, source)[:max_samples]
     if os.path.isdir(path) or _is_hub_name(source):
-        dataset = _load_hub(source, split, max_samples)
+        dataset = _load_hub(source, subset, split, max_samples)
         return dataset._fingerprint, lambda: dataset
     raise DataError(f"data file '{source}' not found")
+
+
+def is_local_file(source: str) -> bool:
+    return os.path.isfile(os.path.expanduser(source))
 
 
 def _file_hash(path: str) -> str:
@@ -52,13 +56,14 @@ def _is_hub_name(source: str) -> bool:
     return bool(_HUB_NAME.match(source))
 
 
-def _load_hub(source: str, split: str, max_samples: int | None) -> datasets.Dataset:
+def _load_hub(source: str, subset: str | None, split: str, max_samples: int | None) -> datasets.Dataset:
     import datasets
 
     try:
-        dataset = datasets.load_dataset(source, split=split)
+        dataset = datasets.load_dataset(source, subset, split=split)
     except Exception as e:  # datasets raises many types (network, missing split, bad files); all are the user's to fix
-        raise DataError(f"dataset '{source}' (split '{split}') could not be loaded: {first_line(e)}") from e
+        which = f"subset '{subset}', split '{split}'" if subset else f"split '{split}'"
+        raise DataError(f"dataset '{source}' ({which}) could not be loaded: {first_line(e)}") from e
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     return dataset

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, TypedDict
 
 from rlhfkit.config import DataConfig
 from rlhfkit.data import formats, render, sources
-from rlhfkit.data.formats import canonical, detect
+from rlhfkit.data.formats import canonical, detect, rename_columns
 from rlhfkit.data.render import Encoder
-from rlhfkit.data.sources import open_source
+from rlhfkit.data.sources import is_local_file, open_source
 from rlhfkit.errors import DataError, UserError
 from rlhfkit.io import cache_dir
 
@@ -98,7 +98,7 @@ def tokenize_records(
     import datasets
     from datasets.fingerprint import generate_random_fingerprint
 
-    fmt = detect(records, kind, source)
+    fmt = detect(records, kind, source, cfg.columns)
     encoder = Encoder(tokenizer)
     if isinstance(records, list):  # arbitrary JSON records, one text column: Arrow needs one type per column
         records = datasets.Dataset.from_dict({_RECORD: [json.dumps(r, default=str) for r in records]})
@@ -156,7 +156,7 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
        stays, flagged, so that the statistics survive the cache; `_examples` leaves it out.
     """
     where = f"{source} record {i}"
-    example = canonical(record, fmt, kind, source, i)
+    example = canonical(rename_columns(record, cfg.columns, where), fmt, kind, source, i)
     encoder.plain = False
     flags = {"_prompt_truncated": False, "_response_truncated": False, "_dropped": _KEPT}
 
@@ -174,17 +174,15 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
     if kind == "prompt":  # prompt and columns as JSON text: one Arrow type per column, whatever the records hold
         columns = {"prompt_ids": fit_prompt(encoder.prompt(example, where)), "prompt": json.dumps(example.prompt),
                    "columns": json.dumps(example.columns, default=str)}
+    elif example.text is not None:  # SFT language modelling: every token takes the loss
+        input_ids = encoder.text(example.text)
+        columns = _fit_sequence(input_ids, list(input_ids), cfg.max_length, flags)
     elif example.turns is not None:  # SFT conversation: the first segment is the prompt
         segments = encoder.conversation(example.turns, where)
         segments[0] = (fit_prompt(segments[0][0]), False)
         input_ids = [t for ids, _ in segments for t in ids]
         labels = [t if is_response else IGNORE_INDEX for ids, is_response in segments for t in ids]
-        if len(input_ids) > cfg.max_length:
-            flags["_response_truncated"] = True
-            input_ids, labels = input_ids[: cfg.max_length], labels[: cfg.max_length]
-        if all(label == IGNORE_INDEX for label in labels):
-            flags["_dropped"] = _EMPTY
-        columns = {"input_ids": input_ids, "labels": labels}
+        columns = _fit_sequence(input_ids, labels, cfg.max_length, flags)
     else:
         encoded = [encoder.pair(example, response, where) for response in example.responses]
         prompt_ids = fit_prompt(encoded[0][0])
@@ -203,6 +201,16 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
         else:
             columns = {"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + responses[0]}
     return {**columns, **flags, "_plain": encoder.plain}
+
+
+def _fit_sequence(input_ids: list[int], labels: list[int], max_length: int, flags: dict) -> SFTExample:
+    """An SFT sequence cut to `max_length` tokens; flagged as dropped when no token is left to take the loss."""
+    if len(input_ids) > max_length:
+        flags["_response_truncated"] = True
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        flags["_dropped"] = _EMPTY
+    return {"input_ids": input_ids, "labels": labels}
 
 
 def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Example], TruncationStats]:
@@ -237,6 +245,9 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
     The held-out fraction is drawn from the tokenized train examples, so error messages keep the file's own record
     numbers; its truncation counts are part of the train file's summary.
     """
+    if cfg.subset and all(is_local_file(source) for source in (cfg.train, cfg.eval) if source):
+        raise DataError(f"data.subset={cfg.subset!r} names a configuration of a hub dataset, but data.train '{cfg.train}' "
+                        f"is a local file{f' and so is data.eval {cfg.eval!r}' if cfg.eval else ''}")
     train = _tokenized_split(kind, cfg.train, cfg.train_split, cfg, tokenizer)
     if cfg.eval:
         return train, _tokenized_split(kind, cfg.eval, cfg.eval_split, cfg, tokenizer)
@@ -256,7 +267,7 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
 def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[Example]:
     import datasets
 
-    fingerprint, read = open_source(source, split, cfg.max_samples)
+    fingerprint, read = open_source(source, cfg.subset, split, cfg.max_samples)
     cache_file = _cache_file(kind, fingerprint, cfg, tokenizer)
     if cache_file and os.path.exists(cache_file):  # tokenized before: the records need not even be read
         logger.info(f"{source}: reading the tokenized examples back from {cache_file}")
@@ -280,7 +291,7 @@ def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str 
     if not datasets.is_caching_enabled():
         return None
     key = Hasher.hash([_source_hash(), transformers.__version__, tokenizers.__version__, kind, fingerprint,
-                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, tokenizer])
+                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, sorted(cfg.columns.items()), tokenizer])
     return os.path.join(cache_dir(), "data", f"{kind}-{key}.arrow")
 
 

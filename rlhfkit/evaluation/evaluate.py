@@ -341,7 +341,7 @@ class Evaluator:
     def data_config(self, source: str, max_samples: int | None = None) -> DataConfig:
         """`source` as the train split of a DataConfig: the first split `build_datasets` returns."""
         d = self.cfg.data
-        return DataConfig(train=source, train_split=d.eval_split, max_length=d.max_length,
+        return DataConfig(train=source, train_split=d.eval_split, subset=d.subset, columns=d.columns, max_length=d.max_length,
                           max_prompt_length=d.max_prompt_length, truncation=d.truncation, max_samples=max_samples)
 
     def load_scorers(self, tokenizer, device) -> dict[str, object]:

@@ -204,3 +204,20 @@ def test_eval_refuses_training_only_fields_of_shared_sections():
             load_config(EvalConfig, None, required + [override])
     cfg = load_config(EvalConfig, None, required + ["reward.model=[rm]", "reward.function=m:f"])  # both are judges
     assert cfg.reward.model == ["rm"] and cfg.data.eval == "e.jsonl"
+
+
+def test_data_columns_map_canonical_fields_to_dataset_columns():
+    cfg = load_config(SFTConfig, overrides=REQUIRED + ["data.columns.prompt=question", "data.columns.completion=answer",
+                                                       "data.subset=main"])
+    assert cfg.data.columns == {"prompt": "question", "completion": "answer"} and cfg.data.subset == "main"
+    assert load_config(SFTConfig, overrides=REQUIRED).data.columns == {}
+    with pytest.raises(ConfigError, match=r"^config key 'data\.columns\.question' is not a record field: give "
+                                          r"data\.columns\.<field>=<column>, field one of "):
+        load_config(SFTConfig, overrides=REQUIRED + ["data.columns.question=prompt"])
+    with pytest.raises(ConfigError, match=r"^config key 'data\.columns\.completion': expected a string, got 3$"):
+        load_config(SFTConfig, overrides=REQUIRED + ["data.columns.completion=3"])
+    with pytest.raises(ConfigError, match=r"^config key 'data\.columns' renames column 'q' twice \(to chosen and prompt\)$"):
+        load_config(DPOConfig, overrides=REQUIRED + ["data.columns.prompt=q", "data.columns.chosen=q"])
+    with pytest.raises(ConfigError, match=r"^config key 'data\.columns': expected a mapping of a string to a "
+                                          r"string, got 'prompt'$"):
+        load_config(SFTConfig, overrides=REQUIRED + ["data.columns=prompt"])

@@ -107,10 +107,10 @@ def test_load_parquet_keeps_message_lists(tmp_path, tok):
 def test_hub_names_go_to_datasets_and_failures_name_the_dataset(monkeypatch, tok):
     import datasets
 
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(PC))
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, split=None: datasets.Dataset.from_list(PC))
     assert load(tok, "org/name", max_samples=2) == PC[:2]
 
-    def fail(name, split):
+    def fail(path, name=None, split=None):
         raise ConnectionError("no network\nmore detail")
 
     monkeypatch.setattr(datasets, "load_dataset", fail)
@@ -180,7 +180,7 @@ def test_each_format_reads_as_its_equivalent(kind, record, same_as, tok):
 @pytest.mark.parametrize(
     "kind,records,message",
     [
-        ("sft", [{"prompt": "p"}], "x.jsonl record 0: missing field 'completion' (expected {prompt, completion} or {messages})"),
+        ("sft", [{"prompt": "p"}], "x.jsonl record 0: missing field 'completion' (expected {prompt, completion} or {messages} or {text})"),
         ("preference", [{"prompt": "p", "chosen": "c", "rejected": "r"}] * 3 + [{"prompt": "p", "chosen": 7, "rejected": "r"}],
          "x.jsonl record 3: field 'chosen' must be a string or a list of {role, content} messages, got int"),
         ("sft", [{"prompt": "p", "completion": "c"}, {"prompt": "p"}],
@@ -596,7 +596,142 @@ def test_hub_datasets_are_tokenized_from_their_own_columns(monkeypatch, tok):
     import datasets
 
     records = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "5+5=", "answer": "10"}]
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(records))
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, split=None: datasets.Dataset.from_list(records))
     (a, b), _ = build_datasets("prompt", DataConfig(train="org/name", max_length=64), tok, seed=0)
     assert a["prompt_ids"] == ids(tok, chat(tok, [{"role": "user", "content": "3+4="}], True))
     assert (a["prompt"], a["columns"], b["columns"]) == ("3+4=", {"answer": "7"}, {"answer": "10"})
+
+
+# 9. TRL's dataset formats (https://huggingface.co/docs/trl/dataset_formats) ----------------------------------------
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def test_sft_language_modelling_text_takes_the_loss_on_every_token(tok, plain_tok):
+    for tokenizer in (tok, plain_tok):  # raw text either way: no chat template is applied to a "text" record
+        (ex,), stats = tokenize([{"text": "The sky is blue."}], "sft", tokenizer)
+        assert ex["input_ids"] == ids(tokenizer, "The sky is blue.", special=True) + [tokenizer.eos_token_id]
+        assert ex["labels"] == ex["input_ids"]
+        assert stats == TruncationStats(records=1)
+    (cut,), stats = tokenize([{"text": "abcdefghij"}], "sft", plain_tok, max_length=4, max_prompt_length=2)
+    assert cut["input_ids"] == cut["labels"] == ids(plain_tok, "abcd")
+    assert stats == TruncationStats(records=1, responses_truncated=1)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"text": 5}, "x.jsonl record 1: field 'text' must be a non-empty string, got int"),
+    ({"text": ""}, "x.jsonl record 1: field 'text' must be a non-empty string, got ''"),
+])
+def test_sft_text_is_validated(record, message, tok):
+    with pytest.raises(DataError) as err:
+        tokenize([{"text": "ok"}, record], "sft", tok, source="x.jsonl")
+    assert str(err.value) == message
+
+
+def test_conversational_prompt_completion_for_sft_kto_and_prompts(tok):
+    """TRL's conversational prompt-completion: the prompt's turns, then the completion's; SFT's loss is on the
+    completion only, KTO's completion is the same tokens, and an online stage's prompt is the prompt turns."""
+    prompt, completion = [SYSTEM, *USER], ANSWER
+    (sft,), _ = tokenize([{"prompt": prompt, "completion": completion}], "sft", tok)
+    (whole,), _ = tokenize([{"messages": prompt + completion}], "sft", tok)
+    assert sft == whole and tok.decode(labelled(sft)) == "a" + EOS
+    (kto,), _ = tokenize([{"prompt": prompt, "completion": completion, "label": False}], "unpaired", tok)
+    assert kto["prompt_ids"] + kto["completion_ids"] == sft["input_ids"] and kto["desirable"] is False
+    (online,), _ = tokenize([{"prompt": prompt, "completion": completion}], "prompt", tok)
+    assert online == {"prompt_ids": ids(tok, chat(tok, prompt, True)), "prompt": prompt, "columns": {"completion": completion}}
+
+
+def test_conversational_implicit_prompt_pairs_take_the_shared_turns_as_prompt(tok):
+    shared = [SYSTEM, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    chosen, rejected = [{"role": "assistant", "content": "yes"}], [{"role": "assistant", "content": "no"}]
+    (ex,), _ = tokenize([{"chosen": shared + chosen, "rejected": shared + rejected, "margin": 1.5}], "preference", tok)
+    (explicit,), _ = tokenize([{"prompt": shared, "chosen": chosen, "rejected": rejected, "margin": 1.5}], "preference", tok)
+    assert ex == explicit
+    assert ex["prompt_ids"] == ids(tok, chat(tok, shared, True)) and tok.decode(ex["chosen_ids"]) == "yes" + EOS
+
+
+def test_identical_implicit_prompt_conversations_are_dropped_and_counted(tok):
+    pair = {"chosen": MSGS, "rejected": [*USER, *OTHER]}
+    examples, stats = tokenize([pair, {"chosen": MSGS, "rejected": MSGS}], "preference", tok)
+    assert len(examples) == 1 and stats.dropped == 1
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"chosen": [*USER, *ANSWER], "rejected": [{"role": "user", "content": "other"}, *OTHER]},
+     "x.jsonl record 0: fields 'chosen' and 'rejected' share no turn (an implicit prompt is their shared first turns)"),
+    ({"chosen": [*USER, *ANSWER], "rejected": [*USER, *ANSWER, {"role": "user", "content": "more"}]},
+     "x.jsonl record 0: field 'chosen' has no turn after the prompt it shares with 'rejected' (nothing to prefer)"),
+    ({"chosen": [SYSTEM, *USER, *ANSWER], "rejected": [SYSTEM, {"role": "user", "content": "x"}, *OTHER]},
+     "x.jsonl record 0: field 'chosen' must continue the prompt it shares with 'rejected' with an assistant turn "
+     "(the response), got role 'user'"),
+    ({"chosen": MSGS, "rejected": "\n\nHuman: q\n\nAssistant: b"},
+     "x.jsonl record 0: fields 'chosen' and 'rejected' must both be message lists (an implicit prompt) or both "
+     "HH-RLHF transcripts (strings), got list and str"),
+    ({"chosen": [{"role": "user", "content": 3}], "rejected": MSGS},
+     "x.jsonl record 0: field 'chosen' message 0: content must be a string, got int"),
+])
+def test_implicit_prompt_pairs_are_validated(record, message, tok):
+    with pytest.raises(DataError) as err:
+        tokenize([record], "preference", tok, source="x.jsonl")
+    assert str(err.value) == message
+
+
+def test_hub_dataset_with_a_subset_and_a_split(monkeypatch, tok):
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([{"prompt": f"{name}/{split}"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = DataConfig(train="org/name", subset="main", train_split="train[:10]", eval="org/name", eval_split="test",
+                     max_length=64)
+    train, evals = build_datasets("prompt", cfg, tok, seed=0)
+    assert calls == [("org/name", "main", "train[:10]"), ("org/name", "main", "test")]
+    assert (train[0]["prompt"], evals[0]["prompt"]) == ("main/train[:10]", "main/test")
+
+    def fail(path, name=None, split=None):
+        raise ValueError("BuilderConfig 'nope' not found.\nAvailable: ['main']")
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    with pytest.raises(DataError, match=r"^dataset 'org/name' \(subset 'nope', split 'train'\) could not be loaded: "
+                                        r"BuilderConfig 'nope' not found\.$"):
+        build_datasets("prompt", DataConfig(train="org/name", subset="nope", max_length=64), tok, seed=0)
+
+
+def test_a_subset_for_local_files_only_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", PC)
+    with pytest.raises(DataError, match=r"^data\.subset='main' names a configuration of a hub dataset, but data\.train "
+                                        r"'.*p\.jsonl' is a local file$"):
+        build_datasets("prompt", DataConfig(train=path, subset="main", max_length=64), tok, seed=0)
+
+
+def test_columns_are_renamed_to_the_canonical_fields(tmp_path, monkeypatch, tok):
+    import datasets
+
+    records = [{"question": "q", "answer": "a", "id": 7}]
+    expected, _ = tokenize([{"prompt": "q", "completion": "a"}], "sft", tok)
+    columns = {"prompt": "question", "completion": "answer"}
+    assert tokenize(records, "sft", tok, columns=columns)[0] == expected
+    cfg = DataConfig(train=write_jsonl(tmp_path / "r.jsonl", records), columns=columns, max_length=256, max_prompt_length=128)
+    assert build_datasets("sft", cfg, tok, seed=0)[0] == expected
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, split=None: datasets.Dataset.from_list(records))
+    (prompt,), _ = build_datasets("prompt", DataConfig(train="org/name", columns={"prompt": "question"}, max_length=64), tok, seed=0)
+    assert (prompt["prompt"], prompt["columns"]) == ("q", {"answer": "a", "id": 7})  # the other columns keep their names
+
+
+@pytest.mark.parametrize("records,columns,message", [
+    ([{"question": "q", "answer": "a"}], {"prompt": "query", "completion": "answer"},
+     "x.jsonl record 0: data.columns.prompt names column 'query', which the record does not have (its fields: answer, question)"),
+    ([{"question": "q", "answer": "a"}, {"answer": "b"}], {"prompt": "question", "completion": "answer"},
+     "x.jsonl record 1: data.columns.prompt names column 'question', which the record does not have (its fields: answer)"),
+    ([{"question": "q", "prompt": "p", "completion": "c"}], {"prompt": "question"},
+     "x.jsonl record 0: data.columns.prompt names column 'question', but the record also has a field 'prompt' "
+     "(rename or drop one)"),
+])
+def test_renamed_columns_are_validated(records, columns, message, tok):
+    with pytest.raises(DataError) as err:
+        tokenize(records, "sft", tok, source="x.jsonl", columns=columns)
+    assert str(err.value) == message
