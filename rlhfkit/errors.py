@@ -15,3 +15,9 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file or record is missing, malformed or of the wrong shape."""
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """`ExceptionType: the first line of its message` (at most `limit` characters of it), for a one-line report."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
