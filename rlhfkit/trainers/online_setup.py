@@ -61,8 +61,6 @@ class OnlineModels:
             self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
             self.moments.load_state_dict(json.loads(state["reward_moments"]))
             run.restore_rng(state)
-        self.history = self.logged_rows()  # the run's rows so far, for the reward-hacking alarms
-        self.raised: set[str] = set()
 
     def build(self) -> None:
         cfg, a, acc = self.cfg, self.cfg.algo, self.accelerator
