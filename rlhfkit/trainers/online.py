@@ -146,17 +146,21 @@ class OnlineTrainer(OnlineModels):
             rows = idx[i : i + micro]
             batch = exp.select(rows).trimmed()  # at its own longest response
             loss, parts, logprobs = self.policy_loss(batch, agg, num_tokens, num_seqs)
-            losses = [loss]
-            if self.value is not None:
+            last, apart = i + micro >= len(idx), self.value is not None and self.shares_base
+            if self.value is not None and not apart:  # one backward of the sum
+                value_part, value_metrics = self.critic_loss(batch, num_tokens)
+                loss = loss + value_part
+                parts.update(value_metrics)
+            # Backward even when the loss is not finite: every process runs the same collectives.
+            control[0] += float(not torch.isfinite(loss))
+            self.run.backward(loss, last=last and not apart)
+            if apart:
+                # A shared-base critic's loss is backpropagated on its own, after the policy's: gradient
+                # checkpointing recomputes each forward under the adapter active at backward time.
                 value_part, value_metrics = self.critic_loss(batch, num_tokens)
                 parts.update(value_metrics)
-                # A shared-base critic's loss is backpropagated on its own: gradient checkpointing recomputes each
-                # forward under the adapter active at backward time. Otherwise one backward of the sum.
-                losses = [loss, value_part] if self.shares_base else [loss + value_part]
-            for g, part in enumerate(losses):
-                # Backward even when the loss is not finite: every process runs the same collectives.
-                control[0] += float(not torch.isfinite(part))
-                self.run.backward(part, last=i + micro >= len(idx) and g == len(losses) - 1)
+                control[0] += float(not torch.isfinite(value_part))
+                self.run.backward(value_part, last=last)
             if kept is not None:
                 kept[rows] = pad_to(logprobs, kept.shape[1])
             if gap:
