@@ -17,8 +17,10 @@ class DataError(UserError):
     """A data file or record is missing, malformed or of the wrong shape."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, cut to 300 characters, or its type's name when the message is empty:
-    a third-party error quoted inside a one-line message."""
+def first_line(exc: BaseException, with_type: bool = False) -> str:
+    """The first line of an exception's message, cut to 300 characters (prefixed with its type's name when
+    `with_type`), or the type's name alone when the message is empty: a third-party error quoted in a one-line message."""
     lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {lines[0][:300]}" if with_type else lines[0][:300]

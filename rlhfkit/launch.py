@@ -145,9 +145,8 @@ class RunLock:
         while not os.path.exists(missing):
             self.created.append(missing)
             missing = os.path.dirname(missing)
-        os.makedirs(parent, exist_ok=True)
         while True:
-            f = open(self.path, "a+", encoding="utf-8")
+            f = self.open_file()
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -170,6 +169,17 @@ class RunLock:
         f.flush()
         self.file = f
         return self
+
+    def open_file(self):
+        """The lock file, opened for appending (its parent created if need be); a one-line UserError where the
+        directory cannot hold it (a read-only or virtual file system such as /proc)."""
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            return open(self.path, "a+", encoding="utf-8")
+        except OSError as exc:
+            self.remove_created()
+            raise UserError(f"output_dir '{self.output_dir}' cannot be used: its lock file {self.path} cannot be "
+                            f"created ({exc.strerror or type(exc).__name__})") from None
 
     def release(self) -> None:
         """Delete the lock file, then unlock (in that order: see `acquire`). Idempotent; a no-op on other processes."""

@@ -124,8 +124,7 @@ def _keep_cpu_layout(model) -> None:
 
     On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a layer's weights at its first forward in eval mode without
     grad (sampling, scoring) and from then on runs every forward through that kernel, in training too: the kernel
-    has no backward, so the gradients of the adapters below a layer come out wrong (81% off on the tiny model,
-    tested), and it computes in bf16, so sampling and training would not share one model. Each layer then keeps
+    has no backward, so the gradients of the adapters below a layer come out wrong, and it computes in bf16, so sampling and training would not share one model. Each layer then keeps
     bitsandbytes' standard layout and math (dequantize, matmul in the compute dtype).
     """
     for module in model.modules():
@@ -171,6 +170,23 @@ def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
     path = resolve_model_path(cfg)
     model = from_pretrained(AutoModelForCausalLM, path, **_load_kwargs(cfg, path))
     return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
+
+
+def check_model_structure(cfg: ModelConfig, tokenizer, task_type: str = "CAUSAL_LM") -> None:
+    """Refuse (a UserError) settings that contradict the model's structure — `model.num_layers` above its depth, LoRA
+    `target_modules` that match none of its modules — from its config alone: the model is built on the meta device
+    (no weights read), so a stage reports these before it reads its data. The loaders check the same at load time."""
+    path = resolve_model_path(cfg)
+    _load_kwargs(cfg, path)  # model.num_layers against the config's depth
+    if not cfg.lora.enabled:
+        return
+    config = from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if cfg.num_layers is not None:
+        config.num_hidden_layers = cfg.num_layers
+    auto = AutoModelForCausalLM if task_type == "CAUSAL_LM" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        _prepare(model, dataclasses.replace(cfg, gradient_checkpointing=False), tokenizer, True, task_type)
 
 
 def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, num_labels: int = 1,

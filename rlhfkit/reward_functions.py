@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhfkit.errors import UserError
+from rlhfkit.errors import UserError, first_line
 
 logger = logging.getLogger("rlhfkit")
 
@@ -110,7 +110,7 @@ class RewardFunction:
         except UserError:
             raise
         except Exception as exc:  # the user's code failed: name it and where, on one line
-            raise UserError(f"{self.label} raised {type(exc).__name__}: {_first_line(exc)}{_where(exc)}") from None
+            raise UserError(f"{self.label} raised {first_line(exc, with_type=True)}{_where(exc)}") from None
         return _as_scores(value, len(inputs.completions), self.label)
 
 
@@ -156,9 +156,9 @@ def load_reward_function(ref: str, key: str = "reward.function") -> RewardFuncti
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError(f"{label}: cannot import module '{module_name}' ({_first_line(exc)})") from None
+        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc)})") from None
     except Exception as exc:  # the module's own code failed at import: the user's to fix
-        raise UserError(f"{label}: cannot import module '{module_name}' ({type(exc).__name__}: {_first_line(exc)})") from None
+        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc, with_type=True)})") from None
     finally:
         sys.path[:] = saved
     fn = getattr(module, name, None)
@@ -193,11 +193,6 @@ def _as_scores(value, n: int, label: str) -> list[float | None]:
             raise UserError(f"{label} returned a non-number at row {i}: {_short(v)} ({type(v).__name__})")
         scores.append(float(v))
     return scores
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else "")[:300]
 
 
 def _where(exc: BaseException) -> str:

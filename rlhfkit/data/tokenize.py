@@ -57,7 +57,7 @@ class PromptExample(TypedDict):
     prompt_ids: list[int]  # (P,) ends with the generation prompt
     prompt: str | list[dict]  # the record's own prompt: the string, or the message dicts of the prompt turns
     # Every other field of the record (all but "prompt" and "messages", e.g. a reference "answer" or test cases),
-    # for reward functions (`rewards.RewardSource`); a value JSON cannot hold (a timestamp, bytes) arrives as its str().
+    # for reward functions (`rewards.Rewards`); a value JSON cannot hold (a timestamp, bytes) arrives as its str().
     columns: dict
 
 

@@ -28,7 +28,7 @@ from rlhfkit.config import KTOConfig
 from rlhfkit.data import collate_unpaired
 from rlhfkit.losses.kto import kto_loss
 from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
-from rlhfkit.trainers.base import Trainer
+from rlhfkit.trainers.offline import OfflineTrainer, micro_batch_positions
 from rlhfkit.types import UnpairedBatch
 
 logger = logging.getLogger("rlhfkit")
@@ -49,7 +49,7 @@ def next_partners(examples: list[dict]) -> list[dict]:
     return examples[1:] + examples[:1]
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(OfflineTrainer):
     kind = "unpaired"
     cfg: KTOConfig
 
@@ -95,7 +95,7 @@ class KTOTrainer(Trainer):
     def micro_batches(self, step: int) -> list[UnpairedWithZ0]:
         """This process's micro-batches of step `step`, each example paired with the next one of the step's global
         batch, with the step's z0 (the same on every process)."""
-        order, positions = self.micro_batch_positions(step)
+        order, positions = micro_batch_positions(self.run, step, len(self.train_set), self.steps_per_epoch)
         examples = [self.train_set[i] for i in order]  # the global batch
         partners = next_partners(examples)
         batches = [self.collate([examples[p] for p in mine], [partners[p] for p in mine]) for mine in positions]
@@ -120,7 +120,7 @@ class KTOTrainer(Trainer):
         (those that count: all, or where `counted` says so) and of every other process's batches (a collective:
         every process calls it, with or without rows)."""
         acc = self.accelerator
-        policy = self.unwrap(self.model)
+        policy = self.run.unwrap(self.model)
         sums = torch.zeros(2, device=acc.device)  # summed log-ratio, rows
         for i, b in enumerate(batches):
             b = b.to(acc.device)
@@ -136,7 +136,7 @@ class KTOTrainer(Trainer):
         return batch.input_ids.shape[0]
 
     def compute_loss(self, model, batch: UnpairedWithZ0, num_items: float):
-        policy = self.unwrap(model)
+        policy = self.run.unwrap(model)
         # 1. Completions through the policy (with gradient) and the reference; z0 came with the batch.
         logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B,)
         with self.accelerator.autocast():

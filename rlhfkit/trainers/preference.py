@@ -19,7 +19,7 @@ from rlhfkit.config import DPOConfig, ORPOConfig, ORPOOptions
 from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
 from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs, sequence_logprobs_padding_free
-from rlhfkit.trainers.base import Trainer
+from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
 
 logger = logging.getLogger("rlhfkit")
@@ -59,7 +59,7 @@ def pair_logprobs(model, batch: PreferenceBatch | PaddingFreePairs) -> tuple[tor
     return sequence_logprobs(model, *concat_pairs(batch))
 
 
-class PreferenceTrainer(Trainer):
+class PreferenceTrainer(OfflineTrainer):
     kind = "preference"
     cfg: DPOConfig | ORPOConfig
 
@@ -74,7 +74,7 @@ class PreferenceTrainer(Trainer):
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
                 self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
             if self.cfg.data.padding_free and self.reference.model is not None:  # a second model: the same attention
-                self.padding_free_attention(self.reference.model)
+                self.use_padding_free_attention(self.reference.model)
         return policy
 
     def setup(self) -> None:
@@ -92,7 +92,7 @@ class PreferenceTrainer(Trainer):
         bs = self.cfg.optim.per_device_batch_size
         chunks = [examples[i : i + bs] for examples in sets for i in range(0, len(examples), bs)]
         show = self.cfg.logging.progress_bar and self.accelerator.is_main_process
-        policy = self.unwrap(self.model)
+        policy = self.run.unwrap(self.model)
         for chunk in tqdm(chunks, desc="reference log-probs", disable=not show, dynamic_ncols=True):
             batch = self.collate(chunk).to(self.accelerator.device)
             with self.accelerator.autocast(), self.reference.frozen(policy) as reference:
@@ -134,7 +134,7 @@ class PreferenceTrainer(Trainer):
             if batch.ref_chosen_logprobs is not None:
                 ref_chosen, ref_rejected = batch.ref_chosen_logprobs, batch.ref_rejected_logprobs
             else:
-                with self.accelerator.autocast(), self.reference.frozen(self.unwrap(model)) as reference:
+                with self.accelerator.autocast(), self.reference.frozen(self.run.unwrap(model)) as reference:
                     ref, _ = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref.chunk(2)
             if method == "ipo":  # TRL's IPO: every log-prob averaged over its response tokens (see preference_loss)

@@ -12,19 +12,24 @@ from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.reward import bradley_terry_loss
 from rlhfkit.models import load_reward_model, unwrap_peft
 from rlhfkit.rewards import POOLING_ATTR, sequence_scores, sequence_scores_padding_free
-from rlhfkit.trainers.base import Trainer
+from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(OfflineTrainer):
     kind = "preference"
     cfg: RMConfig
 
-    def load_model(self, tokenizer):
+    model_task = "SEQ_CLS"
+
+    def model_config(self):
         cfg = self.cfg.model
-        if self.cfg.algo.head_only:
+        if self.cfg.algo.head_only:  # the body runs as inference: no adapters, no checkpointing
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False), gradient_checkpointing=False)
-        model = load_reward_model(cfg, tokenizer)
+        return cfg
+
+    def load_model(self, tokenizer):
+        model = load_reward_model(self.model_config(), tokenizer)
         if self.cfg.algo.head_only:  # no parameter below the head needs a gradient: the body runs as inference
             model.requires_grad_(False)
             model.score.requires_grad_(True)

@@ -33,9 +33,12 @@ from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
-from rlhfkit.trainers.base import (
-    Trainer, build_optimizer, build_scheduler,
-)
+from rlhfkit.checkpoint import load_model_weights
+from rlhfkit.models import save_model
+from rlhfkit.sharding import loaded_weights
+from rlhfkit.trainers.offline import micro_batch_positions, train_step
+from rlhfkit.trainers.optim import build_optimizer, build_scheduler
+from rlhfkit.trainers.run import Run
 from rlhfkit.types import SFTBatch
 
 logger = logging.getLogger("rlhfkit")
@@ -55,9 +58,15 @@ def select_best(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return torch.full((num_groups,), len(scores), device=scores.device).scatter_reduce(0, group_ids, candidates, "amin")
 
 
-class RFTTrainer(Trainer):
-    kind = "prompt"
+class RFTTrainer:
+    """Best-of-n fine-tuning: the loop of iterations is its own; step 4 is the offline loop's `train_step` on the
+    SFT loss over completion tokens."""
+
     cfg: RFTConfig
+
+    def __init__(self, cfg: RFTConfig):
+        self.cfg = cfg
+        self.run = Run(cfg, "rft")  # the lock taken and output_dir checked, before anything loads
 
     def collate(self, examples) -> SFTBatch:
         return collate_sft(examples, self.tokenizer.pad_token_id)
@@ -70,12 +79,22 @@ class RFTTrainer(Trainer):
         logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
         return sft_loss(logits, batch.labels[:, first:], num_tokens=num_items)
 
-    # 0. Models, data, reward (the skeleton's hooks: see trainers.base.Trainer.setup) ---------------------------
-    def load_data(self) -> None:
-        self.prompts, _ = build_datasets("prompt", self.cfg.data, self.tokenizer, self.cfg.seed)
+    # 0. Models, data, reward ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from accelerate.utils import set_seed
 
-    def build(self) -> None:
-        cfg, acc = self.cfg, self.accelerator
+        from rlhfkit.launch import distributed_state
+        from rlhfkit.models import check_model_structure, load_tokenizer
+
+        cfg, run, acc = self.cfg, self.run, None
+        set_seed(cfg.seed)
+        with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
+            self.tokenizer = load_tokenizer(cfg.model)
+            check_model_structure(cfg.model, self.tokenizer)
+            self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+        acc = self.accelerator = run.make_accelerator()
+        self.world = run.world
+        set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path)
@@ -83,20 +102,25 @@ class RFTTrainer(Trainer):
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)
         optimizer = build_optimizer(policy, cfg)
-        self.scheduler = build_scheduler(optimizer, cfg, self.total_steps)
-        self.model, self.optimizer = acc.prepare(policy, optimizer)
-        self.start_iteration = self.iterations_done = 0
+        scheduler = build_scheduler(optimizer, cfg, self.total_steps)
+        self.model, optimizer = acc.prepare(policy, optimizer)
+        self.optim = run.make_optim(optimizer, scheduler, [self.model])
+        self.start_step = self.start_iteration = 0
+        if run.resume_from:
+            state = run.resume([self.model], self.load_models, self.optim)
+            self.start_step, self.start_iteration = int(state["step"]), int(state["iteration"])
+            run.restore_rng(state)
 
-    def extra_state(self) -> dict:
-        return {"iteration": self.iterations_done}  # a checkpoint sits between iterations
+    def load_models(self, checkpoint: str) -> None:
+        model_dir = os.path.join(checkpoint, "model")
+        loaded_weights(self.accelerator, self.model, lambda m: load_model_weights(m, model_dir), self.run.unwrap(self.model))
 
-    def load_extra_state(self, state: dict) -> None:
-        self.start_iteration = int(state["iteration"])
+    def save_models(self, directory: str, models: list) -> None:
+        save_model(models[0], self.tokenizer, directory, merge_lora=False)
 
-    def prepare_run_dir(self) -> None:
-        super().prepare_run_dir()
-        if self.resume_from:
-            # The next iteration's row was logged at the checkpoint's own step, which `prepare` keeps.
+    def trim_metrics(self) -> None:
+        """On resume: the next iteration's row was logged at the checkpoint's own step, which `RunDir.prepare` keeps."""
+        if self.run.resume_from and self.accelerator.is_main_process:
             path = os.path.join(self.cfg.output_dir, "metrics.jsonl")
             with open(path, encoding="utf-8") as f:
                 rows = [line for line in f if json.loads(line).get("rft/iteration", 0) <= self.start_iteration]
@@ -104,10 +128,15 @@ class RFTTrainer(Trainer):
 
     def sft_steps(self, num_examples: int) -> int:
         """Optimizer steps of one iteration's SFT on `num_examples`: max_steps, or num_epochs passes over them.
-        Sets `steps_per_epoch`, which the offline loop's `micro_batches` reads."""
+        Sets `steps_per_epoch`, which `micro_batches` reads."""
         o = self.cfg.optim
         self.steps_per_epoch = max(1, math.ceil(num_examples / (o.per_device_batch_size * self.world * o.grad_accum_steps)))
         return self.cfg.max_steps if self.cfg.max_steps > 0 else math.ceil(self.cfg.num_epochs * self.steps_per_epoch)
+
+    def micro_batches(self, k: int) -> list[SFTBatch]:
+        """This process's micro-batches of the iteration's SFT step `k` (0-based, from 0 each iteration)."""
+        order, positions = micro_batch_positions(self.run, k, len(self.train_set), self.steps_per_epoch)
+        return [self.collate([self.train_set[order[p]] for p in mine]) for mine in positions]
 
     # 1-3. Sample, score, keep the best ------------------------------------------------------------------------
     def sampling_seed(self, iteration: int, batch: int) -> int:
@@ -136,16 +165,16 @@ class RFTTrainer(Trainer):
         from accelerate.utils import gather_object
 
         cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
-        chosen = self.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
+        chosen = self.run.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
         starts = list(range(0, len(chosen), a.sampling_batch_size))
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
         mine = list(range(acc.process_index, len(starts), self.world))
-        if self.sharded():
+        if self.run.sharded(self.model):
             # A frozen reward model in a ZeRO-3 engine runs collective forwards: every process scores as many batches,
             # a process with fewer scoring filler batches (batch 0 again, dropped).
             mine += [None] * (math.ceil(len(starts) / self.world) - len(mine))
         # FSDP / ZeRO-3: the policy's weights gathered once for all of this process's batches (collective).
-        with gathered_weights(acc, self.model, self.unwrap(self.model)) as policy:
+        with gathered_weights(acc, self.model, self.run.unwrap(self.model)) as policy:
             batches = [(b, self.sample_batch(policy, chosen, starts, iteration, b if b is not None else 0)) for b in mine]
         for b, (examples, ro) in batches:
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
@@ -185,40 +214,41 @@ class RFTTrainer(Trainer):
 
     # 4. Fine-tune, log, checkpoint ----------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        from tqdm.auto import tqdm
+        with self.run as run:
+            self.setup()
+            run.begin(self.start_step, self.total_steps)
+            self.trim_metrics()
+            cfg, step, last = self.cfg, self.start_step, {}
+            for iteration in range(self.start_iteration, cfg.algo.iterations):
+                # 1-3. Sample n per prompt, keep the best.
+                self.train_set, stats = self.best_of_n(iteration)
+                run.log(step, stats)
+                last.update(stats)
+                run.write(f"iteration {iteration + 1}: " + ", ".join(
+                    f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration"))
+                if not self.train_set:
+                    logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune "
+                                   "on", iteration + 1, cfg.algo.min_score)
+                    continue
+                step = self.fine_tune(iteration, step, last)
+                if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
+                    # resuming continues with the next iteration's sampling
+                    run.save_checkpoint(step, [self.model], self.save_models, self.optim, {"iteration": iteration + 1})
+            run.finish(self.model, run.unwrap(self.model), self.tokenizer)
+            return last
 
-        self.setup()
-        cfg, acc = self.cfg, self.accelerator
-        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="rft", dynamic_ncols=True,
-                   disable=not (cfg.logging.progress_bar and acc.is_main_process))
-        step, last, t0 = self.start_step, {}, time.time()
-        for iteration in range(self.start_iteration, cfg.algo.iterations):
-            # 1-3. Sample n per prompt, keep the best.
-            self.train_set, stats = self.best_of_n(iteration)
-            self.metrics.log(step, stats)
-            last.update(stats)
-            summary = ", ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration")
-            if acc.is_main_process:
-                bar.write(f"iteration {iteration + 1}: {summary}")
-            if not self.train_set:
-                logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune on",
-                               iteration + 1, cfg.algo.min_score)
-                continue
-            # 4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0).
-            n_steps, window = self.sft_steps(len(self.train_set)), []
-            for k in range(n_steps):
-                window.append(self.train_step(k))
-                step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{window[-1]['loss']:.4f}")
-                if step % cfg.logging.logging_steps == 0 or k == n_steps - 1:
-                    last.update({key: sum(m[key] for m in window) / len(window) for key in window[0]})
-                    self.metrics.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,
-                                            "elapsed_s": time.time() - t0})
-                    window = []
-            if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
-                self.iterations_done = iteration + 1  # resuming continues with the next iteration's sampling
-                self.checkpoint(step)
-        bar.close()
-        self.finish()
-        return last
+    def fine_tune(self, iteration: int, step: int, last: dict) -> int:
+        """4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0); returns
+        the run's step count after it."""
+        n_steps, window, t0 = self.sft_steps(len(self.train_set)), [], time.time()
+        for k in range(n_steps):
+            window.append(train_step(self.run, self.optim, self.model, self.micro_batches(k), self.count,
+                                     self.compute_loss, step + 1))
+            step += 1
+            self.run.step_end(step, {"loss": window[-1]["loss"]})
+            if step % self.cfg.logging.logging_steps == 0 or k == n_steps - 1:
+                last.update({key: sum(m[key] for m in window) / len(window) for key in window[0]})
+                self.run.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,
+                                    "elapsed_s": time.time() - t0})
+                window = []
+        return step

@@ -7,11 +7,11 @@ from rlhfkit.config import SFTConfig
 from rlhfkit.data import collate_sft, collate_sft_padding_free, pack_sft
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
-from rlhfkit.trainers.base import Trainer
+from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.types import PaddingFreeBatch, SFTBatch
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(OfflineTrainer):
     kind = "sft"
     cfg: SFTConfig
 

@@ -21,12 +21,12 @@ from rlhfkit.generation import generate  # noqa: E402
 from rlhfkit.trainers import online  # noqa: E402
 from rlhfkit.types import PromptBatch, Rollout  # noqa: E402
 
-make_experience = online.OnlineTrainer.make_experience
+prompts_for = online.OnlineTrainer.prompts_for
 
 
 def recording_step(self, step):
     self.current_step = step
-    return make_experience(self, step)
+    return prompts_for(self, step)
 
 
 def seeded_sample(self, prompts):
@@ -56,7 +56,7 @@ def seeded_sample(self, prompts):
     )
 
 
-online.OnlineTrainer.make_experience = recording_step
+online.OnlineTrainer.prompts_for = recording_step
 online.OnlineTrainer.sample = seeded_sample
 
 if __name__ == "__main__":

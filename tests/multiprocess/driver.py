@@ -23,11 +23,11 @@ import sys
 @contextlib.contextmanager
 def nan_loss(rank: int | None, steps: list[int]):
     """Poison the training loss of every offline stage (and RFT) on process `rank` at 1-based `steps`."""
-    from rlhfkit.trainers import base, kto, preference, reward, rft, sft
+    from rlhfkit.trainers import kto, offline, preference, reward, rft, sft
 
     classes = [sft.SFTTrainer, reward.RewardTrainer, preference.PreferenceTrainer, kto.KTOTrainer, rft.RFTTrainer]
-    saved = [(cls, cls.compute_loss) for cls in classes] + [(base.Trainer, base.Trainer.train_step)]
-    original_step = base.Trainer.train_step
+    saved = [(cls, cls.compute_loss) for cls in classes] + [(offline.OfflineTrainer, offline.OfflineTrainer.train_step)]
+    original_step = offline.OfflineTrainer.train_step
 
     def train_step(self, step):
         self._poisoned = step + 1 in steps and rank in (None, self.accelerator.process_index)
@@ -40,14 +40,14 @@ def nan_loss(rank: int | None, steps: list[int]):
 
         return compute
 
-    base.Trainer.train_step = train_step
+    offline.OfflineTrainer.train_step = train_step
     for cls, fn in saved[:-1]:
         cls.compute_loss = poisoned(fn)
     try:
         yield
     finally:
         for cls, fn in saved:
-            if cls is base.Trainer:
+            if cls is offline.OfflineTrainer:
                 cls.train_step = fn
             else:
                 cls.compute_loss = fn

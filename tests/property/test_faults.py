@@ -24,8 +24,10 @@ from rlhfkit.config import OnlineConfig, SFTConfig, load_config
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.dashboard import metric_series
 from rlhfkit.evaluation.report import write_report
-from rlhfkit.trainers import base
-from rlhfkit.trainers.base import MetricsLogger, RunDir, latest_checkpoint, save_checkpoint
+from rlhfkit.checkpoint import latest_checkpoint, save_checkpoint
+from rlhfkit.trainers import rundir
+from rlhfkit.trainers.rundir import RunDir
+from rlhfkit.trainers.sinks import JsonlSink
 from rlhfkit.trainers.kto import KTOTrainer
 from rlhfkit.trainers.preference import PreferenceTrainer
 from rlhfkit.trainers.reward import RewardTrainer
@@ -230,14 +232,10 @@ def test_final_model_with_nonfinite_weights_is_refused(tmp_path, capsys, monkeyp
 # 3. metrics.jsonl is strict JSON ---------------------------------------------------------------------------------
 
 
-class _MainProcess:
-    is_main_process = True
-
-
 def test_metrics_jsonl_writes_nonfinite_values_as_null(tmp_path):
-    logger = MetricsLogger(str(tmp_path), _MainProcess(), [])
+    logger = JsonlSink(str(tmp_path))
     logger.log(1, {"loss": 0.5, "grad_norm": float("nan")})
-    logger.log(2, {"loss": float("inf"), "grad_norm": torch.tensor(-float("inf"))})
+    logger.log(2, {"loss": float("inf"), "grad_norm": -float("inf")})
     logger.log(3, {"loss": 0.25, "grad_norm": 1.0})
     rows = strict_rows(tmp_path / "metrics.jsonl")
     assert rows == [{"step": 1, "loss": 0.5, "grad_norm": None}, {"step": 2, "loss": None, "grad_norm": None},
@@ -318,7 +316,7 @@ def test_pruning_killed_midway_leaves_no_incomplete_checkpoint(tmp_path, monkeyp
                 os.unlink(os.path.join(root, "trainer_state.pt"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(base.shutil, "rmtree", killed_rmtree)
+    monkeypatch.setattr(rundir.shutil, "rmtree", killed_rmtree)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(str(tmp_path), 2, save, {"x": torch.zeros(1)}, keep=1)
     for ckpt in tmp_path.glob("checkpoint-*"):

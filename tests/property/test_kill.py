@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhfkit.trainers.base import CHECKPOINT_RE, latest_checkpoint
+from rlhfkit.checkpoint import CHECKPOINT_RE, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -36,16 +36,16 @@ def test_resume_reproduces_final_metrics(extra, tmp_path, monkeypatch):
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=4", "logging.save_steps=2", "logging.progress_bar=false",
             "algo.rollout_batch_size=4", "optim.per_device_batch_size=2", *extra]
     assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
-    original = OnlineTrainer.make_experience
+    original = OnlineTrainer.prompts_for
 
     def crash(self, step):
         if step == 3:
             raise KeyboardInterrupt
         return original(self, step)
 
-    monkeypatch.setattr(OnlineTrainer, "make_experience", crash)
+    monkeypatch.setattr(OnlineTrainer, "prompts_for", crash)
     assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 130
-    monkeypatch.setattr(OnlineTrainer, "make_experience", original)
+    monkeypatch.setattr(OnlineTrainer, "prompts_for", original)
     assert main(args + [f"output_dir={tmp_path / 'cut'}", "resume=true"]) == 0
     full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
     assert len(cut) == len(full) == 4
@@ -69,7 +69,7 @@ def test_nonfinite_rewards_stop_the_run_and_keep_the_checkpoint(tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2
     line = [l for l in err.splitlines() if l.startswith("rlhfkit: error:")][0]
-    assert "2 updates skipped for non-finite rewards" in line and "max_bad_steps=2" in line
+    assert "2 optimizer steps skipped for a non-finite rollout" in line and "max_bad_steps=2" in line
     assert ckpt.read_bytes() == before
 
 

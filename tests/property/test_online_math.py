@@ -21,7 +21,7 @@ from rlhfkit.config import OnlineConfig, load_config
 from rlhfkit.errors import UserError
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
-from rlhfkit.trainers import online
+from rlhfkit.trainers import online, online_setup
 from rlhfkit.trainers.online import OnlineTrainer
 from rlhfkit.types import Experience
 
@@ -53,6 +53,18 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
     w1, w2 = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=rtol, atol=atol)
+
+
+def after_build(monkeypatch, **attributes):
+    """Set trainer attributes that `build` decides (`one_pass`, `shares_base`) to other values."""
+    build = OnlineTrainer.build
+
+    def patched(self):
+        build(self)
+        for k, v in attributes.items():
+            setattr(self, k, v)
+
+    monkeypatch.setattr(OnlineTrainer, "build", patched)
 
 
 def with_algo(trainer, **changes):
@@ -109,7 +121,7 @@ def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
     """Through the trainer: the gradient the bonus adds (coef 0.5 minus coef 0) is -0.5·∇ of the aggregated entropy
     of the model's own next-token distributions at the response positions."""
     t = build(tmp_path, "grpo_tiny.yaml", "algo.entropy_coef=0.5", "max_steps=1")
-    exp, _ = t.make_experience(0)
+    exp = online.make_experience(t, 0).experience
     n = exp.loss_mask.shape[0]
     num_tokens, num_seqs = float(exp.loss_mask.sum()), float(n)
     t.model.train()
@@ -117,7 +129,7 @@ def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
     def loss_grads(coef):
         with_algo(t, entropy_coef=coef)
         t.model.zero_grad(set_to_none=True)
-        loss, _ = t.policy_loss(exp, "token-mean", num_tokens, num_seqs)
+        loss, _, _ = t.policy_loss(exp, "token-mean", num_tokens, num_seqs)
         loss.backward()
         return grads(t)
 
@@ -159,9 +171,9 @@ def _losses_and_grads(t, exp, monkeypatch):
         return value
 
     monkeypatch.setattr(online, "aggregate", recording)
-    monkeypatch.setattr(t.optimizer, "step", lambda *a, **k: seen.append(grads(t)))
+    monkeypatch.setattr(t.optim.optimizer, "step", lambda *a, **k: seen.append(grads(t)))
     torch.manual_seed(0)
-    t.update(exp)
+    t.update(exp, 1)
     monkeypatch.setattr(online, "aggregate", real)
     return losses, seen[0]
 
@@ -169,7 +181,7 @@ def _losses_and_grads(t, exp, monkeypatch):
 def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch):
     t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dr_grpo", "optim.lr=0", "max_steps=1",
               "optim.per_device_batch_size=16")
-    exp, _ = t.make_experience(0)
+    exp = online.make_experience(t, 0).experience
     assert exp.loss_mask.shape[1] <= t.cfg.generation.max_new_tokens
     # Micro-batches are cut to their own longest response; with that off, the loss really runs at both widths.
     monkeypatch.setattr(Experience, "trimmed", lambda self: self)
@@ -215,7 +227,7 @@ def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorit
     t = build(tmp_path, config, f"algo.algorithm={algorithm}", "algo.mask_truncated=true", "kl.coef=0", "algo.rollout_batch_size=1",
               "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
-    exp, _ = t.make_experience(0)
+    exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     assert exp.loss_mask[3].sum() == 0 and torch.equal(exp.loss_mask[:3], mask[:3])
     per_sequence = (exp.advantages[:3] * mask[:3]).sum(1) / mask[:3].sum(1)
@@ -271,7 +283,7 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
               "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
               "optim.per_device_batch_size=8")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
-    exp, _ = t.make_experience(0)
+    exp = online.make_experience(t, 0).experience
     kept = exp.loss_mask.sum(1) > 0
     assert kept.tolist() == [False] * 4 + [True, False, True, True]
     assert t.cfg.algo.loss_agg is None and t.algo.default_loss_agg == "token-mean"
@@ -282,9 +294,9 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
     positive = float((exp.loss_mask * (exp.advantages > 0)).sum() / exp.loss_mask.sum())
     assert 0 < positive < 1
     t.model.train()
-    _, high = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
+    _, high, _ = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
     with_algo(t, clip_eps_high=None)
-    _, symmetric = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
+    _, symmetric, _ = t.policy_loss(shifted, "token-mean", 1.0, 8.0)
     assert float(high["val/ratio"]) == pytest.approx(1.25, rel=1e-5)
     assert float(high["policy/clipfrac_avg"]) == 0.0
     assert float(symmetric["policy/clipfrac_avg"]) == pytest.approx(positive, abs=1e-6)
@@ -317,7 +329,7 @@ def test_missing_eos_penalty_is_subtracted(tmp_path, monkeypatch):
     t = build(tmp_path, "rloo_tiny.yaml", "algo.algorithm=rloo", "reward.missing_eos_penalty=2.0", "kl.coef=0", "algo.rollout_batch_size=1",
               "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false")
     _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
-    exp, _ = t.make_experience(0)
+    exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     first = float((exp.advantages[0] * mask[0]).sum() / mask[0].sum())
     assert first == pytest.approx(1.0 - 5.0 / 3.0, abs=1e-5)
@@ -365,8 +377,8 @@ def test_blown_up_weights_are_bad_steps_not_a_traceback(tmp_path, capsys):
 def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeypatch):
     """The reward-hacking alarms read the run's history: after a resume it starts with the rows logged before."""
     seen = []
-    real = online.check_alarms
-    monkeypatch.setattr(online, "check_alarms", lambda history: seen.append([r["step"] for r in history]) or real(history))
+    real = online_setup.check_alarms
+    monkeypatch.setattr(online_setup, "check_alarms", lambda history: seen.append([r["step"] for r in history]) or real(history))
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", "logging.save_steps=2",
             "algo.table_steps=1", *FAST]
     assert main(args + ["max_steps=3"]) == 0  # leaves checkpoint-2
@@ -396,7 +408,7 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
     assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
     lean_rows = sum(calls)
     calls.clear()
-    monkeypatch.setattr(online.OnlineTrainer, "one_pass", lambda self: False)
+    after_build(monkeypatch, one_pass=False)
     assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
     assert sum(calls) - lean_rows == 2 * 16  # the skipped pass: 2 steps × 16 rows (the reference's forwards remain)
     assert_same_run(tmp_path / "lean", tmp_path / "two")
@@ -443,11 +455,11 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
     calls = []
     real = online.OnlineTrainer.update
 
-    def counting(self, exp):
+    def counting(self, exp, step):
         backward = self.accelerator.backward
         self.accelerator.backward = lambda loss, **k: calls.append(1) or backward(loss, **k)
         try:
-            return real(self, exp)
+            return real(self, exp, step)
         finally:
             self.accelerator.backward = backward
 
@@ -458,7 +470,7 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
     assert main(args + [f"output_dir={tmp_path / 'one'}"]) == 0
     assert len(calls) == 2 * 2  # 2 steps × 2 micro-batches
     calls.clear()
-    monkeypatch.setattr(online.OnlineTrainer, "shared_critic", lambda self: True)  # one backward per loss
+    after_build(monkeypatch, shares_base=True)  # one backward per loss
     assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
     assert len(calls) == 2 * 2 * 2
     assert_same_run(tmp_path / "one", tmp_path / "two")

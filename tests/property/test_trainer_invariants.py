@@ -31,7 +31,7 @@ def first_step_gradients(stage, tmp_path, overrides):
             if p.grad is not None:
                 grads[name] = p.grad.detach().clone()
 
-    trainer.optimizer.step = capture
+    trainer.optim.optimizer.step = capture
     trainer.train_step(0)
     return grads
 

@@ -21,7 +21,7 @@ ENGINES = ("transformers", "peft", "accelerate", "datasets")
 
 # The layer map, top first: a module may import only from layers above its own. A module belongs to the layer of its
 # longest matching entry, so a package entry covers its modules unless one has an entry of its own. Modules of one
-# layer never import each other (the trainers share only trainers.base).
+# layer never import each other (the trainers share only the services above them).
 LAYERS = [
     "rlhfkit",  # the package's __init__: imports nothing
     "rlhfkit.errors",
@@ -40,6 +40,7 @@ LAYERS = [
     "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
+    "rlhfkit.checkpoint",  # the on-disk checkpoint: save, find, validate, load, RNG state
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
     "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
@@ -59,7 +60,13 @@ LAYERS = [
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
-    "rlhfkit.trainers.base",
+    "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
+    "rlhfkit.trainers.rundir",
+    "rlhfkit.trainers.sinks",
+    "rlhfkit.trainers.run",
+    "rlhfkit.trainers.experience",
+    "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
+    "rlhfkit.trainers.online_setup",
     "rlhfkit.trainers",
     "rlhfkit.stages",  # every stage by name, and `run_stage`
     "rlhfkit.tasks",

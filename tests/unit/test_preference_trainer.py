@@ -129,7 +129,7 @@ def test_grad_accumulation_equals_one_large_batch(tmp_path):
     def step0(name, overrides):
         trainer = make_trainer(tmp_path / name, ["data.eval=null", *overrides])
         grads = {}
-        trainer.optimizer.step = lambda: grads.update(
+        trainer.optim.optimizer.step = lambda: grads.update(
             {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         )
         return trainer.train_step(0), grads

@@ -1,0 +1,283 @@
+"""A training run's services, used the same way by every loop: `with Run(cfg, name) as run:`.
+
+The run owns the output_dir lock and its `RunDir`, accelerate's `Accelerator`, the metric sinks, the one progress
+bar, the failure guard (leaving the context on an exception puts back a run that overwrite=true moved aside, or
+removes what a run started in an empty directory wrote before its first step) and `finish` (the final model,
+the sinks closed, dashboard and report). Its methods `begin`, `step_end`, `log`, `log_samples`, `evaluated`,
+`saved` and `end` are the one place where each event of a run happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from rlhfkit.checkpoint import load_trainer_state, refuse_nonfinite_weights, save_checkpoint, set_rng_state
+from rlhfkit.config import TrainConfig
+from rlhfkit.errors import UserError
+from rlhfkit.io import TMP_PREFIX
+from rlhfkit.launch import distributed_state, log_launch, start_run
+from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspeed, fsdp_classes, load_deepspeed_state,
+                              load_optimizer_state, optimizer_state, save_deepspeed_state, saved_weights, weight_layout_of)
+from rlhfkit.trainers.optim import Optim
+from rlhfkit.trainers.rundir import RunDir, commit_replacement, replaced_path
+from rlhfkit.trainers.sinks import JsonlSink, MetricSink, TrackerSink, check_report_to, to_float
+
+logger = logging.getLogger("rlhfkit")
+
+
+class Run:
+    """One training run in `cfg.output_dir`. Creating it takes the directory's lock and checks the directory (before
+    any model loads, writing nothing): `resume_from` is the checkpoint to resume from, if any."""
+
+    def __init__(self, cfg: TrainConfig, name: str):
+        self.cfg, self.name = cfg, name
+        self.run_dir = RunDir(cfg)
+        self.lock = start_run(cfg.output_dir)  # by the main process, until the run ends
+        self.sinks: list[MetricSink] = []
+        self._unwrapped: dict[int, tuple] = {}  # id(prepared module) -> (it, its unwrapped module): see `unwrap`
+        self.bar = None
+        try:
+            state = distributed_state()
+            if state.is_main_process:  # a run that an overwrite=true run, killed early, had moved aside comes back
+                self.run_dir.restore_replaced()
+            state.wait_for_everyone()
+            self.resume_from = self.run_dir.check()
+            check_report_to(cfg.logging.report_to)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                self.guard()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.lock.release()  # last: the cleanup above still runs under the lock
+
+    def guard(self) -> None:
+        """The run failed: remove what it wrote before its first step, or put back the run it was replacing."""
+        self.run_dir.discard_failed_start()
+        if self.run_dir.moved_aside:
+            try:
+                self.run_dir.restore_replaced()
+            except OSError as exc:
+                logger.warning("could not put the previous run back in '%s' (%s): it is in %s", self.run_dir.path, exc,
+                               replaced_path(self.run_dir.path))
+
+    def make_accelerator(self):
+        """accelerate with the run's mixed precision; sets `accelerator` and `world`."""
+        from accelerate import Accelerator
+
+        cfg = self.cfg
+        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
+                                       project_dir=cfg.output_dir)
+        configure_deepspeed(self.accelerator, cfg.optim.per_device_batch_size)
+        log_launch(self.accelerator)
+        self.world = self.accelerator.num_processes
+        return self.accelerator
+
+    # Services of the loops: modules, collectives, data order ---------------------------------------------------
+    def unwrap(self, module):
+        """The prepared `module` to call directly (no-grad forwards, attributes): `accelerator.unwrap_model(module)`
+        — DDP's wrapper off (its forward may sync buffers with the other processes) — except an FSDP1 wrapper, which
+        stays: only its forward gathers the root unit's weights (embeddings, final norm, head). Remembered per
+        module: accelerate probes the installed packages at every call, and the loops need it several times a
+        micro-batch."""
+        held = self._unwrapped.get(id(module))
+        if held is None or held[0] is not module:
+            fsdp1 = fsdp_classes()[0]
+            inner = module if fsdp1 is not None and isinstance(module, fsdp1) else self.accelerator.unwrap_model(module)
+            held = self._unwrapped[id(module)] = (module, inner)
+        return held[1]
+
+    def sharded(self, model) -> bool:
+        """Whether `model`'s weights are sharded (FSDP, ZeRO-3): every forward of it is then collective, so every
+        process must run as many as the others."""
+        return weight_layout_of(self.accelerator, model, self.unwrap(model)) != "whole"
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """accelerate's backward of one micro-batch of an optimizer step; `last`: the step's last backward. Under
+        DeepSpeed accelerate runs the engine's step inside `backward` whenever gradients are to sync, and marks that
+        backward as the end of an accumulation: only the last backward is, so several micro-batches make one
+        DeepSpeed step over their summed gradients (rlhfkit does not use accelerate's `accumulate`). Elsewhere the
+        flag changes nothing: DDP's sync is `no_sync`'s business."""
+        acc = self.accelerator
+        if acc.distributed_type != "DEEPSPEED" or last:
+            acc.backward(loss)
+            return
+        acc.gradient_state._set_sync_gradients(False)
+        try:
+            acc.backward(loss)
+        finally:
+            acc.gradient_state._set_sync_gradients(True)
+
+    def no_sync(self, model, last: bool):
+        """DDP: no gradient all-reduce for a micro-batch's backward but the step's last."""
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+
+    def on_every_process(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process: every decision that changes control flow is taken on it, so the
+        processes never fall out of step (one all-reduce)."""
+        if self.world == 1:
+            return bool(flag)
+        return self.accelerator.reduce(torch.tensor(float(not flag), device=self.accelerator.device), "sum").item() == 0
+
+    def sum_over_processes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(x, "sum") if self.world > 1 else x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
+        return self.accelerator.gather(x) if self.world > 1 else x
+
+    def permutation(self, n: int, epoch: int) -> torch.Tensor:
+        """A permutation of range(n) seeded by (seed, epoch): data order is a function of the step alone, so
+        resuming needs no data-loader state."""
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+
+    def step_indices(self, step: int, n: int, per_step: int, steps_per_epoch: int) -> list[int]:
+        """The `per_step` dataset indices (all processes) of step `step`: epoch e's permutation, wrapped around to
+        fill its last step."""
+        epoch, k = divmod(step, steps_per_epoch)
+        order = self.permutation(n, epoch).repeat(math.ceil(steps_per_epoch * per_step / n))
+        return order[k * per_step : (k + 1) * per_step].tolist()
+
+    def make_optim(self, optimizer, scheduler, trained: list) -> Optim:
+        """The run's `Optim`: gradients of the prepared models `trained` clipped together (one global norm)."""
+        acc, cfg = self.accelerator, self.cfg
+        return Optim(optimizer, scheduler, clip=lambda max_norm: clip_grad_norm(acc, trained, max_norm),
+                     max_grad_norm=cfg.optim.max_grad_norm, scaler=acc.scaler, max_bad_steps=cfg.max_bad_steps,
+                     output_dir=cfg.output_dir)
+
+    # Checkpoints -------------------------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, trained: list, save_models, optim, extra: dict) -> None:
+        """checkpoint-{step}/: `save_models(directory, whole_models)` + optimizer, scheduler, RNG, skipped steps and
+        `extra`. `trained` are the prepared models the optimizer trains, the policy first."""
+        acc, out = self.accelerator, self.cfg.output_dir
+        acc.wait_for_everyone()
+        deepspeed_dir = os.path.join(out, f"{TMP_PREFIX}deepspeed-{step}")
+        if acc.distributed_type == "DEEPSPEED":
+            optimizer = save_deepspeed_state(acc, deepspeed_dir)  # every process writes its partition
+        else:
+            optimizer = optimizer_state(acc, trained, optim.optimizer)  # collective under FSDP
+
+        def write_models(directory: str) -> None:
+            save_models(directory, models)
+            if optimizer == DEEPSPEED_STATE:  # into the checkpoint being written: it appears with it, whole
+                os.replace(deepspeed_dir, os.path.join(os.path.dirname(directory), "deepspeed"))
+
+        with contextlib.ExitStack() as stack:  # FSDP / ZeRO-3: the weights whole while the main process writes them
+            models = [stack.enter_context(saved_weights(acc, m, self.unwrap(m))) for m in trained]
+            if acc.is_main_process:
+                state = {"optimizer": optimizer, "scheduler": optim.scheduler.state_dict(), "bad_steps": optim.bad_steps,
+                         **extra}
+                save_checkpoint(out, step, write_models, state, self.cfg.logging.save_total_limit)
+        acc.wait_for_everyone()
+        self.saved(step)
+
+    def resume(self, trained: list, load_models, optim) -> dict:
+        """Load `resume_from` into the models (`load_models(checkpoint)`, every process), the optimizer, the schedule
+        and the skipped-step count; return its trainer state (the caller restores its extra state, then calls
+        `restore_rng`)."""
+        checkpoint = self.resume_from
+        state = load_trainer_state(checkpoint)
+        load_models(checkpoint)
+        if self.accelerator.distributed_type == "DEEPSPEED" or state["optimizer"] == DEEPSPEED_STATE:
+            load_deepspeed_state(self.accelerator, checkpoint, state["optimizer"])
+        else:
+            load_optimizer_state(self.accelerator, trained, optim.optimizer, state["optimizer"], checkpoint)
+        optim.scheduler.load_state_dict(state["scheduler"])
+        optim.bad_steps = int(state.get("bad_steps", 0))
+        logger.info("resuming from %s (step %d)", checkpoint, int(state["step"]))
+        return state
+
+    @staticmethod
+    def restore_rng(state: dict) -> None:
+        """Last of a resume: nothing after it may draw random numbers before training."""
+        set_rng_state(state["rng"])
+
+    # Events -------------------------------------------------------------------------------------------------------
+    def begin(self, start_step: int, total_steps: int) -> None:
+        """Create the run directory (main process), open the sinks and the progress bar: the loop starts."""
+        acc, cfg = self.accelerator, self.cfg
+        if acc.is_main_process:
+            self.run_dir.prepare(start_step if self.resume_from else None)
+        acc.wait_for_everyone()
+        if cfg.logging.report_to:
+            acc.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
+        if acc.is_main_process:
+            self.sinks = [JsonlSink(cfg.output_dir)] + ([TrackerSink(acc)] if cfg.logging.report_to else [])
+            for sink in self.sinks:
+                sink.attach_config(cfg)
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=self.name, dynamic_ncols=True,
+                        disable=not (cfg.logging.progress_bar and acc.is_main_process))
+
+    def step_end(self, step: int, postfix: dict[str, float]) -> None:
+        """Optimizer step `step` (1-based) is done."""
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.accelerator.is_main_process:
+            floats = {k: to_float(v) for k, v in metrics.items()}
+            for sink in self.sinks:
+                sink.log(step, floats)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        if self.accelerator.is_main_process:
+            for sink in self.sinks:
+                sink.log_samples(step, rows)
+
+    def write(self, line: str) -> None:
+        """A line on the console above the progress bar (main process)."""
+        if self.accelerator.is_main_process:
+            self.bar.write(line)
+
+    def saved(self, step: int) -> None:
+        """checkpoint-{step} is complete: the run that overwrite=true replaces can go."""
+        if self.accelerator.is_main_process:
+            commit_replacement(self.cfg.output_dir)
+
+    def save_final(self, model, unwrapped, tokenizer) -> None:
+        """Write the trained model into output_dir, beside config.yaml and metrics.jsonl."""
+        from rlhfkit.models import save_model
+
+        acc, out = self.accelerator, self.cfg.output_dir
+        acc.wait_for_everyone()
+        with saved_weights(acc, model, unwrapped) as whole:  # FSDP / ZeRO-3: whole (collective)
+            if not acc.is_main_process:
+                return
+            tmp = tempfile.mkdtemp(dir=out, prefix=f"{TMP_PREFIX}model-")
+            try:
+                save_model(whole, tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
+                refuse_nonfinite_weights(os.path.join(tmp, "model"), out, "the final model")
+                for name in os.listdir(os.path.join(tmp, "model")):  # file by file: output_dir holds the run too
+                    os.replace(os.path.join(tmp, "model", name), os.path.join(out, name))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        commit_replacement(out)
+
+    def finish(self, model, unwrapped, tokenizer) -> None:
+        """The end of every run: the final model, the sinks closed, then dashboard.png and report.html."""
+        self.save_final(model, unwrapped, tokenizer)
+        self.bar.close()
+        for sink in self.sinks:
+            sink.close()
+        if self.accelerator.is_main_process:
+            from rlhfkit.evaluation.report import write_run_artifacts
+
+            write_run_artifacts(self.cfg.output_dir)  # warns, never fails the run
