@@ -8,3 +8,13 @@ __version__ = "0.1.0"
 # that the optional `kernels` package (a kernel fetched from the hub) is missing, then uses its own CPU kernel: a line
 # on every run, with nothing for the user to do.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def __getattr__(name: str):
+    """`rlhfkit.train` and `rlhfkit.TrainResult` (rlhfkit.api), imported on first use so that `import rlhfkit` and
+    `rlhfkit --help` stay instant (PEP 562)."""
+    if name in ("train", "TrainResult"):
+        from rlhfkit import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rlhfkit' has no attribute {name!r}")

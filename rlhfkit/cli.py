@@ -13,7 +13,7 @@ import sys
 import time
 
 from rlhfkit.errors import UserError
-from rlhfkit.stages import STAGES, run_stage, stage_config
+from rlhfkit.stages import STAGES, stage_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,19 +63,22 @@ def _setup_logging() -> None:
 
 
 def run_command(stage: str, config: str | None, overrides: list[str], print_config: bool = False) -> dict:
-    """`rlhfkit <stage>`: `run_stage` with the resolved config printed instead (`--print-config`), or a closing line."""
-    cfg = stage_config(stage, config, overrides)
+    """`rlhfkit <stage>`: `rlhfkit.train` on the YAML file and overrides, then a closing line; or, with
+    `--print-config`, the resolved config printed instead."""
     if print_config:
         from rlhfkit.config import config_to_yaml
 
-        print(config_to_yaml(cfg), end="")
+        print(config_to_yaml(stage_config(stage, config, overrides)), end="")
         return {}
+    from rlhfkit.api import train
+
     t0 = time.time()
-    result = run_stage(stage, cfg)
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in result.items() if k.startswith(("loss", "eval/", "accuracy")))
+    result = train(stage, config=config, overrides=overrides)
+    summary = ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items() if k.startswith(("loss", "eval/", "accuracy")))
     if _process_rank() == 0:
-        print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {cfg.output_dir}" + (f" ({summary})" if summary else ""))
-    return result
+        print(f"rlhfkit {stage}: done in {time.time() - t0:.1f}s; model saved to {result.output_dir}"
+              + (f" ({summary})" if summary else ""))
+    return result.metrics
 
 
 def run_dashboard(run_dir: str, out: str | None) -> None:

@@ -45,14 +45,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # 1. Loading --------------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(cfg: ModelConfig, padding_side: str = "right"):
-    """The tokenizer of `cfg`, with a pad token guaranteed.
+def load_tokenizer(cfg: ModelConfig, padding_side: str = "right", given=None):
+    """The tokenizer of `cfg` (or the tokenizer object `given` from Python), with a pad token guaranteed.
 
     A tokenizer without a pad token gets pad = eos (with a warning), or, with no eos either, a new "<|pad|>" token;
     the model loaders then grow the embeddings to `len(tokenizer)`, so nothing else needs to be passed along.
     """
-    path = resolve_model_path(cfg)
-    tokenizer = from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if given is not None:
+        tokenizer = given
+    else:
+        path = resolve_model_path(cfg)
+        tokenizer = from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             logger.warning("tokenizer of '%s' has no pad token: using eos %r as pad", cfg.name_or_path, tokenizer.eos_token)
@@ -160,27 +163,36 @@ def bnb_config(q: QuantizationConfig) -> BitsAndBytesConfig | None:
                               bnb_4bit_use_double_quant=q.bnb_4bit_use_double_quant)
 
 
-def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True):
+def load_causal_lm(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, given=None):
     """A causal LM for a policy (trainable) or a frozen reference (`trainable=False`: eval mode, no grads, no LoRA).
 
     With `cfg.lora.enabled` and trainable, returns a peft model whose only trainable parameters are the adapters.
     The train/eval mode of a trainable model is left to the caller (from_pretrained returns it in eval mode).
+    `given`: a model object from Python, prepared (pad id, LoRA, checkpointing) instead of loading `cfg`'s name.
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    if given is not None:
+        return _prepare(given, cfg, tokenizer, trainable, "CAUSAL_LM")
     path = resolve_model_path(cfg)
     model = from_pretrained(AutoModelForCausalLM, path, **_load_kwargs(cfg, path))
     return _prepare(model, cfg, tokenizer, trainable, "CAUSAL_LM")
 
 
-def check_model_structure(cfg: ModelConfig, tokenizer, task_type: str = "CAUSAL_LM") -> None:
+def check_model_structure(cfg: ModelConfig, tokenizer, task_type: str = "CAUSAL_LM", given=None) -> None:
     """Refuse (a UserError) settings that contradict the model's structure — `model.num_layers` above its depth, LoRA
     `target_modules` that match none of its modules — from its config alone: the model is built on the meta device
-    (no weights read), so a stage reports these before it reads its data. The loaders check the same at load time."""
-    path = resolve_model_path(cfg)
-    _load_kwargs(cfg, path)  # model.num_layers against the config's depth
+    (no weights read), so a stage reports these before it reads its data. The loaders check the same at load time.
+    `given`: a model object from Python, whose own config is read."""
+    if given is not None:
+        config = given.config
+    else:
+        path = resolve_model_path(cfg)
+        _load_kwargs(cfg, path)  # model.num_layers against the config's depth
+        if not cfg.lora.enabled:
+            return
+        config = from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if not cfg.lora.enabled:
         return
-    config = from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if cfg.num_layers is not None:
         config.num_hidden_layers = cfg.num_layers
     auto = AutoModelForCausalLM if task_type == "CAUSAL_LM" else AutoModelForSequenceClassification
@@ -190,7 +202,7 @@ def check_model_structure(cfg: ModelConfig, tokenizer, task_type: str = "CAUSAL_
 
 
 def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = True, num_labels: int = 1,
-                      allow_new_head: bool | None = None, key: str = "reward.model", hint: str = ""):
+                      allow_new_head: bool | None = None, key: str = "reward.model", hint: str = "", given=None):
     """A sequence-classification model (a backbone plus a linear `score` head) for reward or value modelling.
 
     From a causal-LM checkpoint the `score` head is new and randomly initialised from the global RNG: call
@@ -202,15 +214,31 @@ def load_reward_model(cfg: ModelConfig, tokenizer=None, *, trainable: bool = Tru
     naming the config key `key` it came from, followed by `hint` (what to do about it).
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    path = resolve_model_path(cfg)
-    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, output_loading_info=True,
-                                   **_load_kwargs(cfg, path))
+    if given is not None:
+        model, info = _sequence_classifier_of(given, num_labels)
+    else:
+        path = resolve_model_path(cfg)
+        model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels,
+                                      output_loading_info=True, **_load_kwargs(cfg, path))
     # Weights outside the backbone that the checkpoint lacks: the head was created here, at random.
     new_head = sorted(k for k in info["missing_keys"] if not k.startswith(model.base_model_prefix + "."))
     if new_head and not (trainable if allow_new_head is None else allow_new_head):
         raise UserError(f"config key '{key}': '{cfg.name_or_path}' holds no trained score head ('{new_head[0]}' is not in "
                         "its weights: a causal LM, not a reward model saved by `rlhfkit rm`)" + (f"; {hint}" if hint else ""))
     return _prepare(model, cfg, tokenizer, trainable, "SEQ_CLS")
+
+
+def _sequence_classifier_of(model, num_labels: int):
+    """A sequence-classification model built from a model object given from Python: the object itself when it is
+    one (trained in place), else a new one of its architecture holding a copy of its backbone's weights and a new
+    score head. Returns (model, loading info) as `from_pretrained(..., output_loading_info=True)` does."""
+    if getattr(model, "score", None) is not None or type(model).__name__.endswith("ForSequenceClassification"):
+        return model, {"missing_keys": []}
+    config = copy.deepcopy(model.config)
+    config.num_labels = num_labels
+    classifier = AutoModelForSequenceClassification.from_config(config, dtype=next(model.parameters()).dtype)
+    missing, _ = classifier.load_state_dict(model.state_dict(), strict=False)
+    return classifier.to(next(model.parameters()).device), {"missing_keys": missing}
 
 
 # 2. Saving ---------------------------------------------------------------------------------------------------
@@ -431,13 +459,18 @@ class Reference:
     """π_ref, frozen: a second model loaded with `trainable=False`, or — LoRA with no `ref_model` — the policy's own
     base with its adapters disabled, so the reference costs no memory beyond activations."""
 
-    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device):
+    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device, copy_of=None):
+        """`copy_of`: the policy's model object given from Python, before training: with no `ref_model` and no LoRA
+        the reference is a frozen copy of it (its name may not be loadable)."""
         self.shared = ref_model is None and cfg.lora.enabled
         self.model = None
         if self.shared:
             return
-        ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
-        self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False)
+        if ref_model is None and copy_of is not None:
+            self.model = _prepare(copy.deepcopy(unwrap_peft(copy_of)), cfg, tokenizer, False, "CAUSAL_LM")
+        else:
+            ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
+            self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False)
         vocab = self.model.get_input_embeddings().num_embeddings
         if vocab != policy.get_input_embeddings().num_embeddings:
             raise UserError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -350,6 +351,24 @@ def _reward_function(entry, key: str) -> RewardFunction:
     return load_reward_function(entry, key)
 
 
+def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None):
+    """One of the Python API's `reward_funcs` as a source (see `Rewards`)."""
+    key = f"reward_funcs[{i}]"
+    model, tokenizer = entry if isinstance(entry, tuple) else (entry, None)
+    if isinstance(model, torch.nn.Module):
+        if tokenizer is None and model.get_input_embeddings().num_embeddings < len(policy_tokenizer):
+            raise UserError(f"{key}: a reward model whose vocabulary ({model.get_input_embeddings().num_embeddings} "
+                            f"tokens) is not the policy tokenizer's ('{policy_name}', {len(policy_tokenizer)} tokens): "
+                            "pass it with its own tokenizer, as a (model, tokenizer) pair")
+        model.eval()
+        model.requires_grad_(False)
+        name = os.path.basename(os.path.normpath(getattr(model, "name_or_path", "") or "")) or f"reward_model_{i}"
+        return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
+    if isinstance(model, str) and ":" not in model:
+        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size)
+    return _reward_function(model, key)
+
+
 def as_list(value) -> list:
     """A config field that takes one value or a list of them, as a list (None: empty)."""
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
@@ -365,19 +384,26 @@ class Rewards:
     model loads.
     """
 
-    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy"):
+    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy",
+                 given: Sequence = (), given_weights: Sequence[float] | None = None):
+        """`given` (the Python API's `reward_funcs`): the sources in the caller's order, each a callable, a
+        "module:function" name, a reward-model directory, a sequence-classification model object, or a (model object,
+        its tokenizer) pair; they replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each)."""
         self.tokenizer = tokenizer
-        functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
         self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
-        models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size)
-                  for path in as_list(cfg.model)]
+        if given:
+            self.sources = [_given_source(entry, i, tokenizer, policy_name, batch_size) for i, entry in enumerate(given)]
+            models = [s for s in self.sources if isinstance(s, RewardModelSource)]
+        else:
+            functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
+            models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size)
+                      for path in as_list(cfg.model)]
+            self.sources = ([EnsembleSource(models, cfg.ensemble)] if len(models) > 1 and cfg.ensemble != "none"
+                            else models) + functions
         for source in models:
             source.scorer.model = place_frozen(source.scorer.model, device)  # ZeRO-3: a sharded inference engine
-        if len(models) > 1 and cfg.ensemble != "none":
-            models = [EnsembleSource(models, cfg.ensemble)]
-        self.sources = models + functions
         self.names = unique_names([s.name for s in self.sources])
-        weights = list(getattr(cfg, "weights", None) or [1.0] * len(self.sources))
+        weights = list((given_weights if given else getattr(cfg, "weights", None)) or [1.0] * len(self.sources))
         if len(weights) != len(self.sources):
             raise UserError(f"config key 'reward.weights': {len(weights)} weights for {len(self.sources)} reward sources "
                             f"({', '.join(self.names)}): give one per source")

@@ -34,26 +34,51 @@ def _load(ref: str):
 
 def stage_config(stage: str, config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """The validated config of `rlhfkit <stage>`: the YAML file `config` (None: the defaults), then the
-    `key.sub=value` overrides. An online stage fixes the algorithm family; the config may pick a variant within it."""
+    `key.sub=value` overrides."""
+    from rlhfkit.config import parse_overrides, read_yaml
+    from rlhfkit.config.fields import merge
+
+    return build_stage_config(stage, merge(read_yaml(config) if config else {}, parse_overrides(list(overrides))))
+
+
+def build_stage_config(stage: str, data: dict) -> Any:
+    """The validated, frozen config of `rlhfkit <stage>` from nested `data` (a YAML file's mapping, a dict, a config
+    object's fields): one validation whatever the origin. An online stage fixes the algorithm family; the config may
+    pick a variant within it."""
     from rlhfkit.algorithms import family_members
     from rlhfkit.config import load_config
+    from rlhfkit.config.fields import merge
 
+    if stage not in STAGES:
+        raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
     family = family_members(stage)  # the online commands: the algorithms registered under this family
-    defaults = {"algo": {"algorithm": family[0]}} if family else None
-    cfg = load_config(_load(STAGES[stage][0]), config, list(overrides), defaults)
+    defaults = {"algo": {"algorithm": family[0]}} if family else {}
+    cfg = load_config(_load(STAGES[stage][0]), defaults=merge(defaults, data))
     if family and cfg.algo.algorithm not in family:
         raise UserError(f"config key 'algo.algorithm': `rlhfkit {stage}` runs one of {', '.join(family)}, got {cfg.algo.algorithm!r}")
     return cfg
 
 
+def trainer_of(stage: str, cfg: Any, objects=None):
+    """The trainer (or evaluator) of `rlhfkit <stage>` for a validated `cfg`; `objects` (`rlhfkit.objects.Objects`)
+    hold what the Python API was given instead of names."""
+    cls = _load(STAGES[stage][1])
+    return cls(cfg, objects) if objects is not None else cls(cfg)
+
+
 def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
     """Run `rlhfkit <stage>` in this process: fit its trainer (or evaluator) and return its last metrics.
 
-    `config` is a config object already built (then without `overrides`), or a YAML path (None: the defaults) to which
-    `overrides` are applied, as on the command line.
+    `config` is a YAML path (None: the defaults) to which `overrides` are applied, as on the command line, or a config
+    object, validated again as if it had been read from YAML (then without `overrides`). `rlhfkit.train` takes objects
+    and dicts too.
     """
     if config is None or isinstance(config, str):
         config = stage_config(stage, config, overrides)
     elif overrides:
         raise ValueError("overrides apply to a YAML config, not to a config object")
-    return _load(STAGES[stage][1])(config).fit()
+    else:
+        import dataclasses
+
+        config = build_stage_config(stage, dataclasses.asdict(config))
+    return trainer_of(stage, config).fit()

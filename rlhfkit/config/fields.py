@@ -161,8 +161,9 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def _merge(base: dict, update: dict) -> dict:
-    return {**base, **{k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+def merge(base: dict, update: dict) -> dict:
+    """`update` over `base`, nested mappings merged key by key (later wins)."""
+    return {**base, **{k: merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
                        for k, v in update.items()}}
 
 
@@ -231,7 +232,7 @@ C = typing.TypeVar("C")
 
 def load_config(cls: type[C], path: str | None = None, overrides: list[str] | None = None, defaults: dict | None = None) -> C:
     """Build a validated, frozen `cls` from `defaults`, a YAML file and `key.sub=value` overrides (later wins)."""
-    data = _merge(_merge(defaults or {}, read_yaml(path) if path else {}), parse_overrides(overrides or []))
+    data = merge(merge(defaults or {}, read_yaml(path) if path else {}), parse_overrides(overrides or []))
     return _build(cls, data)
 
 

@@ -54,9 +54,10 @@ class KTOTrainer(OfflineTrainer):
     cfg: KTOConfig
 
     def load_model(self, tokenizer):
-        policy = load_causal_lm(self.cfg.model, tokenizer)
+        policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
         with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
-            self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+            self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
+                                           copy_of=self.objects.model)
         return policy
 
     def setup(self) -> None:

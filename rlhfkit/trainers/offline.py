@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from rlhfkit.config import TrainConfig
+from rlhfkit.objects import Objects
 from rlhfkit.trainers.optim import Fault, Optim, build_optimizer, build_scheduler, optimizer_step
 from rlhfkit.trainers.run import Run
 
@@ -77,8 +78,8 @@ class OfflineTrainer:
 
     kind: str = ""  # data kind for rlhfkit.data.build_datasets
 
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, objects: Objects | None = None):
+        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
         self.run = Run(cfg, f"{self.kind} training")  # the lock taken and output_dir checked, before anything loads
 
     # -- to implement -------------------------------------------------------------------------------------------
@@ -121,8 +122,8 @@ class OfflineTrainer:
         cfg, run = self.cfg, self.run
         set_seed(cfg.seed)
         with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
-            self.tokenizer = load_tokenizer(cfg.model)
-            check_model_structure(self.model_config(), self.tokenizer, self.model_task)
+            self.tokenizer = load_tokenizer(cfg.model, given=self.objects.tokenizer)
+            check_model_structure(self.model_config(), self.tokenizer, self.model_task, given=self.objects.model)
             train_set, self.eval_set = build_datasets(self.kind, cfg.data, self.tokenizer, cfg.seed)
             self.train_set = self.prepare_train_set(train_set)
         self.accelerator = run.make_accelerator()

@@ -18,6 +18,7 @@ from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import check_alarms
 from rlhfkit.io import read_jsonl_rows
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
+from rlhfkit.objects import Objects
 from rlhfkit.models import PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model
 from rlhfkit.rewards import Rewards, RunningMoments
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
@@ -32,8 +33,8 @@ TABLE = [("Step", "step"), ("Reward", "objective/scores"), ("KL", "objective/kl"
 class OnlineModels:
     cfg: OnlineConfig
 
-    def __init__(self, cfg: OnlineConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: OnlineConfig, objects: Objects | None = None):
+        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
         self.run = Run(cfg, cfg.algo.algorithm)  # the lock taken and output_dir checked, before anything loads
 
     def setup(self) -> None:
@@ -47,8 +48,8 @@ class OnlineModels:
         cfg, run = self.cfg, self.run
         set_seed(cfg.seed)
         with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
-            self.tokenizer = load_tokenizer(cfg.model)
-            check_model_structure(cfg.model, self.tokenizer)
+            self.tokenizer = load_tokenizer(cfg.model, given=self.objects.tokenizer)
+            check_model_structure(cfg.model, self.tokenizer, given=self.objects.model)
             self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
         self.accelerator = run.make_accelerator()
         self.world = run.world
@@ -69,11 +70,13 @@ class OnlineModels:
         # update forward's own log-probs, detached (the ratio is 1 by definition), so the separate no-grad forward is
         # skipped, as TRL's GRPO does; `update` returns them for the statistics.
         self.one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
-        policy = load_causal_lm(cfg.model, self.tokenizer)
+        policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
-        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device) if self.algo.needs_reference else None
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, copy_of=self.objects.model) \
+            if self.algo.needs_reference else None
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
-                              policy_name=cfg.model.name_or_path)
+                              policy_name=cfg.model.name_or_path, given=self.objects.reward_funcs,
+                              given_weights=self.objects.reward_weights)
         value = self.load_critic(policy) if self.algo.needs_value else None
         self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base
         if a.disable_dropout:
@@ -121,7 +124,9 @@ class OnlineModels:
         if cfg.model.lora.enabled and not a.value_model:
             return SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
         init = a.value_model or (cfg.reward.model[0] if cfg.reward.model else cfg.model.name_or_path)
-        return load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer,
+        # From a policy object given from Python: a copy of its backbone under a new value head.
+        given = policy if not a.value_model and not cfg.reward.model and self.objects.model is not None else None
+        return load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer, given=given,
                                  allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                  hint="set algo.allow_new_value_head=true to start the critic's value head at random")
 

@@ -18,6 +18,7 @@ import torch
 from rlhfkit.config import DPOConfig, ORPOConfig, ORPOOptions
 from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
+from rlhfkit.objects import Objects
 from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs, sequence_logprobs_padding_free
 from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
@@ -63,16 +64,17 @@ class PreferenceTrainer(OfflineTrainer):
     kind = "preference"
     cfg: DPOConfig | ORPOConfig
 
-    def __init__(self, cfg: DPOConfig | ORPOConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DPOConfig | ORPOConfig, objects: Objects | None = None):
+        super().__init__(cfg, objects)
         self.method = "orpo" if isinstance(cfg.algo, ORPOOptions) else cfg.algo.loss_type
         self.reference: Reference | None = None
 
     def load_model(self, tokenizer):
-        policy = load_causal_lm(self.cfg.model, tokenizer)
+        policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
         if self.method not in REFERENCE_FREE:
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
-                self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+                self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
+                                           copy_of=self.objects.model)
             if self.cfg.data.padding_free and self.reference.model is not None:  # a second model: the same attention
                 self.use_padding_free_attention(self.reference.model)
         return policy

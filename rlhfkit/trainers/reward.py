@@ -29,7 +29,7 @@ class RewardTrainer(OfflineTrainer):
         return cfg
 
     def load_model(self, tokenizer):
-        model = load_reward_model(self.model_config(), tokenizer)
+        model = load_reward_model(self.model_config(), tokenizer, given=self.objects.model)
         if self.cfg.algo.head_only:  # no parameter below the head needs a gradient: the body runs as inference
             model.requires_grad_(False)
             model.score.requires_grad_(True)

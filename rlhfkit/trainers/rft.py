@@ -31,6 +31,7 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import load_causal_lm, scored_logits
+from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.checkpoint import load_model_weights
@@ -64,8 +65,8 @@ class RFTTrainer:
 
     cfg: RFTConfig
 
-    def __init__(self, cfg: RFTConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RFTConfig, objects: Objects | None = None):
+        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
         self.run = Run(cfg, "rft")  # the lock taken and output_dir checked, before anything loads
 
     def collate(self, examples) -> SFTBatch:
@@ -89,15 +90,16 @@ class RFTTrainer:
         cfg, run, acc = self.cfg, self.run, None
         set_seed(cfg.seed)
         with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
-            self.tokenizer = load_tokenizer(cfg.model)
-            check_model_structure(cfg.model, self.tokenizer)
+            self.tokenizer = load_tokenizer(cfg.model, given=self.objects.tokenizer)
+            check_model_structure(cfg.model, self.tokenizer, given=self.objects.model)
             self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
         acc = self.accelerator = run.make_accelerator()
         self.world = run.world
         set_seed(cfg.seed)
-        policy = load_causal_lm(cfg.model, self.tokenizer)
+        policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
-                              policy_name=cfg.model.name_or_path)
+                              policy_name=cfg.model.name_or_path, given=self.objects.reward_funcs,
+                              given_weights=self.objects.reward_weights)
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)

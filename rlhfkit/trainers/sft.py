@@ -16,7 +16,7 @@ class SFTTrainer(OfflineTrainer):
     cfg: SFTConfig
 
     def load_model(self, tokenizer):
-        return load_causal_lm(self.cfg.model, tokenizer)
+        return load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
 
     def prepare_train_set(self, examples):
         return pack_sft(examples, self.cfg.data.max_length) if self.cfg.data.packing else examples

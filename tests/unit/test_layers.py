@@ -37,6 +37,7 @@ LAYERS = [
     "rlhfkit.config.sections",
     "rlhfkit.config.stages",
     "rlhfkit.config",
+    "rlhfkit.objects",  # what the Python API hands a run besides its config (model, tokenizer, rewards, callbacks)
     "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
     "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
@@ -69,6 +70,7 @@ LAYERS = [
     "rlhfkit.trainers.online_setup",
     "rlhfkit.trainers",
     "rlhfkit.stages",  # every stage by name, and `run_stage`
+    "rlhfkit.api",  # `rlhfkit.train`: the Python entry point; the CLI is a shell over it
     "rlhfkit.tasks",
     "rlhfkit.tasks.demo",
     "rlhfkit.cli",
@@ -181,10 +183,16 @@ def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 1, "b": 1}}) is None
 
 
+# The one import against the map: the package's `__getattr__` hands out `rlhfkit.train` on first use (PEP 562), so
+# `import rlhfkit` loads nothing while `rlhfkit.train` works.
+LAZY = {("rlhfkit", "rlhfkit.api")}
+
+
 def test_every_import_points_up_the_layer_map():
     graph = _graph(at_import_only=False)
     wrong = [f"{m} (line {line}) imports {t}: {LAYERS[_layer(t)]} is not above {LAYERS[_layer(m)]}"
-             for m, targets in sorted(graph.items()) for t, line in sorted(targets.items()) if _layer(t) >= _layer(m)]
+             for m, targets in sorted(graph.items()) for t, line in sorted(targets.items())
+             if _layer(t) >= _layer(m) and (m, t) not in LAZY]
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,0 +1,219 @@
+"""The Python entry point: `rlhfkit.train(stage, ...)`, with TRL's argument names; objects or names in, a result out.
+
+What a TRL user already holds goes in as it is: a model object (trained in place) and its tokenizer, a
+`datasets.Dataset` (or IterableDataset, a list of dicts, a file or a hub name), reward functions under TRL's calling
+convention mixed with reward models, a peft `LoraConfig`, transformers `TrainerCallback`s. The config comes from a
+YAML path, a dict or a config object, with `overrides` on top; whatever its origin it goes through the same validation
+as the CLI's, so a mistake is the same one-line `UserError`. The CLI (`rlhfkit <stage>`) is a thin shell over this.
+
+Every object is also named in the run's saved `config.yaml`: a model object by its `name_or_path`, a dataset by the
+JSON-lines file it is written to (once, in the cache: `$RLHFKIT_CACHE/datasets/<fingerprint>.jsonl`), a function as
+`module:qualname`, a LoRA config by the `model.lora` keys it maps to.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rlhfkit.config import parse_overrides, read_yaml
+from rlhfkit.config.fields import merge
+from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_write_text, cache_dir
+from rlhfkit.objects import Objects
+from rlhfkit.stages import STAGES, build_stage_config, trainer_of
+
+# peft LoraConfig fields rlhfkit maps onto `model.lora` (the rest must keep peft's defaults: refused otherwise).
+_LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
+_LORA_IGNORED = {"task_type", "peft_type", "base_model_name_or_path", "revision", "inference_mode"}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    metrics: dict[str, float]  # the last logged training (and eval) metrics; `rlhfkit eval`: its headline figures
+    output_dir: str  # the run directory: the final model (a plain Hugging Face directory), config.yaml, metrics.jsonl
+    model: Any  # the trained model object (the caller's own when one was given; a peft model with LoRA); None for eval
+
+
+def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+          reward_funcs: Any = None, reward_weights: list[float] | None = None, peft_config: Any = None,
+          callbacks: list | None = None, config: Any = None, overrides: dict | list[str] | None = None,
+          output_dir: str | None = None) -> TrainResult:
+    """Run `rlhfkit <stage>` from Python and return its `TrainResult`.
+
+    model: a transformers PreTrainedModel (trained in place), or a hub name / directory / "tiny".
+    tokenizer: its tokenizer object; None loads the one of the model's name.
+    train_dataset / eval_dataset: a datasets.Dataset or IterableDataset, a list of dicts, a file or a hub name, in any
+        format the stage reads (TRL's included). For `eval`, `eval_dataset` holds the held-out prompts.
+    reward_funcs: one source or a list (TRL's `reward_funcs`): callables under TRL's contract, "module:function",
+        reward-model directories, sequence-classification model objects or (model, tokenizer) pairs.
+    reward_weights: one per reward source, in the same order (TRL's `reward_weights`).
+    peft_config: a peft LoraConfig (r, lora_alpha, lora_dropout, target_modules); other non-default fields are refused.
+    callbacks: transformers TrainerCallback objects.
+    config: a YAML path, a dict or a config object; overrides: {"kl.coef": 0.04} or ["kl.coef=0.04"], applied last.
+    """
+    if stage not in STAGES:
+        raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
+    data = merge(merge(_config_dict(stage, config), _arguments(model, train_dataset, eval_dataset, reward_funcs,
+                                                               reward_weights, peft_config, output_dir)),
+                 parse_overrides(_override_list(overrides)))
+    if stage == "eval" and any(x is not None and not isinstance(x, str) for x in (model, tokenizer)) or \
+            stage == "eval" and (callbacks or any(not isinstance(f, str) for f in _as_list(reward_funcs))):
+        raise UserError("rlhfkit.train('eval', ...) takes names (model, reward_funcs as 'module:function' or "
+                        "directories), not objects or callbacks")
+    if model is not None and not isinstance(model, str) and (data.get("model") or {}).get("num_layers") is not None:
+        raise UserError("config key 'model.num_layers' cuts a model while loading it; a model object is already "
+                        "loaded: cut it before passing it, or pass its name")
+    cfg = build_stage_config(stage, data)
+    objects = Objects(model=None if isinstance(model, str) else model, tokenizer=tokenizer,
+                      reward_funcs=tuple(_as_list(reward_funcs)),
+                      reward_weights=tuple(reward_weights) if reward_weights is not None else None,
+                      callbacks=tuple(callbacks or ()))
+    trainer = trainer_of(stage, cfg, objects if stage != "eval" else None)
+    metrics = trainer.fit()
+    trained = trainer.run.unwrap(trainer.model) if hasattr(trainer, "model") else None
+    return TrainResult(metrics=metrics, output_dir=cfg.output_dir, model=trained)
+
+
+# The config's origins ------------------------------------------------------------------------------------------
+
+
+def _config_dict(stage: str, config: Any) -> dict:
+    """`config` (None, a YAML path, a dict or a config object of the stage) as a plain nested dict, unvalidated: the
+    stage's validation runs once, on the merged result."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        return read_yaml(os.fspath(config))
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        expected = STAGES[stage][0].rpartition(":")[2]
+        if type(config).__name__ != expected:
+            raise UserError(f"config: `rlhfkit {stage}` takes a {expected}, got a {type(config).__name__}")
+        return dataclasses.asdict(config)
+    raise UserError(f"config: expected a YAML path, a dict or a config object, got {type(config).__name__}")
+
+
+def _override_list(overrides: dict | list[str] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]  # JSON is YAML: lists, null, numbers survive
+    return list(overrides)
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
+# The arguments as config keys ----------------------------------------------------------------------------------
+
+
+def _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config, output_dir) -> dict:
+    data: dict = {}
+    if model is not None:
+        data["model"] = {"name_or_path": model if isinstance(model, str) else _model_name(model)}
+        if not isinstance(model, str):
+            data["model"]["gguf_file"] = None
+    if train_dataset is not None:
+        data.setdefault("data", {})["train"] = _dataset_path(train_dataset, "train_dataset")
+    if eval_dataset is not None:
+        data.setdefault("data", {})["eval"] = _dataset_path(eval_dataset, "eval_dataset")
+    if reward_funcs is not None:
+        data["reward"] = _reward_keys(_as_list(reward_funcs), reward_weights)
+    elif reward_weights is not None:
+        raise UserError("reward_weights: give reward_funcs too (one weight per reward source)")
+    if peft_config is not None:
+        data.setdefault("model", {})["lora"] = _lora_keys(peft_config, model)
+    if output_dir is not None:
+        data["output_dir"] = os.fspath(output_dir)
+    return data
+
+
+def _model_name(model) -> str:
+    """What config.yaml records for a model object: the name or directory it was loaded from."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return name or type(model).__name__
+
+
+def _reward_keys(sources: list, weights: list[float] | None) -> dict:
+    """`reward.*` naming the sources (reward models first, then functions, each its own source: TRL's semantics) with
+    the weights in that order; the run itself takes the sources in the caller's order (`Objects.reward_funcs`)."""
+    if weights is not None and len(weights) != len(sources):
+        raise UserError(f"reward_weights: {len(weights)} weights for {len(sources)} reward_funcs: give one per source")
+    models, functions, model_weights, function_weights = [], [], [], []
+    for i, source in enumerate(sources):
+        target = source[0] if isinstance(source, tuple) else source
+        weight = weights[i] if weights is not None else 1.0
+        if isinstance(target, str) and ":" not in target:
+            models.append(target), model_weights.append(weight)
+        elif isinstance(target, str):
+            functions.append(target), function_weights.append(weight)
+        elif callable(target) and not hasattr(target, "get_input_embeddings"):
+            functions.append(f"{getattr(target, '__module__', None) or 'python'}:"
+                             f"{getattr(target, '__qualname__', None) or type(target).__name__}")
+            function_weights.append(weight)
+        elif hasattr(target, "get_input_embeddings"):
+            models.append(_model_name(target)), model_weights.append(weight)
+        else:
+            raise UserError(f"reward_funcs[{i}]: expected a function, 'module:function', a reward-model directory or a "
+                            f"model object, got {type(target).__name__}")
+    return {"model": models, "function": functions or None, "ensemble": "none",
+            "weights": model_weights + function_weights if weights is not None else None}
+
+
+def _lora_keys(peft_config, model) -> dict:
+    """`model.lora` from a peft LoraConfig; a field rlhfkit cannot honour is refused, never dropped."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise UserError(f"peft_config: rlhfkit trains LoRA adapters: expected a peft LoraConfig, got {type(peft_config).__name__}")
+    default = LoraConfig()
+    unsupported = sorted(f.name for f in dataclasses.fields(LoraConfig)
+                         if f.name not in _LORA_FIELDS and f.name not in _LORA_IGNORED
+                         and getattr(peft_config, f.name) != getattr(default, f.name))
+    if unsupported:
+        raise UserError(f"peft_config: {', '.join(unsupported)} set but not supported by rlhfkit's LoRA (it maps r, "
+                        "lora_alpha, lora_dropout and target_modules); leave them at peft's defaults")
+    targets = peft_config.target_modules
+    if targets is None:
+        raise UserError("peft_config.target_modules: name the modules to adapt (e.g. 'all-linear', or ['q_proj', 'v_proj'])")
+    return {"enabled": True, "r": peft_config.r, "alpha": peft_config.lora_alpha, "dropout": peft_config.lora_dropout,
+            "target_modules": targets if isinstance(targets, str) else sorted(targets)}
+
+
+def _dataset_path(dataset, what: str) -> str:
+    """A file or hub name as is; a Dataset, IterableDataset or list of dicts written once as JSON lines into the cache
+    (named by its content), so the run reads it like any file and config.yaml names it."""
+    if isinstance(dataset, (str, os.PathLike)):
+        return os.fspath(dataset)
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        raise UserError(f"{what}: a DatasetDict holds several splits: pass one, e.g. dataset['train']")
+    if isinstance(dataset, datasets.Dataset):
+        name, write = dataset._fingerprint, lambda path: dataset.to_json(path, lines=True, force_ascii=False)
+    elif isinstance(dataset, (datasets.IterableDataset, list, tuple)):
+        rows = list(dataset) if isinstance(dataset, (list, tuple)) else list(itertools.islice(dataset, None))
+        if any(not isinstance(r, dict) for r in rows):
+            raise UserError(f"{what}: expected records (dicts), got a {type(next(r for r in rows if not isinstance(r, dict))).__name__}")
+        text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
+        name = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        write = lambda path: atomic_write_text(path, text)  # noqa: E731
+    else:
+        raise UserError(f"{what}: expected a datasets.Dataset, an IterableDataset, a list of dicts, a file or a hub "
+                        f"name, got {type(dataset).__name__}")
+    path = os.path.join(cache_dir(), "datasets", f"{name}.jsonl")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        write(tmp)
+        os.replace(tmp, path)
+    return path
