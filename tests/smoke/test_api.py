@@ -127,3 +127,82 @@ def test_grpo_with_two_trl_reward_functions_and_weights(tmp_path):
     assert last["objective/scores"] == pytest.approx(0.5 * last["rewards/format_reward/mean"] + last["rewards/vowels/mean"],
                                                      rel=1e-5)
     assert result.metrics["objective/scores"] == pytest.approx(last["objective/scores"])
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api") / "rm"
+    rlhfkit.train("rm", model="tiny", train_dataset="data/tiny/pref_train.jsonl", config="configs/rm_tiny.yaml",
+                  overrides={"max_steps": 2, "data.eval": None, "logging.progress_bar": False}, output_dir=str(out))
+    return str(out)
+
+
+GRPO = {"max_steps": 2, "logging.progress_bar": False}
+
+
+def test_a_reward_model_object_scores_as_its_directory(tmp_path, rm_dir):
+    """A sequence-classification model object among reward_funcs gives the scores its directory gives."""
+    from transformers import AutoModelForSequenceClassification
+
+    by_dir = rlhfkit.train("grpo", model="tiny", reward_funcs=[rm_dir, vowels], reward_weights=[1.0, 0.5],
+                           config="configs/grpo_tiny.yaml", overrides=GRPO, output_dir=str(tmp_path / "dir"))
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir)
+    by_object = rlhfkit.train("grpo", model="tiny", reward_funcs=[rm, vowels], reward_weights=[1.0, 0.5],
+                              config="configs/grpo_tiny.yaml", overrides=GRPO, output_dir=str(tmp_path / "obj"))
+    a, b = rows(tmp_path / "dir" / "metrics.jsonl"), rows(tmp_path / "obj" / "metrics.jsonl")
+    assert [r["rewards/rm/mean"] for r in a] == pytest.approx([r["rewards/rm/mean"] for r in b], rel=1e-5)
+    assert [r["objective/scores"] for r in a] == pytest.approx([r["objective/scores"] for r in b], rel=1e-5)
+    assert by_dir.metrics["objective/scores"] == pytest.approx(by_object.metrics["objective/scores"], rel=1e-5)
+
+
+def test_ppo_from_a_model_object_with_a_reward_model(tmp_path, rm_dir):
+    """Full fine-tuning PPO from a model object: the reference is a frozen copy (KL 0 before the first update, not
+    after), the critic starts from the reward model's directory."""
+    model, tokenizer = tiny_model_and_tokenizer()
+    result = rlhfkit.train("ppo", model=model, tokenizer=tokenizer, reward_funcs=rm_dir, config="configs/ppo_tiny.yaml",
+                           overrides={"max_steps": 3, "logging.progress_bar": False, "reward.function": None},
+                           output_dir=str(tmp_path / "ppo"))
+    history = rows(tmp_path / "ppo" / "metrics.jsonl")
+    assert history[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert history[-1]["objective/kl"] != pytest.approx(0.0, abs=1e-6)
+    assert "rewards/rm/mean" in history[-1] and result.model is model
+    assert (tmp_path / "ppo" / "model.safetensors").exists()
+
+
+def test_dpo_full_and_lora_from_a_model_object(tmp_path):
+    """DPO from an object: without LoRA the reference is a frozen copy taken before training (the implicit rewards
+    move away from 0), with LoRA the base with its adapters disabled."""
+    overrides = {"max_steps": 3, "logging.progress_bar": False, "data.eval": None, "logging.logging_steps": 1}
+    model, tokenizer = tiny_model_and_tokenizer()
+    rlhfkit.train("dpo", model=model, tokenizer=tokenizer, train_dataset="data/tiny/pref_train.jsonl",
+                  config="configs/dpo_tiny.yaml", overrides=overrides, output_dir=str(tmp_path / "full"))
+    history = rows(tmp_path / "full" / "metrics.jsonl")
+    assert history[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert history[-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)
+    from peft import LoraConfig
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    result = rlhfkit.train("dpo", model=model, tokenizer=tokenizer, train_dataset="data/tiny/pref_train.jsonl",
+                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                           config="configs/dpo_tiny.yaml", overrides=overrides, output_dir=str(tmp_path / "lora"))
+    history = rows(tmp_path / "lora" / "metrics.jsonl")
+    assert history[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert history[-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)
+    assert type(result.model).__name__ == "PeftModelForCausalLM"
+
+
+def test_iterable_and_dict_datasets(tmp_path):
+    records = rows("data/tiny/sft_train.jsonl")[:16]
+    stream = datasets.IterableDataset.from_generator(lambda: iter(records))
+    rlhfkit.train("sft", model="tiny", train_dataset=stream, config={"max_steps": 1, "logging": {"progress_bar": False}},
+                  output_dir=str(tmp_path / "stream"))
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "stream" / "config.yaml").read_text())["data"]["train"]
+    assert rows(saved) == records  # the stream, written once where config.yaml says
+    with pytest.raises(UserError, match="DatasetDict"):
+        rlhfkit.train("sft", model="tiny", train_dataset=datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}),
+                      output_dir=str(tmp_path / "dd"))
+    with pytest.raises(UserError, match="reward_weights"):
+        rlhfkit.train("grpo", model="tiny", reward_funcs=[vowels], reward_weights=[1.0, 2.0],
+                      config="configs/grpo_tiny.yaml", output_dir=str(tmp_path / "w"))
