@@ -154,9 +154,9 @@ class OfflineTrainer:
         self.optim = self.run.make_optim(optimizer, scheduler, [self.model])
 
     def use_padding_free_attention(self, model) -> None:
-        """data.padding_free: attention per sequence of a row (`models.use_padding_free_attention`), or a note that it
+        """data.padding_free: attention per sequence of a row (`attention.use_padding_free_attention`), or a note that it
         is one masked (N, N) product over the whole row."""
-        from rlhfkit.models import PADDING_FREE_ATTENTION, use_padding_free_attention
+        from rlhfkit.attention import PADDING_FREE_ATTENTION, use_padding_free_attention
 
         attention = use_padding_free_attention(model)
         if attention != PADDING_FREE_ATTENTION and not attention.startswith("flash"):

@@ -9,8 +9,8 @@ import torch
 
 from rlhfkit.config import DPOConfig, ORPOConfig, RMConfig, SFTConfig, load_config
 from rlhfkit.data import collate_sft, collate_sft_padding_free, pack_sft
-from rlhfkit.models import (PADDING_FREE_ATTENTION, load_causal_lm, scored_logits, sequence_logprobs,
-                            use_padding_free_attention)
+from rlhfkit.attention import PADDING_FREE_ATTENTION, use_padding_free_attention
+from rlhfkit.models import load_causal_lm, scored_logits, sequence_logprobs
 from rlhfkit.rewards import POOLING_ATTR, sequence_scores, sequence_scores_padding_free
 from rlhfkit.trainers.preference import PreferenceTrainer, concat_pairs, pair_logprobs
 from rlhfkit.trainers.reward import RewardTrainer

@@ -44,6 +44,7 @@ LAYERS = [
     "rlhfkit.checkpoint",  # the on-disk checkpoint: save, find, validate, load, RNG state
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
+    "rlhfkit.attention",  # padding-free attention, registered with transformers' attention interface
     "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
     "rlhfkit.data.formats",
     "rlhfkit.data.render",
