@@ -365,11 +365,13 @@ class Rewards:
     model loads.
     """
 
-    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy"):
+    def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy",
+                 dtype: str = "float32"):
+        """`dtype`: the dtype the reward models load in (a run's `frozen_dtype`: its mixed precision)."""
         self.tokenizer = tokenizer
         functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
         self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
-        models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size)
+        models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size, dtype)
                   for path in as_list(cfg.model)]
         for source in models:
             source.scorer.model = place_frozen(source.scorer.model, device)  # ZeRO-3: a sharded inference engine

@@ -46,14 +46,21 @@ def stage_config(stage: str, config: str | None = None, overrides: list[str] | t
     return cfg
 
 
-def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
+def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = (),
+              callbacks: list | tuple = ()) -> dict[str, float]:
     """Run `rlhfkit <stage>` in this process: fit its trainer (or evaluator) and return its last metrics.
 
     `config` is a config object already built (then without `overrides`), or a YAML path (None: the defaults) to which
-    `overrides` are applied, as on the command line.
+    `overrides` are applied, as on the command line. `callbacks`: transformers `TrainerCallback`s (instances or
+    classes) the training stages call at their events (`rlhfkit.trainers.callbacks`); `eval` trains nothing and
+    refuses them.
     """
     if config is None or isinstance(config, str):
         config = stage_config(stage, config, overrides)
     elif overrides:
         raise ValueError("overrides apply to a YAML config, not to a config object")
-    return _load(STAGES[stage][1])(config).fit()
+    if stage == "eval":
+        if callbacks:
+            raise UserError("callbacks: `eval` trains nothing, so it calls no TrainerCallback; pass none")
+        return _load(STAGES[stage][1])(config).fit()
+    return _load(STAGES[stage][1])(config, callbacks=callbacks).fit()

@@ -56,7 +56,8 @@ class KTOTrainer(OfflineTrainer):
     def load_model(self, tokenizer):
         policy = load_causal_lm(self.cfg.model, tokenizer)
         with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
-            self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+            self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
+                                       self.run.frozen_dtype)
         return policy
 
     def setup(self) -> None:

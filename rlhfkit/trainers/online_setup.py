@@ -32,9 +32,10 @@ TABLE = [("Step", "step"), ("Reward", "objective/scores"), ("KL", "objective/kl"
 class OnlineModels:
     cfg: OnlineConfig
 
-    def __init__(self, cfg: OnlineConfig):
+    def __init__(self, cfg: OnlineConfig, callbacks=()):
+        """`callbacks`: transformers `TrainerCallback`s, called at the run's events (`Run`)."""
         self.cfg = cfg
-        self.run = Run(cfg, cfg.algo.algorithm)  # the lock taken and output_dir checked, before anything loads
+        self.run = Run(cfg, cfg.algo.algorithm, callbacks)  # the lock taken and output_dir checked, before anything loads
 
     def setup(self) -> None:
         """Tokenizer, the policy's structure checked from its config, prompts; accelerate, models; resume."""
@@ -71,9 +72,10 @@ class OnlineModels:
         self.one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
         policy = load_causal_lm(cfg.model, self.tokenizer)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
-        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device) if self.algo.needs_reference else None
+        frozen = self.run.frozen_dtype
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, frozen) if self.algo.needs_reference else None
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
-                              policy_name=cfg.model.name_or_path)
+                              policy_name=cfg.model.name_or_path, dtype=frozen)
         value = self.load_critic(policy) if self.algo.needs_value else None
         self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base
         if a.disable_dropout:
@@ -181,7 +183,7 @@ class OnlineModels:
                     logger.warning("alarm %s at step %d: %s", alarm.name, done, alarm.message)
         if exp is not None and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
             run.log_samples(done, self.sample_rows(exp, kl))
-        if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
+        if run.checkpoint_due(done, self.total_steps):
             if bad:  # the weights may be what made this step bad: keep the last good checkpoint as the newest
                 logger.warning("step %d: no checkpoint after a skipped step", done)
             elif not self.policy_is_finite(exp):

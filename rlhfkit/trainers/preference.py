@@ -63,8 +63,8 @@ class PreferenceTrainer(OfflineTrainer):
     kind = "preference"
     cfg: DPOConfig | ORPOConfig
 
-    def __init__(self, cfg: DPOConfig | ORPOConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DPOConfig | ORPOConfig, callbacks=()):
+        super().__init__(cfg, callbacks)
         self.method = "orpo" if isinstance(cfg.algo, ORPOOptions) else cfg.algo.loss_type
         self.reference: Reference | None = None
 
@@ -72,7 +72,8 @@ class PreferenceTrainer(OfflineTrainer):
         policy = load_causal_lm(self.cfg.model, tokenizer)
         if self.method not in REFERENCE_FREE:
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
-                self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device)
+                self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
+                                           self.run.frozen_dtype)
             if self.cfg.data.padding_free and self.reference.model is not None:  # a second model: the same attention
                 self.use_padding_free_attention(self.reference.model)
         return policy
