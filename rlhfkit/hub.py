@@ -197,6 +197,28 @@ def checkpoint_path_in_repo(hub_strategy: str, checkpoint_dir: str) -> str | Non
     return None
 
 
+HUB_API_ENV = "RLHFKIT_HUB_API"
+
+
+def hub_api():
+    """The client a run's push goes through: huggingface_hub's `HfApi`, or the stand-in that the environment variable
+    RLHFKIT_HUB_API names as "module:callable" (called with no argument, it returns an object with HfApi's
+    `create_repo` and `upload_folder`): the seam for tests without network and for mirrors that speak HfApi."""
+    ref = os.environ.get(HUB_API_ENV)
+    if not ref:
+        from huggingface_hub import HfApi
+
+        return HfApi()
+    import importlib
+
+    module, _, name = ref.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UserError(f"environment variable {HUB_API_ENV}={ref!r}: expected 'module:callable' ({exc})") from exc
+    return factory()
+
+
 def push_folder(folder: str, repo_id: str, *, path_in_repo: str | None = None, commit_message: str, api=None,
                 ignore_patterns: list[str] | None = None, delete_patterns: list[str] | None = None) -> None:
     """Upload `folder` to the model repo `repo_id` (created if absent) through `huggingface_hub.HfApi`, or `api`: any
@@ -223,3 +245,22 @@ def push_checkpoint(checkpoint_dir: str, repo_id: str, hub_strategy: str, *, api
         push_folder(checkpoint_dir, repo_id, path_in_repo=path, api=api,
                     commit_message=f"rlhfkit: {os.path.basename(os.path.normpath(checkpoint_dir))}",
                     delete_patterns=["*"] if path == "last-checkpoint" else None)
+
+
+# 3. A run's outputs --------------------------------------------------------------------------------------------
+
+
+def publish(cfg: Any, stage: str, metrics: dict[str, float]) -> None:
+    """The end of a run (main process): the model card of the final model in `cfg.output_dir`, then, with
+    `logging.push_to_hub`, the push of that directory (through `hub_api`)."""
+    import dataclasses
+
+    write_model_card(cfg.output_dir, stage, dataclasses.asdict(cfg), metrics)
+    if cfg.logging.push_to_hub:
+        push_final_model(cfg.output_dir, cfg.logging.hub_model_id, api=hub_api())
+
+
+def publish_checkpoint(cfg: Any, checkpoint_dir: str) -> None:
+    """A checkpoint is complete (main process): pushed as `logging.hub_strategy` says, when `logging.push_to_hub`."""
+    if cfg.logging.push_to_hub:
+        push_checkpoint(checkpoint_dir, cfg.logging.hub_model_id, cfg.logging.hub_strategy, api=hub_api())

@@ -33,6 +33,7 @@ from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_dir
 from rlhfkit.model_sources import from_pretrained, resolve_model_path
+from rlhfkit.precision import check_attn_implementation
 from rlhfkit.sharding import place_frozen
 
 logger = logging.getLogger("rlhfkit")
@@ -136,7 +137,10 @@ def _keep_cpu_layout(model) -> None:
 
 
 def _load_kwargs(cfg: ModelConfig, path: str) -> dict:
+    check_attn_implementation(cfg.attn_implementation)  # every load path, `rlhfkit eval`'s too
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=_DTYPES[cfg.dtype])
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.num_layers is not None:
         config = from_pretrained(AutoConfig, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         have = getattr(config, "num_hidden_layers", None)
@@ -405,17 +409,22 @@ class Reference:
     """π_ref, frozen: a second model loaded with `trainable=False`, or — LoRA with no `ref_model` — the policy's own
     base with its adapters disabled, so the reference costs no memory beyond activations."""
 
-    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device, copy_of=None):
-        """`copy_of`: the policy's model object given from Python, before training: with no `ref_model` and no LoRA
-        the reference is a frozen copy of it (its name may not be loadable)."""
+    def __init__(self, cfg: ModelConfig, ref_model: str | None, policy, tokenizer, device, dtype: str | None = None,
+                 copy_of=None):
+        """`dtype`: the dtype a second model loads in (the run's `frozen_dtype`); None: `cfg.dtype`. `copy_of`: the
+        policy's model object given from Python, before training: with no `ref_model` and no LoRA the reference is a
+        frozen copy of it (its name may not be loadable)."""
         self.shared = ref_model is None and cfg.lora.enabled
         self.model = None
         if self.shared:
             return
         if ref_model is None and copy_of is not None:
             self.model = _prepare(copy.deepcopy(unwrap_peft(copy_of)), cfg, tokenizer, False, "CAUSAL_LM")
+            if dtype is not None:
+                self.model.to(_DTYPES[dtype] if dtype != "auto" else next(copy_of.parameters()).dtype)
         else:
             ref_cfg = cfg if ref_model is None else dataclasses.replace(cfg, name_or_path=ref_model, gguf_file=None)
+            ref_cfg = dataclasses.replace(ref_cfg, dtype=dtype or cfg.dtype)
             self.model = load_causal_lm(ref_cfg, tokenizer, trainable=False)
         vocab = self.model.get_input_embeddings().num_embeddings
         if vocab != policy.get_input_embeddings().num_embeddings:

@@ -351,7 +351,7 @@ def _reward_function(entry, key: str) -> RewardFunction:
     return load_reward_function(entry, key)
 
 
-def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None):
+def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None, dtype: str = "float32"):
     """One of the Python API's `reward_funcs` as a source (see `Rewards`)."""
     key = f"reward_funcs[{i}]"
     model, tokenizer = entry if isinstance(entry, tuple) else (entry, None)
@@ -365,7 +365,7 @@ def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size:
         name = os.path.basename(os.path.normpath(getattr(model, "name_or_path", "") or "")) or f"reward_model_{i}"
         return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
     if isinstance(model, str) and ":" not in model:
-        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size)
+        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype)
     return _reward_function(model, key)
 
 
@@ -385,18 +385,20 @@ class Rewards:
     """
 
     def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy",
-                 given: Sequence = (), given_weights: Sequence[float] | None = None):
-        """`given` (the Python API's `reward_funcs`): the sources in the caller's order, each a callable, a
-        "module:function" name, a reward-model directory, a sequence-classification model object, or a (model object,
-        its tokenizer) pair; they replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each)."""
+                 dtype: str = "float32", given: Sequence = (), given_weights: Sequence[float] | None = None):
+        """`dtype`: the dtype the reward models load in (a run's `frozen_dtype`: its mixed precision). `given` (the
+        Python API's `reward_funcs`): the sources in the caller's order, each a callable, a "module:function" name, a
+        reward-model directory, a sequence-classification model object, or a (model object, its tokenizer) pair; they
+        replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each)."""
         self.tokenizer = tokenizer
         self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
         if given:
-            self.sources = [_given_source(entry, i, tokenizer, policy_name, batch_size) for i, entry in enumerate(given)]
+            self.sources = [_given_source(entry, i, tokenizer, policy_name, batch_size, dtype)
+                            for i, entry in enumerate(given)]
             models = [s for s in self.sources if isinstance(s, RewardModelSource)]
         else:
             functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
-            models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size)
+            models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size, dtype)
                       for path in as_list(cfg.model)]
             self.sources = ([EnsembleSource(models, cfg.ensemble)] if len(models) > 1 and cfg.ensemble != "none"
                             else models) + functions

@@ -61,17 +61,24 @@ def build_stage_config(stage: str, data: dict) -> Any:
 
 def trainer_of(stage: str, cfg: Any, objects=None):
     """The trainer (or evaluator) of `rlhfkit <stage>` for a validated `cfg`; `objects` (`rlhfkit.objects.Objects`)
-    hold what the Python API was given instead of names."""
+    hold what the Python API was given instead of names, its callbacks included. `eval` trains nothing: it takes no
+    objects and calls no TrainerCallback."""
     cls = _load(STAGES[stage][1])
-    return cls(cfg, objects) if objects is not None else cls(cfg)
+    if stage == "eval":
+        if objects is not None and objects.callbacks:
+            raise UserError("callbacks: `eval` trains nothing, so it calls no TrainerCallback; pass none")
+        return cls(cfg)
+    return cls(cfg, objects)
 
 
-def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
+def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = (),
+              callbacks: list | tuple = ()) -> dict[str, float]:
     """Run `rlhfkit <stage>` in this process: fit its trainer (or evaluator) and return its last metrics.
 
     `config` is a YAML path (None: the defaults) to which `overrides` are applied, as on the command line, or a config
-    object, validated again as if it had been read from YAML (then without `overrides`). `rlhfkit.train` takes objects
-    and dicts too.
+    object, validated again as if it had been read from YAML (then without `overrides`). `callbacks`: transformers
+    `TrainerCallback`s (instances or classes) the training stages call at their events (`rlhfkit.trainers.callbacks`).
+    `rlhfkit.train` takes objects and dicts too.
     """
     if config is None or isinstance(config, str):
         config = stage_config(stage, config, overrides)
@@ -81,4 +88,6 @@ def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, 
         import dataclasses
 
         config = build_stage_config(stage, dataclasses.asdict(config))
-    return trainer_of(stage, config).fit()
+    from rlhfkit.objects import Objects
+
+    return trainer_of(stage, config, Objects(callbacks=tuple(callbacks))).fit()

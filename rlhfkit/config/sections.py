@@ -73,6 +73,9 @@ class ModelConfig:
     # Keep only the first N transformer layers (None = all): a smaller, faster model from the bottom of a larger
     # one, e.g. a reward or value model initialised from the SFT model at a fraction of its cost.
     num_layers: PosInt | None = None
+    # transformers' attention kernel (None: its default, sdpa where the model supports it); flash_attention_2 needs
+    # the flash-attn package and a CUDA GPU, and is refused before any model loads where it cannot run.
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # QLoRA: a 4-bit base
 
@@ -145,9 +148,23 @@ class LoggingConfig:
     eval_steps: NonNegInt = 0  # evaluate every N steps (0 = only at the end of training)
     save_steps: NonNegInt = 0  # write a resumable checkpoint every N steps (0 = none before the final save)
     save_total_limit: PosInt = 2  # keep the N newest checkpoints
-    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)  # extra metric sinks
+    # Trackers beside metrics.jsonl, each an optional extra (`pip install 'rlhfkit[wandb]'`): every logged metric,
+    # the sampled completions (online stages, rft) as a table or text, the resolved config as the run's config.
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = field(default_factory=list)
     progress_bar: bool = True  # tqdm bar with the live loss
-    run_name: str | None = None  # name shown in TensorBoard/W&B (default: output_dir's name)
+    run_name: str | None = None  # the run's name in TensorBoard, W&B and trackio (default: output_dir's name)
+    # The W&B and trackio project the run goes in; None: W&B's own choice (WANDB_PROJECT, else its default), and
+    # "rlhfkit" for trackio.
+    project: str | None = None
+    push_to_hub: bool = False  # upload the final model (with its model card) to the hub repo `hub_model_id`
+    hub_model_id: str | None = None  # the model repo to push to, "user/name" (created if absent)
+    # Which checkpoints are pushed too, under transformers' names: "end" none, "checkpoint" the latest in
+    # last-checkpoint/, "all_checkpoints" each in its own checkpoint-N/.
+    hub_strategy: Literal["end", "checkpoint", "all_checkpoints"] = "end"
+
+    def check(self):
+        if self.push_to_hub and not self.hub_model_id:
+            yield "hub_model_id", "is required with logging.push_to_hub=true (the repo to push to, 'user/name')"
 
 
 @dataclass(frozen=True)
@@ -228,7 +245,9 @@ class TrainConfig:
     seed: Seed = 42  # seeds data order, initialisation of new heads, dropout and sampling
     max_steps: int = -1  # optimizer steps; -1 = run `num_epochs` over the training set
     num_epochs: Positive = 1.0  # passes over the training set when max_steps is -1
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast through accelerate
+    # Autocast through accelerate. "auto": bf16 on an accelerator that computes in bf16 natively, none on a CPU (the
+    # start line says which); frozen models (reference, reward models) load in the chosen precision.
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     resume: bool = False  # continue from the newest checkpoint in output_dir
     overwrite: bool = False  # allow writing into an output_dir that holds another run
     # A non-finite loss or gradient (online RL: also reward or log-prob) skips the update and is counted

@@ -57,7 +57,7 @@ class KTOTrainer(OfflineTrainer):
         policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
         with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
             self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
-                                           copy_of=self.objects.model)
+                                           self.run.frozen_dtype, copy_of=self.objects.model)
         return policy
 
     def setup(self) -> None:

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -79,8 +79,10 @@ class OfflineTrainer:
     kind: str = ""  # data kind for rlhfkit.data.build_datasets
 
     def __init__(self, cfg: TrainConfig, objects: Objects | None = None):
-        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
-        self.run = Run(cfg, f"{self.kind} training")  # the lock taken and output_dir checked, before anything loads
+        """`objects`: what the Python API was given (`rlhfkit.train`): model, tokenizer, TrainerCallbacks."""
+        self.cfg, self.objects = cfg, objects or Objects()
+        # The lock taken and output_dir checked, before anything loads; the callbacks called at the run's events.
+        self.run = Run(cfg, f"{self.kind} training", self.objects.callbacks)
 
     # -- to implement -------------------------------------------------------------------------------------------
     def load_model(self, tokenizer) -> torch.nn.Module:
@@ -218,14 +220,16 @@ class OfflineTrainer:
                     self.window = []
                 if self.eval_set and ((log.eval_steps and done % log.eval_steps == 0) or done == self.total_steps):
                     last.update(self.evaluate_and_log(done))
-                if log.save_steps and done % log.save_steps == 0 and done < self.total_steps:
+                if run.checkpoint_due(done, self.total_steps):
                     self.checkpoint(done)
+                if run.stopping:
+                    break
             run.finish(self.model, self.run.unwrap(self.model), self.tokenizer)
             return last
 
     def evaluate_and_log(self, done: int) -> dict[str, float]:
         ev = self.evaluate()
-        self.run.log(done, ev)
+        self.run.evaluated(done, ev)
         self.run.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in ev.items()))
         return ev
 

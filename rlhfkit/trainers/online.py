@@ -255,6 +255,8 @@ class OnlineTrainer(OnlineModels):
                              **{"faults/skipped_total": self.optim.bad_steps, "time/rollout_s": t1 - t0,
                                 "time/update_s": time.perf_counter() - t1})
                 self.end_step(step + 1, made.experience, stats, update.fault is not None, seq_kl)
+                if run.stopping:  # a callback stopped the run (end_step wrote its checkpoint)
+                    break
             run.finish(self.model, run.unwrap(self.model), self.tokenizer)
             return self.last
 

@@ -34,8 +34,10 @@ class OnlineModels:
     cfg: OnlineConfig
 
     def __init__(self, cfg: OnlineConfig, objects: Objects | None = None):
-        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
-        self.run = Run(cfg, cfg.algo.algorithm)  # the lock taken and output_dir checked, before anything loads
+        """`objects`: what the Python API was given (`rlhfkit.train`): model, tokenizer, reward sources, callbacks."""
+        self.cfg, self.objects = cfg, objects or Objects()
+        # The lock taken and output_dir checked, before anything loads; the callbacks called at the run's events.
+        self.run = Run(cfg, cfg.algo.algorithm, self.objects.callbacks)
 
     def setup(self) -> None:
         """Tokenizer, the policy's structure checked from its config, prompts; accelerate, models; resume."""
@@ -72,10 +74,11 @@ class OnlineModels:
         self.one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
         policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
-        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, copy_of=self.objects.model) \
+        frozen = self.run.frozen_dtype
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, frozen, copy_of=self.objects.model) \
             if self.algo.needs_reference else None
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
-                              policy_name=cfg.model.name_or_path, given=self.objects.reward_funcs,
+                              policy_name=cfg.model.name_or_path, dtype=frozen, given=self.objects.reward_funcs,
                               given_weights=self.objects.reward_weights)
         value = self.load_critic(policy) if self.algo.needs_value else None
         self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base
@@ -186,7 +189,7 @@ class OnlineModels:
                     logger.warning("alarm %s at step %d: %s", alarm.name, done, alarm.message)
         if exp is not None and (done % a.sample_log_steps == 0 or done == 1 or done == self.total_steps):
             run.log_samples(done, self.sample_rows(exp, kl))
-        if cfg.logging.save_steps and done % cfg.logging.save_steps == 0 and done < self.total_steps:
+        if run.checkpoint_due(done, self.total_steps):
             if bad:  # the weights may be what made this step bad: keep the last good checkpoint as the newest
                 logger.warning("step %d: no checkpoint after a skipped step", done)
             elif not self.policy_is_finite(exp):

@@ -74,7 +74,7 @@ class PreferenceTrainer(OfflineTrainer):
         if self.method not in REFERENCE_FREE:
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
                 self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
-                                           copy_of=self.objects.model)
+                                           self.run.frozen_dtype, copy_of=self.objects.model)
             if self.cfg.data.padding_free and self.reference.model is not None:  # a second model: the same attention
                 self.use_padding_free_attention(self.reference.model)
         return policy

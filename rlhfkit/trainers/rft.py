@@ -66,8 +66,12 @@ class RFTTrainer:
     cfg: RFTConfig
 
     def __init__(self, cfg: RFTConfig, objects: Objects | None = None):
-        self.cfg, self.objects = cfg, objects or Objects()  # objects given from Python (`rlhfkit.train`)
-        self.run = Run(cfg, "rft")  # the lock taken and output_dir checked, before anything loads
+        """`objects`: what the Python API was given (`rlhfkit.train`): model, tokenizer, reward sources and
+        TrainerCallbacks. A callback's stop ends the run after the current SFT step and its checkpoint request is met
+        at the end of the iteration: an RFT checkpoint resumes with the next iteration's sampling."""
+        self.cfg, self.objects = cfg, objects or Objects()
+        self.run = Run(cfg, "rft", self.objects.callbacks)  # the lock taken and output_dir checked, before anything loads
+        self.save_asked = False  # a callback asked for a checkpoint during this iteration's SFT
 
     def collate(self, examples) -> SFTBatch:
         return collate_sft(examples, self.tokenizer.pad_token_id)
@@ -203,6 +207,7 @@ class RFTTrainer:
         sums[4] = len(kept)
         sums = acc.reduce(sums, reduction="sum")
         kept = [e for _, e in sorted(gather_object(kept), key=lambda be: be[0])]  # batch order (a stable sort)
+        self.samples = [{"iteration": iteration + 1, **{k: e[k] for k in ("prompt", "completion", "score")}} for e in kept[:4]]
         if acc.is_main_process:
             rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
             atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
@@ -225,6 +230,7 @@ class RFTTrainer:
                 # 1-3. Sample n per prompt, keep the best.
                 self.train_set, stats = self.best_of_n(iteration)
                 run.log(step, stats)
+                run.log_samples(step, self.samples)
                 last.update(stats)
                 run.write(f"iteration {iteration + 1}: " + ", ".join(
                     f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration"))
@@ -233,9 +239,12 @@ class RFTTrainer:
                                    "on", iteration + 1, cfg.algo.min_score)
                     continue
                 step = self.fine_tune(iteration, step, last)
-                if cfg.logging.save_steps and iteration + 1 < cfg.algo.iterations:
+                if (cfg.logging.save_steps or self.save_asked) and iteration + 1 < cfg.algo.iterations:
                     # resuming continues with the next iteration's sampling
                     run.save_checkpoint(step, [self.model], self.save_models, self.optim, {"iteration": iteration + 1})
+                self.save_asked = False
+                if run.stopping:
+                    break
             run.finish(self.model, run.unwrap(self.model), self.tokenizer)
             return last
 
@@ -253,4 +262,7 @@ class RFTTrainer:
                 self.run.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,
                                     "elapsed_s": time.time() - t0})
                 window = []
+            self.save_asked |= self.run.checkpoint_due(step, self.total_steps)
+            if self.run.stopping:
+                break
         return step

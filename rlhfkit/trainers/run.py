@@ -1,47 +1,53 @@
 """A training run's services, used the same way by every loop: `with Run(cfg, name) as run:`.
 
-The run owns the output_dir lock and its `RunDir`, accelerate's `Accelerator`, the metric sinks, the one progress
-bar, the failure guard (leaving the context on an exception puts back a run that overwrite=true moved aside, or
-removes what a run started in an empty directory wrote before its first step) and `finish` (the final model,
-the sinks closed, dashboard and report). Its methods `begin`, `step_end`, `log`, `log_samples`, `evaluated`,
-`saved` and `end` are the one place where each event of a run happens.
+The run owns the output_dir lock and its `RunDir` (with the failure guard), accelerate's `Accelerator`, the metric
+sinks, the one progress bar and `finish`. Its methods `begin`, `step_end`, `log`, `log_samples`, `evaluated`, `saved`
+and `finish` are the one place where each event of a run happens: each feeds the sinks (metrics.jsonl and the
+trackers of `logging.report_to`, main process only) and the transformers `TrainerCallback`s the run was given
+(`rlhfkit.trainers.callbacks`, every process), which may stop it after a step (`checkpoint_due`, `stopping`).
 """
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import math
 import os
-import shutil
-import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.checkpoint import load_trainer_state, refuse_nonfinite_weights, save_checkpoint, set_rng_state
+from rlhfkit.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from rlhfkit.config import TrainConfig
-from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX
+from rlhfkit.hub import check_hub, publish, publish_checkpoint
 from rlhfkit.launch import distributed_state, log_launch, start_run
+from rlhfkit.precision import check_attn_implementation, frozen_model_dtype, resolve_mixed_precision, supports_bf16
 from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspeed, fsdp_classes, load_deepspeed_state,
                               load_optimizer_state, optimizer_state, save_deepspeed_state, saved_weights, weight_layout_of)
+from rlhfkit.trackers import check_trackers
+from rlhfkit.trainers.callbacks import Callbacks, RunArgs, stage_of
 from rlhfkit.trainers.optim import Optim
-from rlhfkit.trainers.rundir import RunDir, commit_replacement, replaced_path
-from rlhfkit.trainers.sinks import JsonlSink, MetricSink, TrackerSink, check_report_to, to_float
+from rlhfkit.trainers.rundir import RunDir, commit_replacement
+from rlhfkit.trainers.sinks import MetricSink, open_sinks, to_float
 
 logger = logging.getLogger("rlhfkit")
 
 
 class Run:
-    """One training run in `cfg.output_dir`. Creating it takes the directory's lock and checks the directory (before
-    any model loads, writing nothing): `resume_from` is the checkpoint to resume from, if any."""
+    """One training run in `cfg.output_dir`. Creating it takes the directory's lock and checks the directory and the
+    settings that need no model (trackers, hub push, attention implementation) before any model loads, writing
+    nothing: `resume_from` is the checkpoint to resume from, if any. `callbacks`: transformers `TrainerCallback`s
+    (instances or classes)."""
 
-    def __init__(self, cfg: TrainConfig, name: str):
-        self.cfg, self.name = cfg, name
+    def __init__(self, cfg: TrainConfig, name: str, callbacks: Sequence[Any] = ()):
+        self.cfg, self.name, self.stage = cfg, name, stage_of(cfg)
+        self.callbacks = Callbacks(callbacks)
         self.run_dir = RunDir(cfg)
         self.lock = start_run(cfg.output_dir)  # by the main process, until the run ends
         self.sinks: list[MetricSink] = []
+        self.final_metrics: dict[str, float] = {}  # the last logged value of every metric, for the model card
+        self.stopping = False  # a callback set control.should_training_stop (see `checkpoint_due`): leave the loop
         self._unwrapped: dict[int, tuple] = {}  # id(prepared module) -> (it, its unwrapped module): see `unwrap`
         self.bar = None
         try:
@@ -50,7 +56,9 @@ class Run:
                 self.run_dir.restore_replaced()
             state.wait_for_everyone()
             self.resume_from = self.run_dir.check()
-            check_report_to(cfg.logging.report_to)
+            check_trackers(cfg.logging.report_to)
+            check_hub(cfg.logging.push_to_hub, cfg.logging.hub_model_id, cfg.logging.hub_strategy)
+            check_attn_implementation(cfg.model.attn_implementation)
         except BaseException:
             self.lock.release()
             raise
@@ -61,31 +69,24 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is not None:
-                self.guard()
+                self.run_dir.guard()
         finally:
             if self.bar is not None:
                 self.bar.close()
             self.lock.release()  # last: the cleanup above still runs under the lock
 
-    def guard(self) -> None:
-        """The run failed: remove what it wrote before its first step, or put back the run it was replacing."""
-        self.run_dir.discard_failed_start()
-        if self.run_dir.moved_aside:
-            try:
-                self.run_dir.restore_replaced()
-            except OSError as exc:
-                logger.warning("could not put the previous run back in '%s' (%s): it is in %s", self.run_dir.path, exc,
-                               replaced_path(self.run_dir.path))
-
     def make_accelerator(self):
-        """accelerate with the run's mixed precision; sets `accelerator` and `world`."""
+        """accelerate with the run's mixed precision ("auto" resolved for this device); sets `accelerator`, `world`,
+        `mixed_precision` and `frozen_dtype` (the dtype reward models and a separate reference load in)."""
         from accelerate import Accelerator
 
         cfg = self.cfg
-        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.logging.report_to or None,
-                                       project_dir=cfg.output_dir)
+        device = distributed_state().device
+        self.mixed_precision = resolve_mixed_precision(cfg.mixed_precision, device.type, supports_bf16(device))
+        self.frozen_dtype = frozen_model_dtype(self.mixed_precision, cfg.model.dtype)
+        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, project_dir=cfg.output_dir)
         configure_deepspeed(self.accelerator, cfg.optim.per_device_batch_size)
-        log_launch(self.accelerator)
+        log_launch(self.accelerator)  # its line names the mixed precision chosen
         self.world = self.accelerator.num_processes
         return self.accelerator
 
@@ -155,8 +156,10 @@ class Run:
         return order[k * per_step : (k + 1) * per_step].tolist()
 
     def make_optim(self, optimizer, scheduler, trained: list) -> Optim:
-        """The run's `Optim`: gradients of the prepared models `trained` clipped together (one global norm)."""
+        """The run's `Optim`: gradients of the prepared models `trained` clipped together (one global norm). The
+        callbacks receive the first model (the policy), the optimizer and the schedule from here on."""
         acc, cfg = self.accelerator, self.cfg
+        self.callbacks.objects.update(model=self.unwrap(trained[0]), optimizer=optimizer, lr_scheduler=scheduler)
         return Optim(optimizer, scheduler, clip=lambda max_norm: clip_grad_norm(acc, trained, max_norm),
                      max_grad_norm=cfg.optim.max_grad_norm, scaler=acc.scaler, max_bad_steps=cfg.max_bad_steps,
                      output_dir=cfg.output_dir)
@@ -210,37 +213,53 @@ class Run:
 
     # Events -------------------------------------------------------------------------------------------------------
     def begin(self, start_step: int, total_steps: int) -> None:
-        """Create the run directory (main process), open the sinks and the progress bar: the loop starts."""
+        """Create the run directory (main process), open the sinks and the progress bar, call on_train_begin."""
         acc, cfg = self.accelerator, self.cfg
         if acc.is_main_process:
             self.run_dir.prepare(start_step if self.resume_from else None)
         acc.wait_for_everyone()
-        if cfg.logging.report_to:
-            acc.init_trackers(cfg.logging.run_name or os.path.basename(os.path.abspath(cfg.output_dir)))
+        args = RunArgs.of(cfg, self.stage)
         if acc.is_main_process:
-            self.sinks = [JsonlSink(cfg.output_dir)] + ([TrackerSink(acc)] if cfg.logging.report_to else [])
-            for sink in self.sinks:
-                sink.attach_config(cfg)
+            self.sinks = open_sinks(cfg, self.stage, args.run_name)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc=self.name, dynamic_ncols=True,
                         disable=not (cfg.logging.progress_bar and acc.is_main_process))
+        history = self.run_dir.logged_rows() if self.resume_from and self.callbacks else []
+        self.callbacks.begin(args, start_step, total_steps, acc, history)
 
     def step_end(self, step: int, postfix: dict[str, float]) -> None:
         """Optimizer step `step` (1-based) is done."""
         self.bar.update(1)
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()})
+        self.callbacks.step_end(step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Metrics of step `step`, the same on every process: into the sinks (main process), then on_log."""
+        floats = {k: to_float(v) for k, v in metrics.items()}
+        self.final_metrics.update(floats)
         if self.accelerator.is_main_process:
-            floats = {k: to_float(v) for k, v in metrics.items()}
             for sink in self.sinks:
                 sink.log(step, floats)
+        self.callbacks.logged(step, floats)
+
+    def evaluated(self, step: int, metrics: dict[str, Any]) -> None:
+        """The eval figures of step `step` (keys under eval/): logged, then on_evaluate."""
+        self.log(step, metrics)
+        self.callbacks.evaluated({k: to_float(v) for k, v in metrics.items()})
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         if self.accelerator.is_main_process:
             for sink in self.sinks:
                 sink.log_samples(step, rows)
+
+    def checkpoint_due(self, step: int, total_steps: int) -> bool:
+        """Whether the loop writes checkpoint-{step} after step `step`: every `logging.save_steps`, when a callback
+        asked (`control.should_save`), and when a callback stops the run before its end (so that it can be resumed).
+        Decided on every process alike; sets `stopping`."""
+        self.stopping, asked = self.callbacks.requests(lambda t: self.sum_over_processes(t.to(self.accelerator.device)).cpu())
+        save_steps = self.cfg.logging.save_steps
+        return step < total_steps and (bool(save_steps and step % save_steps == 0) or asked or self.stopping)
 
     def write(self, line: str) -> None:
         """A line on the console above the progress bar (main process)."""
@@ -248,31 +267,26 @@ class Run:
             self.bar.write(line)
 
     def saved(self, step: int) -> None:
-        """checkpoint-{step} is complete: the run that overwrite=true replaces can go."""
+        """checkpoint-{step} is complete: the run that overwrite=true replaces can go, the checkpoint is pushed as
+        `logging.hub_strategy` says, on_save is called."""
         if self.accelerator.is_main_process:
             commit_replacement(self.cfg.output_dir)
+            publish_checkpoint(self.cfg, os.path.join(self.cfg.output_dir, f"checkpoint-{step}"))
+        self.callbacks.saved()
 
     def save_final(self, model, unwrapped, tokenizer) -> None:
-        """Write the trained model into output_dir, beside config.yaml and metrics.jsonl."""
+        """Write the trained model into output_dir, beside config.yaml and metrics.jsonl (`RunDir.write_final_model`)."""
         from rlhfkit.models import save_model
 
-        acc, out = self.accelerator, self.cfg.output_dir
+        acc = self.accelerator
         acc.wait_for_everyone()
         with saved_weights(acc, model, unwrapped) as whole:  # FSDP / ZeRO-3: whole (collective)
-            if not acc.is_main_process:
-                return
-            tmp = tempfile.mkdtemp(dir=out, prefix=f"{TMP_PREFIX}model-")
-            try:
-                save_model(whole, tokenizer, os.path.join(tmp, "model"), merge_lora=self.cfg.model.lora.merge_on_save)
-                refuse_nonfinite_weights(os.path.join(tmp, "model"), out, "the final model")
-                for name in os.listdir(os.path.join(tmp, "model")):  # file by file: output_dir holds the run too
-                    os.replace(os.path.join(tmp, "model", name), os.path.join(out, name))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        commit_replacement(out)
+            if acc.is_main_process:
+                self.run_dir.write_final_model(lambda d: save_model(whole, tokenizer, d, merge_lora=self.cfg.model.lora.merge_on_save))
 
     def finish(self, model, unwrapped, tokenizer) -> None:
-        """The end of every run: the final model, the sinks closed, then dashboard.png and report.html."""
+        """The end of every run: the final model, the sinks closed, dashboard.png, report.html and the model card
+        (README.md), the push to the hub (`logging.push_to_hub`), then on_train_end."""
         self.save_final(model, unwrapped, tokenizer)
         self.bar.close()
         for sink in self.sinks:
@@ -281,3 +295,5 @@ class Run:
             from rlhfkit.evaluation.report import write_run_artifacts
 
             write_run_artifacts(self.cfg.output_dir)  # warns, never fails the run
+            publish(self.cfg, self.stage, self.final_metrics)
+        self.callbacks.call("on_train_end")

@@ -7,8 +7,10 @@ import json
 import logging
 import os
 import shutil
+import tempfile
+from typing import Callable
 
-from rlhfkit.checkpoint import CHECKPOINT_RE, TRAINER_STATE, checkpoint_dirs, latest_checkpoint
+from rlhfkit.checkpoint import CHECKPOINT_RE, TRAINER_STATE, checkpoint_dirs, latest_checkpoint, refuse_nonfinite_weights
 from rlhfkit.config import TrainConfig, config_to_yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import TMP_PREFIX, atomic_write_text, check_writable, read_jsonl_rows, remove_tree
@@ -70,6 +72,34 @@ class RunDir:
         if resume_step is not None:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 trim_jsonl(os.path.join(path, name), resume_step)
+
+    def guard(self) -> None:
+        """The run failed: remove what it wrote before its first step, or put back the run it was replacing."""
+        self.discard_failed_start()
+        if self.moved_aside:
+            try:
+                self.restore_replaced()
+            except OSError as exc:
+                logger.warning("could not put the previous run back in '%s' (%s): it is in %s", self.path, exc,
+                               replaced_path(self.path))
+
+    def write_final_model(self, save: Callable[[str], None]) -> None:
+        """The final model, written by `save(directory)` into a temporary directory, checked for non-finite weights
+        and moved into output_dir file by file (output_dir holds the run too); then the replaced run can go."""
+        tmp = tempfile.mkdtemp(dir=self.path, prefix=f"{TMP_PREFIX}model-")
+        try:
+            save(os.path.join(tmp, "model"))
+            refuse_nonfinite_weights(os.path.join(tmp, "model"), self.path, "the final model")
+            for name in os.listdir(os.path.join(tmp, "model")):
+                os.replace(os.path.join(tmp, "model", name), os.path.join(self.path, name))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        commit_replacement(self.path)
+
+    def logged_rows(self) -> list[dict]:
+        """The rows of metrics.jsonl (a resumed run's, already trimmed to its checkpoint by `prepare`)."""
+        path = os.path.join(self.path, "metrics.jsonl")
+        return read_jsonl_rows(path) if os.path.isfile(path) else []
 
     def discard_failed_start(self) -> None:
         """A run started in an absent or empty output_dir failed before logging a step or writing a checkpoint: remove

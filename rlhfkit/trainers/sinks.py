@@ -1,4 +1,5 @@
-"""Metric sinks: where a run's metrics and samples go. `Run` holds a list of them and calls each the same way."""
+"""Metric sinks: where a run's metrics and samples go. `Run` holds a list of them — `JsonlSink`, then the trackers of
+`logging.report_to` (`rlhfkit.trackers.build_sinks`) — and calls each the same way, on the main process only."""
 
 from __future__ import annotations
 
@@ -9,14 +10,10 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhfkit.config import TrainConfig
-from rlhfkit.errors import UserError
-
 
 class MetricSink(Protocol):
-    """Where a run's metrics go (metrics.jsonl, TensorBoard, W&B...). Called on the main process only."""
-
-    def attach_config(self, cfg: TrainConfig) -> None: ...
+    """Where a run's metrics go (metrics.jsonl, TensorBoard, W&B, trackio). Called on the main process only; a
+    tracker receives the resolved config when it is built."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
@@ -35,9 +32,6 @@ class JsonlSink:
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
 
-    def attach_config(self, cfg: TrainConfig) -> None:
-        """config.yaml is the run directory's (`RunDir.prepare`): nothing to add."""
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
@@ -55,33 +49,14 @@ class JsonlSink:
         """Every row is written when logged: nothing to flush."""
 
 
-class TrackerSink:
-    """accelerate's trackers (`logging.report_to`: TensorBoard, W&B), which receive the floats themselves."""
+def open_sinks(cfg, stage: str, run_name: str) -> list[MetricSink]:
+    """The main process's sinks: `JsonlSink`, then the trackers of `logging.report_to`, each given the resolved
+    config; W&B and trackio put the run `run_name` in the project `logging.project`."""
+    from rlhfkit.trackers import build_sinks, run_config
 
-    def __init__(self, accelerator):
-        self.accelerator = accelerator  # its trackers initialised (`init_trackers`, on every process)
-
-    def attach_config(self, cfg: TrainConfig) -> None:
-        """The trackers are named after the run; the config stays in config.yaml."""
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.accelerator.log(metrics, step=step)
-
-    def log_samples(self, step: int, rows: list[dict]) -> None:
-        """Samples stay in samples.jsonl."""
-
-    def close(self) -> None:
-        self.accelerator.end_training()
-
-
-def check_report_to(report_to: list[str]) -> None:
-    """Fail before training if a requested metric sink is not installed."""
-    import importlib.util
-
-    package = {"tensorboard": "tensorboard", "wandb": "wandb"}
-    for sink in report_to:
-        if importlib.util.find_spec(package[sink]) is None:
-            raise UserError(f"logging.report_to includes '{sink}' but it is not installed: pip install 'rlhfkit[{sink}]'")
+    return [JsonlSink(cfg.output_dir)] + build_sinks(cfg.logging.report_to, run_config(cfg, stage), is_main=True,
+                                                     project=cfg.logging.project, run_name=run_name,
+                                                     output_dir=cfg.output_dir)
 
 
 def to_float(v: Any) -> float:

@@ -65,6 +65,7 @@ LAYERS = [
     "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
     "rlhfkit.trainers.rundir",
     "rlhfkit.trainers.sinks",
+    "rlhfkit.trainers.callbacks",  # transformers TrainerCallbacks at the run's events
     "rlhfkit.trainers.run",
     "rlhfkit.trainers.experience",
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses

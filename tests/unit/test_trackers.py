@@ -180,3 +180,115 @@ def test_build_sinks_makes_each_named_sink_on_the_main_process_only(tmp_path, mo
         s.close()
     assert glob.glob(str(tmp_path / "runs" / "r" / "events.out.tfevents.*"))
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+
+
+# Through the real CLI: the run's sinks -----------------------------------------------------------------------------
+
+GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=4", "algo.sample_log_steps=2", "logging.logging_steps=1",
+        "logging.progress_bar=false", "logging.run_name=my-run"]
+
+
+def _config_yaml(out) -> dict:
+    import yaml
+
+    with open(os.path.join(out, "config.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def _metric_rows(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_cli_wandb_run_is_named_in_its_project_with_the_config_and_a_completions_table(tmp_path, monkeypatch):
+    from rlhfkit.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert main(GRPO + [f"output_dir={out}", "logging.report_to=[wandb]", "logging.project=rlhfkit-tests"]) == 0
+    import wandb
+
+    wandb.teardown()
+    (run_dir,) = glob.glob(str(out / "wandb" / "offline-run-*"))
+    records = _wandb_records(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0])
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("rlhfkit-tests", "my-run")  # the project is logging.project
+    config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+    assert config == {"stage": "grpo", **_config_yaml(out)}
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    logged = {(h["_step"], k): v for h in history for k, v in h.items() if not k.startswith(("_", "samples"))}
+    for row in _metric_rows(out):  # every metrics.jsonl row, at its step
+        assert all(logged[(row["step"], k)] == pytest.approx(v) for k, v in row.items() if k != "step" and v is not None)
+    tables = [h for h in history if "samples/_type" in h]
+    assert [h["_step"] for h in tables] == [1, 2, 4]  # step 1, every algo.sample_log_steps=2, the last
+    with open(os.path.join(run_dir, "files", tables[-1]["samples/path"])) as f:
+        table = json.load(f)
+    with open(out / "samples.jsonl") as f:
+        last = [json.loads(line) for line in f if json.loads(line)["step"] == 4]
+    assert table["columns"] == ["prompt", "response", "score", "kl"]
+    assert [row[:2] for row in table["data"]] == [[r["prompt"], r["response"]] for r in last]
+
+
+def test_cli_tensorboard_holds_the_runs_scalars_completions_and_config(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    from tensorboard.util.tensor_util import make_ndarray
+
+    from rlhfkit.cli import main
+
+    out = tmp_path / "run"
+    assert main(GRPO + [f"output_dir={out}", "logging.report_to=[tensorboard]"]) == 0
+    acc = EventAccumulator(str(out / "runs" / "my-run"), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    rows = _metric_rows(out)
+    assert [(e.step, e.value) for e in acc.Scalars("objective/scores")] == [
+        (r["step"], pytest.approx(r["objective/scores"])) for r in rows]
+    assert [t.step for t in acc.Tensors("samples/text_summary")] == [1, 2, 4]
+    first = make_ndarray(acc.Tensors("samples/text_summary")[0].tensor_proto)[0].decode()
+    assert first.startswith("| prompt | response | score | kl |\n|---|---|---|---|\n")
+    start = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
+    assert (hparams["stage"], hparams["max_steps"], hparams["algo.sample_log_steps"]) == ("grpo", 4.0, 2.0)
+    assert hparams["logging.run_name"] == "my-run"
+
+
+def test_cli_trackio_store_holds_the_runs_metrics_and_config(tmp_path):
+    # trackio reads TRACKIO_DIR at import: the run and the read-back each in a fresh interpreter.
+    out = tmp_path / "run"
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "rlhfkit.cli", *GRPO, f"output_dir={out}", "logging.report_to=[trackio]",
+           "logging.project=rlhfkit-tests"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    script = textwrap.dedent("""
+        import json
+        import trackio
+        from trackio.sqlite_storage import SQLiteStorage
+        (run,) = list(trackio.Api().runs("rlhfkit-tests"))
+        print("RESULT" + json.dumps({"name": run.name, "config": run.config,
+                                     "logs": SQLiteStorage.get_logs("rlhfkit-tests", "my-run")}))
+    """)
+    read = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr
+    result = json.loads(next(line for line in read.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+    assert result["name"] == "my-run"
+    assert {k: v for k, v in result["config"].items() if not k.startswith("_")} == {"stage": "grpo", **_config_yaml(out)}
+    scores = [(row["step"], row["objective/scores"]) for row in result["logs"] if "objective/scores" in row]
+    assert scores == [(r["step"], pytest.approx(r["objective/scores"])) for r in _metric_rows(out)]
+    assert [row["step"] for row in result["logs"] if "samples" in row] == [1, 2, 4]
+
+
+def test_cli_refuses_an_uninstalled_tracker_and_an_offline_push_before_loading_a_model(tmp_path, capsys):
+    from rlhfkit.cli import main
+
+    out = tmp_path / "run"
+    assert main(GRPO + [f"output_dir={out}", "logging.report_to=[mlflow]"]) == 2
+    assert "logging.report_to" in capsys.readouterr().err
+    # conftest sets HF_HUB_OFFLINE=1
+    assert main(GRPO + [f"output_dir={out}", "logging.push_to_hub=true", "logging.hub_model_id=me/m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("config key 'logging.push_to_hub': the hub is offline (HF_HUB_OFFLINE is set); unset it or "
+                            "pass logging.push_to_hub=false")
+    assert not out.exists()  # refused before anything was written

@@ -1,0 +1,92 @@
+"""The end of a run through the real CLI: its model card, the push to a stand-in for the hub (no network), and the
+precision and attention settings the models load with."""
+
+import json
+import os
+import subprocess
+import sys
+
+from huggingface_hub import ModelCard
+from transformers import TrainerCallback
+
+from rlhfkit.objects import Objects
+from rlhfkit.config import SFTConfig, load_config
+from rlhfkit.trainers.sft import SFTTrainer
+
+FAST = ["logging.progress_bar=false", "logging.logging_steps=1"]
+
+
+def test_reward_model_run_gets_its_card_and_is_pushed_with_its_checkpoints_to_the_stand_in(tmp_path):
+    out, log = tmp_path / "rm", tmp_path / "hub.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(PYTHONPATH=os.getcwd(), RLHFKIT_HUB_API="tests.smoke.hub_standin:StandInApi", HUB_STANDIN_LOG=str(log))
+    cmd = [sys.executable, "-m", "rlhfkit.cli", "rm", "--config", "configs/rm_tiny.yaml", f"output_dir={out}", *FAST,
+           "max_steps=4", "logging.eval_steps=2", "logging.save_steps=2", "logging.push_to_hub=true",
+           "logging.hub_model_id=me/tiny-rm", "logging.hub_strategy=checkpoint"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    card = ModelCard.load(out / "README.md")
+    meta = card.data.to_dict()
+    assert meta["library_name"] == "rlhfkit" and meta["tags"][:2] == ["rlhfkit", "rm"]
+    assert meta["pipeline_tag"] == "text-classification"
+    last_eval = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in line][-1]
+    assert f"| `eval/accuracy` | {last_eval['eval/accuracy']:.4g} |" in card.text and "## Reading the score" in card.text
+    assert json.loads((out / "config.json").read_text())["rlhfkit_score"].startswith("rlhfkit score (pooling=")
+
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    uploads = [c for c in calls if c["call"] == "upload_folder"]
+    assert {c["repo_id"] for c in calls} == {"me/tiny-rm"} and calls[0]["call"] == "create_repo"
+    assert [(u["folder"], u["path_in_repo"]) for u in uploads] == [("checkpoint-2", "last-checkpoint"), ("rm", None)]
+    final = uploads[-1]["files"]
+    assert {"README.md", "config.json", "model.safetensors", "config.yaml", "metrics.jsonl"} <= set(final)
+    assert not any(f.startswith("checkpoint-") for f in final)
+
+
+class SeesModel(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.attn = model.config._attn_implementation
+
+
+def test_auto_precision_on_cpu_and_the_attention_implementation_reach_the_model(tmp_path, caplog):
+    cfg = load_config(SFTConfig, "configs/sft_tiny.yaml", [f"output_dir={tmp_path / 'run'}", "max_steps=1", *FAST,
+                                                           "model.attn_implementation=eager"])
+    assert cfg.mixed_precision == "auto"  # the default
+    seen = SeesModel()
+    trainer = SFTTrainer(cfg, Objects(callbacks=(seen,)))
+    with caplog.at_level("INFO", logger="rlhfkit"):
+        trainer.fit()
+    assert trainer.run.mixed_precision == "no"  # no mixed precision on a CPU
+    assert any("mixed precision no" in r.getMessage() for r in caplog.records)
+    assert seen.attn == "eager"
+
+
+def test_a_separate_reference_loads_in_the_runs_precision(tmp_path):
+    # accelerate fixes the mixed precision once per process: this run gets a process of its own.
+    script = f"""
+import torch
+from rlhfkit.config import DPOConfig, load_config
+from rlhfkit.trainers.preference import PreferenceTrainer
+cfg = load_config(DPOConfig, "configs/dpo_tiny.yaml", ["output_dir={tmp_path / 'run'}", "max_steps=1", *{FAST!r},
+                                                      "mixed_precision=bf16", "algo.ref_model=tiny"])
+trainer = PreferenceTrainer(cfg)
+trainer.fit()
+print("DTYPES", next(trainer.reference.model.parameters()).dtype, next(trainer.run.unwrap(trainer.model).parameters()).dtype)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the frozen reference in bf16, the trained policy in fp32
+    assert "DTYPES torch.bfloat16 torch.float32" in done.stdout
+
+
+def test_flash_attention_is_refused_before_any_model_loads_where_it_cannot_run(tmp_path, capsys):
+    from rlhfkit.cli import main
+
+    out = tmp_path / "run"
+    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}",
+                 "model.attn_implementation=flash_attention_2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "config key 'model.attn_implementation': flash_attention_2 needs a CUDA GPU and the flash-attn package (pip "
+        "install flash-attn --no-build-isolation); use sdpa here")
+    assert not out.exists()
