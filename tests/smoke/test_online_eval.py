@@ -38,10 +38,11 @@ def eval_rows(out):
 
 def assert_same_figures(row, report, tax=None):
     """A training run's eval row against eval.json of the same weights."""
-    pol = report["policy"]
+    pol, n = report["policy"], report["num_samples"]
     expected = {
         "eval/rewards/vowel_reward/mean": pol["reward"]["vowel_reward"]["mean"],
-        "eval/rewards/vowel_reward/std": pol["reward"]["vowel_reward"]["std"],
+        # The run logs a source's std as TRL does (Bessel-corrected, n - 1); eval.json's is the population std.
+        "eval/rewards/vowel_reward/std": pol["reward"]["vowel_reward"]["std"] * (n / (n - 1)) ** 0.5,
         "eval/objective/scores": pol["reward"]["vowel_reward"]["mean"],  # one source, weight 1
         "eval/objective/gold": pol["reward"]["gold"]["mean"],
         "eval/objective/kl": report["kl"]["mean"],
