@@ -46,9 +46,15 @@ class HeldOutEval:
         return bool(self.prompts or self.capability)
 
     def check_reference(self, reference) -> None:
+        """Refuse, before training, an evaluation that cannot run: a capability set with no reference, or a reference
+        in a ZeRO-3 engine (its forwards are collective, and the processes' shares of the eval set can differ)."""
         if self.capability and reference is None:
             raise UserError("data.capability: the alignment tax compares the policy with its reference, and this "
                             "algorithm keeps none")
+        plugin = getattr(self.run.accelerator.state, "deepspeed_plugin", None)
+        if self.enabled and reference is not None and not reference.shared and getattr(plugin, "zero_stage", 0) == 3:
+            raise UserError("data.eval: evaluation during training under DeepSpeed ZeRO-3 needs the reference to be the "
+                            "policy's own base (model.lora.enabled=true); evaluate the saved model with `rlhfkit eval`")
 
     def due(self, done: int, last: bool) -> bool:
         """Whether to evaluate after optimizer step `done` (1-based); `last`: it is the run's last step."""

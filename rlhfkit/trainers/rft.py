@@ -102,6 +102,7 @@ class RFTTrainer:
         self.held_out = HeldOutEval(run, cfg, self.tokenizer, eval_prompts, capability, cfg.algo.sampling_batch_size)
         # The evaluation's reference is the starting policy: with LoRA its base, else a frozen copy.
         self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device) if self.held_out.enabled else None
+        self.held_out.check_reference(self.ref)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path)
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
