@@ -113,6 +113,10 @@ class DataConfig:
     subset: str | None = None  # the configuration (subset) of the hub datasets `train` and `eval` name
     # Record fields read from other columns, field -> column (e.g. {prompt: question}): TRL's column renaming.
     columns: dict[str, str] = field(default_factory=dict)
+    # Online stages and rft: held-out reference texts in any SFT format (a file or hub dataset) on which each
+    # evaluation measures the alignment tax, the policy's and the reference's mean per-token NLL of their responses
+    # (`rlhfkit eval`'s `capability_data`); the `alignment_tax` alarm reads their difference.
+    capability: str | None = None
 
     def check(self):
         for name in self.columns:
@@ -255,6 +259,7 @@ class TrainConfig:
     max_bad_steps: PosInt = 3
     padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
     packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
+    samples_supported: ClassVar[bool] = False  # the stage samples responses: held-out sampling eval, data.capability
 
     def check(self):
         if self.data.padding_free and not self.padding_free_supported:
@@ -263,6 +268,12 @@ class TrainConfig:
             yield "data.packing", "is supported by the sft stage only (for the others, data.padding_free saves the padding)"
         if not self.data.train:
             yield "data.train", "is required (a local file or a hub dataset name)"
+        if self.data.capability and not self.samples_supported:
+            yield "data.capability", "is read by the sampling stages only (ppo, rloo, grpo, reinforce_pp, rft)"
+        if self.samples_supported and self.logging.eval_steps and not (
+                self.data.eval or self.data.eval_fraction or self.data.capability):
+            yield "logging.eval_steps", ("has nothing to evaluate: give held-out prompts (data.eval or "
+                                         "data.eval_fraction) and/or reference texts (data.capability)")
         if not self.output_dir:
             yield "output_dir", "is required"
         if self.max_steps == 0 or self.max_steps < -1:

@@ -163,12 +163,15 @@ class OnlineOptions:
 
 @dataclass(frozen=True)
 class OnlineConfig(TrainConfig):
-    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts."""
+    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts. With `data.eval` and/or
+    `data.capability` the policy is evaluated every `logging.eval_steps` and after the last step (`trainers.held_out`)."""
 
+    samples_supported = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     algo: OnlineOptions = field(default_factory=OnlineOptions)
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
     def check(self):
         from rlhfkit.algorithms import ALGORITHMS
@@ -202,11 +205,15 @@ class RFTOptions:
 class RFTConfig(TrainConfig):
     """Best-of-n / rejection-sampling fine-tuning, iterated. `generation.num_samples` is n. `max_steps` and
     `num_epochs` size the SFT of *each iteration* (optimizer steps, or passes over the kept samples); with
-    `logging.save_steps` > 0 a resumable checkpoint is written after every iteration but the last."""
+    `logging.save_steps` > 0 a resumable checkpoint is written after every iteration but the last. With `data.eval`
+    and/or `data.capability` the policy is evaluated every `logging.eval_steps` SFT steps and at the end, against its
+    starting weights as the reference (with full fine-tuning a frozen copy of them is kept for it)."""
 
+    samples_supported = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: RFTOptions = field(default_factory=RFTOptions)
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
     def check(self):
         yield from super().check()
@@ -221,7 +228,8 @@ class RFTConfig(TrainConfig):
 
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
 _EVAL_UNUSED = {
-    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples"), "it reads data.eval; max_prompts limits it"),
+    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples", "capability"),
+             "it reads data.eval; max_prompts limits it; capability_data is its capability set"),
     "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
                "it reports each judge's raw scores; add a gold judge to `judges`"),
 }

@@ -9,6 +9,7 @@ policy lost; `rlhfkit eval` writes it as the `alignment_tax` block of eval.json 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 
 from rlhfkit.data import collate_sft
 from rlhfkit.losses.sft import token_nll
-from rlhfkit.models import scored_logits
+from rlhfkit.models import Reference, scored_logits
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,27 @@ def alignment_tax(policy_sums: torch.Tensor, reference_sums: torch.Tensor,
     if tokens == 0:
         raise ValueError("no response tokens to score in the capability set")
     return AlignmentTax(policy_nll=float(sums[0, 0] / tokens), reference_nll=float(sums[1, 0] / tokens), tokens=tokens)
+
+
+def frozen_reference(reference, policy):
+    """The reference as a model to call, in a context: a `models.Reference` (a second model, or `policy`'s base with
+    its LoRA adapters disabled) or a plain model."""
+    return reference.frozen(policy) if isinstance(reference, Reference) else contextlib.nullcontext(reference)
+
+
+def measure_alignment_tax(policy, reference, examples: Sequence[dict], pad_token_id: int, batch_size: int,
+                          state=None) -> AlignmentTax:
+    """The `AlignmentTax` of tokenised SFT `examples` under `policy` and `reference` (a model or a `models.Reference`).
+    With `state` (accelerate's, several processes) each process scores every world-th example and the sums are
+    added over processes: the figure of one process scoring them all."""
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    mine, device = examples[rank::world], next(policy.parameters()).device
+    policy_sums = response_nll(policy, mine, pad_token_id, batch_size, device)
+    with frozen_reference(reference, policy) as ref:
+        reference_sums = response_nll(ref, mine, pad_token_id, batch_size, device)
+    reduce = None
+    if world > 1:
+        from accelerate.utils import reduce as all_reduce
+
+        reduce = lambda t: all_reduce(t, reduction="sum")  # noqa: E731
+    return alignment_tax(policy_sums, reference_sums, all_reduce=reduce)

@@ -34,7 +34,7 @@ from rlhfkit.evaluation.alarms import (
     check_alarms, diversity_figures,
 )
 from rlhfkit.evaluation.alarms import alignment_tax as check_alignment_tax
-from rlhfkit.evaluation.capability import AlignmentTax, alignment_tax, response_nll
+from rlhfkit.evaluation.capability import AlignmentTax, frozen_reference, measure_alignment_tax
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
@@ -98,7 +98,7 @@ def _judge_all(judges: dict[str, Judge], rollout: Rollout, examples: list[dict])
     return out
 
 
-def _concat(parts: list[Rollout], pad_token_id: int) -> Rollout:
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """The rollouts of several generation batches as one: prompts left-padded and responses right-padded to the
     widest, group ids continued (reward models score the same with more padding: positions follow the mask)."""
     P, R = max(r.prompt_ids.shape[1] for r in parts), max(r.response_ids.shape[1] for r in parts)
@@ -120,17 +120,22 @@ def _concat(parts: list[Rollout], pad_token_id: int) -> Rollout:
     )
 
 
-def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples: list[dict]) -> dict:
-    """One model's responses (its rollouts, in prompt order): texts, lengths and the judges' scores, each judge
-    called once on all of them."""
-    ro = _concat(parts, tokenizer.pad_token_id)
+def describe(ro: Rollout, tokenizer) -> dict:
+    """A rollout's prompts, response texts, lengths, EOS flags and group ids (rows in rollout order)."""
     return {"prompts": _decode(tokenizer, ro.prompt_ids, ro.prompt_mask), "texts": _decode(tokenizer, ro.response_ids, ro.response_mask),
-            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(), "groups": ro.group_ids.tolist(),
-            "scores": _judge_all(judges, ro, examples)}
+            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(), "groups": ro.group_ids.tolist()}
 
 
-def _summary(s: dict) -> dict:
-    """The figures of one model's samples (eval.json's "policy" / "reference" objects)."""
+def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples: list[dict]) -> dict:
+    """One model's responses (its rollouts, in prompt order): `describe` and the judges' scores, each judge called
+    once on all of them."""
+    ro = concat_rollouts(parts, tokenizer.pad_token_id)
+    return {**describe(ro, tokenizer), "scores": _judge_all(judges, ro, examples)}
+
+
+def summarize(s: dict) -> dict:
+    """The figures of one model's samples (`describe` plus "scores": judge -> scores; eval.json's "policy" /
+    "reference" objects)."""
     diversity = diversity_figures(s["texts"], s["groups"])
     return {
         "length": mean_std(s["lengths"]),
@@ -171,10 +176,12 @@ def evaluate(
 
 @torch.no_grad()
 def sample(policy, reference, tokenizer, prompts: list[dict], params: GenerationConfig, batch_size: int = 16,
-           seed: int = 0, state=None) -> tuple[list[Rollout], list[Rollout], list[float]]:
+           seed: int = 0, state=None, sample_reference: bool = True) -> tuple[list[Rollout], list[Rollout], list[float]]:
     """`evaluate`'s sampling: the policy's and the reference's rollouts (one per batch of `batch_size` prompts, batch
     i drawn under seed `seed + i` by both) and the per-sequence KL(policy || reference) of the policy's samples.
 
+    `reference` is a model, a `models.Reference` (e.g. the policy's base with its LoRA adapters disabled) or None;
+    with `sample_reference=False` it only gives the KL's log-probs (no reference rollouts: the online evaluation).
     With `state` (accelerate's, several processes) process r samples batches r, r + world, ... and every process
     returns all of them in batch order, on its own device: the same samples as one process.
     """
@@ -192,10 +199,12 @@ def sample(policy, reference, tokenizer, prompts: list[dict], params: Generation
             ro = generate(policy, batch, params, eos, pad)
         ref_ro, kls = None, []
         if reference is not None:
-            with seeded(seed + i):
-                ref_ro = generate(reference, batch, params, eos, pad)
             lp = rollout_logprobs(policy, ro, params.temperature)  # (B, R)
-            ref_lp = rollout_logprobs(reference, ro, params.temperature)  # (B, R)
+            with frozen_reference(reference, policy) as ref:
+                if sample_reference:
+                    with seeded(seed + i):
+                        ref_ro = generate(ref, batch, params, eos, pad)
+                ref_lp = rollout_logprobs(ref, ro, params.temperature)  # (B, R)
             kls = sequence_kl(lp, ref_lp, ro.response_mask).tolist()
         parts.append((i, ro, ref_ro, kls))
     if world > 1:
@@ -219,7 +228,7 @@ def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float]
     ref = _samples(ref_parts, tokenizer, judges, rows) if ref_parts else None
     result = {
         "num_prompts": len(prompts), "num_samples": len(pol["texts"]),
-        "policy": _summary(pol), "reference": _summary(ref) if ref else None,
+        "policy": summarize(pol), "reference": summarize(ref) if ref else None,
         "kl": mean_std(kls) if ref else None,
         "win_rate": {name: win_rate(pol["scores"][name], ref["scores"][name]) for name in judges} if ref else {},
     }
@@ -298,21 +307,11 @@ class Evaluator:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
         parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state)
-        tax = self.alignment_tax(policy, reference, capability, tokenizer.pad_token_id, state) if capability else None
+        tax = measure_alignment_tax(policy, reference, capability, tokenizer.pad_token_id, cfg.batch_size, state) \
+            if capability else None
         # 3. The main process judges and compares, adds reward-model accuracy and the training run's alarms, writes
         # eval.json (samples last) and prints the table; every process returns the headline figures.
         return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device, tax))
-
-    def alignment_tax(self, policy, reference, examples: list[dict], pad_token_id: int, state) -> AlignmentTax:
-        """`capability.alignment_tax` of the capability set, each process scoring every world-th example."""
-        mine = examples[state.process_index :: state.num_processes]
-        sums = [response_nll(m, mine, pad_token_id, self.cfg.batch_size, state.device) for m in (policy, reference)]
-        reduce = None
-        if state.num_processes > 1:
-            from accelerate.utils import reduce as all_reduce
-
-            reduce = lambda t: all_reduce(t, reduction="sum")  # noqa: E731
-        return alignment_tax(*sums, all_reduce=reduce)
 
     def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device, tax: AlignmentTax | None = None) -> dict[str, float]:
         cfg = self.cfg

@@ -145,7 +145,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _samples(run_dir: str, extra: dict) -> tuple[str, list[dict]]:
-    """Before/after pairs: the caller's, or samples.jsonl's first logged step vs its last.
+    """Before/after pairs: the caller's, or samples.jsonl's first logged step vs its last (training samples: the
+    held-out evaluation's, marked `"split": "eval"`, are left out).
 
     When both steps sampled the same prompts, each prompt's responses are paired; otherwise the first rows of the
     first step face the first rows of the last step, each under its own prompt.
@@ -155,7 +156,7 @@ def _samples(run_dir: str, extra: dict) -> tuple[str, list[dict]]:
     path = os.path.join(run_dir, "samples.jsonl")
     if not os.path.isfile(path):
         return "", []
-    rows = read_jsonl_rows(path)
+    rows = [r for r in read_jsonl_rows(path) if r.get("split") != "eval"]
     if not rows:
         return "", []
     first, last = rows[0]["step"], rows[-1]["step"]

@@ -15,12 +15,13 @@ import torch
 from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
 from rlhfkit.errors import UserError
-from rlhfkit.evaluation.alarms import check_alarms
+from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
 from rlhfkit.io import read_jsonl_rows
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.objects import Objects
 from rlhfkit.models import PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model
 from rlhfkit.rewards import Rewards, RunningMoments
+from rlhfkit.trainers.held_out import HeldOutEval, capability_set
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
 from rlhfkit.trainers.run import Run
 from rlhfkit.types import Experience
@@ -52,11 +53,14 @@ class OnlineModels:
         with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
             self.tokenizer = load_tokenizer(cfg.model, given=self.objects.tokenizer)
             check_model_structure(cfg.model, self.tokenizer, given=self.objects.model)
-            self.train_set, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+            self.train_set, eval_prompts = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+            capability = capability_set(cfg, self.tokenizer)
         self.accelerator = run.make_accelerator()
         self.world = run.world
         set_seed(cfg.seed)
         self.build()
+        self.held_out = HeldOutEval(run, cfg, self.tokenizer, eval_prompts, capability, cfg.algo.rollout_batch_size)
+        self.held_out.check_reference(self.ref)
         self.start_step = 0
         if run.resume_from:
             state = run.resume(self.trained_models(), self.load_models, self.optim)
@@ -174,16 +178,24 @@ class OnlineModels:
         return [{k: math.nan if v is None else v for k, v in row.items()} for row in read_jsonl_rows(path)]
 
     def end_step(self, done: int, exp: Experience | None, stats: dict[str, float], bad: bool, kl) -> None:
-        """Log step `done` (1-based), raise the alarms, write samples, checkpoint. `kl`: (B,) sequence KL or None."""
+        """Log step `done` (1-based), evaluate when due, raise the alarms, write samples, checkpoint. `kl`: (B,)
+        sequence KL or None."""
         cfg, a, run = self.cfg, self.cfg.algo, self.run
         self.last = stats
         run.step_end(done, {k: stats[key] for k, key in (("reward", "objective/scores"), ("kl", "objective/kl")) if key in stats})
         if done % cfg.logging.logging_steps == 0 or done == self.total_steps:
             run.log(done, stats)
         self.history.append({"step": done, **stats})
+        evaluated = self.held_out.due(done, done == self.total_steps)
+        if evaluated:  # logged as its own row of the step, before the step's checkpoint
+            figures = self.held_out(done, self.model, self.ref, self.reward)
+            self.history.append({"step": done, **figures})
+            self.last = {**stats, **figures}
         if self.accelerator.is_main_process and (done % a.table_steps == 0 or done == self.total_steps):
             run.write(self.table_row(done, stats, header=done <= a.table_steps or done == self.start_step + 1))
-            for alarm in check_alarms(self.history):
+        if self.accelerator.is_main_process and (done % a.table_steps == 0 or done == self.total_steps or evaluated):
+            thresholds = AlarmThresholds(alignment_tax_nats=cfg.alarms.alignment_tax_nats)
+            for alarm in check_alarms(self.history, thresholds=thresholds):
                 if alarm.name not in self.raised:
                     self.raised.add(alarm.name)
                     logger.warning("alarm %s at step %d: %s", alarm.name, done, alarm.message)

@@ -30,13 +30,15 @@ from rlhfkit.evaluation.metrics import best_of_n_kl
 from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
-from rlhfkit.models import load_causal_lm, scored_logits
+from rlhfkit.models import Reference, load_causal_lm, scored_logits
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.checkpoint import load_model_weights
 from rlhfkit.models import save_model
 from rlhfkit.sharding import loaded_weights
+from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
+from rlhfkit.trainers.held_out import HeldOutEval, capability_set
 from rlhfkit.trainers.offline import micro_batch_positions, train_step
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
 from rlhfkit.trainers.run import Run
@@ -96,11 +98,17 @@ class RFTTrainer:
         with distributed_state().main_process_first():  # one process tokenises into the cache; the others then read it
             self.tokenizer = load_tokenizer(cfg.model, given=self.objects.tokenizer)
             check_model_structure(cfg.model, self.tokenizer, given=self.objects.model)
-            self.prompts, _ = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+            self.prompts, eval_prompts = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
+            capability = capability_set(cfg, self.tokenizer)
         acc = self.accelerator = run.make_accelerator()
         self.world = run.world
         set_seed(cfg.seed)
         policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
+        self.held_out = HeldOutEval(run, cfg, self.tokenizer, eval_prompts, capability, cfg.algo.sampling_batch_size)
+        # The evaluation's reference is the starting policy: with LoRA its base, else a frozen copy.
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, run.frozen_dtype,
+                             copy_of=self.objects.model) if self.held_out.enabled else None
+        self.held_out.check_reference(self.ref)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path, given=self.objects.reward_funcs,
                               given_weights=self.objects.reward_weights)
@@ -226,6 +234,7 @@ class RFTTrainer:
             run.begin(self.start_step, self.total_steps)
             self.trim_metrics()
             cfg, step, last = self.cfg, self.start_step, {}
+            self.evaluations, self.raised, self.evaluated_at = [], set(), None
             for iteration in range(self.start_iteration, cfg.algo.iterations):
                 # 1-3. Sample n per prompt, keep the best.
                 self.train_set, stats = self.best_of_n(iteration)
@@ -245,8 +254,22 @@ class RFTTrainer:
                 self.save_asked = False
                 if run.stopping:
                     break
+            if step != self.evaluated_at and self.held_out.due(step, last=True):  # the end, unless its last step just was
+                self.evaluate(step, last)
             run.finish(self.model, run.unwrap(self.model), self.tokenizer)
             return last
+
+    def evaluate(self, step: int, last: dict) -> None:
+        """The held-out evaluation after SFT step `step` (`trainers.held_out`); its alignment-tax alarm."""
+        figures = self.held_out(step, self.model, self.ref, self.reward)
+        self.evaluated_at = step
+        last.update(figures)
+        self.evaluations.append({"step": step, **figures})
+        thresholds = AlarmThresholds(alignment_tax_nats=self.cfg.alarms.alignment_tax_nats)
+        for alarm in check_alarms(self.evaluations, thresholds=thresholds) if self.accelerator.is_main_process else []:
+            if alarm.name not in self.raised:
+                self.raised.add(alarm.name)
+                logger.warning("alarm %s at step %d: %s", alarm.name, step, alarm.message)
 
     def fine_tune(self, iteration: int, step: int, last: dict) -> int:
         """4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0); returns
@@ -257,6 +280,8 @@ class RFTTrainer:
                                      self.compute_loss, step + 1))
             step += 1
             self.run.step_end(step, {"loss": window[-1]["loss"]})
+            if self.held_out.due(step, last=False):
+                self.evaluate(step, last)
             if step % self.cfg.logging.logging_steps == 0 or k == n_steps - 1:
                 last.update({key: sum(m[key] for m in window) / len(window) for key in window[0]})
                 self.run.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,

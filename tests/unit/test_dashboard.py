@@ -142,6 +142,16 @@ def test_report_unmatched_prompts_and_explicit_samples(online_run):
     assert "old" in text and "new" in text and "0.125" in text and "r9" not in text
 
 
+def test_report_pairs_training_samples_not_eval_samples(online_run):
+    """Eval samples (`"split": "eval"`) logged at the last step stay out of the training's before/after pairs."""
+    with open(online_run / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10, "prompt": "held out", "response": "eval answer", "score": 0.5, "kl": 0.1,
+                            "split": "eval"}) + "\n")
+    page, text, _ = _parse(Path(write_report(str(online_run))))
+    assert "step 1 (before) vs step 10 (after)" in text and "a great lamp" in text
+    assert "held out" not in text and "eval answer" not in text
+
+
 def test_report_offline_with_eval_json(offline_run):
     _, text, images = _parse(Path(write_report(str(offline_run))))
     assert images == []  # no dashboard.png beside the report, no extra figures

@@ -62,11 +62,13 @@ LAYERS = [
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
+    "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
     "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
     "rlhfkit.trainers.rundir",
     "rlhfkit.trainers.sinks",
     "rlhfkit.trainers.callbacks",  # transformers TrainerCallbacks at the run's events
     "rlhfkit.trainers.run",
+    "rlhfkit.trainers.held_out",  # the sampling stages' evaluation during training
     "rlhfkit.trainers.experience",
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
     "rlhfkit.trainers.online_setup",

@@ -1,0 +1,68 @@
+"""The held-out evaluation of a sampling stage during training (online RL, RFT): `rlhfkit eval`'s own sampling and
+figures on the run's live models, logged under `eval/`.
+
+`held_out_figures` samples the eval prompts with `evaluate.sample` (batch i under seed `seed + i`, the batches shared
+out among processes and gathered back, so the figures are those of one process), scores the samples with the run's
+`rewards.Rewards` (every reward source, their weighted total, the gold judge) and summarises them with
+`evaluate.summarize` (length, EOS rate, distinct-2, ...): `rlhfkit eval` on the same weights, prompts, seed, batch size
+and generation settings reports the same figures. `capability_figures` is the alignment tax of
+`capability.measure_alignment_tax`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.evaluation.alarms import ALIGNMENT_TAX_KEY, DISTINCT_KEY, TOP_SHARE_KEY, WORDS_KEY
+from rlhfkit.evaluation.capability import measure_alignment_tax
+from rlhfkit.evaluation.evaluate import concat_rollouts, describe, sample, summarize
+from rlhfkit.evaluation.metrics import mean_std
+from rlhfkit.reward_functions import source_stats
+
+
+@torch.no_grad()
+def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict], params, batch_size: int, seed: int,
+                     state=None, num_rows: int = 8) -> tuple[dict[str, float], list[dict]]:
+    """(figures, sample rows) of `policy` on the held-out `prompts` (tokenised prompt examples).
+
+    Args:
+        policy: the policy's module to call (in eval mode, weights whole on this process).
+        reference: a model or a `models.Reference`, or None (no `eval/objective/kl`).
+        rewards: the run's `rewards.Rewards`; every process scores every sample (the same forwards on each, which
+            a ZeRO-3 reward model needs), with no trainer state (as `rlhfkit eval`'s judges).
+        params, batch_size, seed, state: as `evaluate.sample`.
+        num_rows: samples returned for samples.jsonl (the first ones, in prompt order).
+
+    Figures: `eval/objective/scores` (the weighted total), `eval/rewards/<source>/mean|std`, `eval/objective/gold`,
+    `eval/objective/kl` (mean sequence KL to the reference, nats), `eval/response/length_avg`, `eos_rate`,
+    `empty_rate`, `distinct_2`, `words_avg` and `top_share` (with 2 prompts or more).
+    """
+    parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False)
+    ro = concat_rollouts(parts, tokenizer.pad_token_id)
+    rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
+    scored = rewards(ro, rows)
+    gold = rewards.gold(ro, rows)
+    s = describe(ro, tokenizer)
+    summary = summarize({**s, "scores": {}})
+    figures = {"objective/scores": float(scored.total.float().mean()), **source_stats(scored.per_source),
+               "response/length_avg": summary["length"]["mean"], "response/eos_rate": summary["eos_rate"],
+               "response/empty_rate": summary["empty_rate"], DISTINCT_KEY: summary["distinct_2"],
+               WORDS_KEY: summary["words_avg"]}
+    if summary["top_share"] is not None:
+        figures[TOP_SHARE_KEY] = summary["top_share"]
+    if gold is not None:
+        figures["objective/gold"] = float(gold.float().mean())
+    if kls:
+        figures["objective/kl"] = mean_std(kls)["mean"]
+    samples = [{"prompt": s["prompts"][i], "response": s["texts"][i], "score": float(scored.total[i]),
+                "kl": kls[i] if kls else None} for i in range(min(num_rows, len(s["texts"])))]
+    return {f"eval/{k}": v for k, v in figures.items()}, samples
+
+
+def capability_figures(policy, reference, examples: list[dict], pad_token_id: int, batch_size: int,
+                       state=None) -> dict[str, float]:
+    """The alignment tax of tokenised SFT `examples`: `eval/capability/policy_nll` and `reference_nll` (mean nats per
+    response token) and their difference under the key the `alignment_tax` alarm reads (`capability/delta_nats`)."""
+    tax = measure_alignment_tax(policy, reference, examples, pad_token_id, batch_size, state)
+    return {"eval/capability/policy_nll": tax.policy_nll, "eval/capability/reference_nll": tax.reference_nll,
+            ALIGNMENT_TAX_KEY: tax.delta}
