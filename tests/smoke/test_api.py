@@ -206,3 +206,27 @@ def test_iterable_and_dict_datasets(tmp_path):
     with pytest.raises(UserError, match="reward_weights"):
         rlhfkit.train("grpo", model="tiny", reward_funcs=[vowels], reward_weights=[1.0, 2.0],
                       config="configs/grpo_tiny.yaml", output_dir=str(tmp_path / "w"))
+
+
+def test_callbacks_reach_the_run(tmp_path):
+    """A TrainerCallback given to rlhfkit.train sees the run's logs and can stop it."""
+    from transformers import TrainerCallback
+
+    class StopAtTwo(TrainerCallback):
+        logged: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append((state.global_step, dict(logs)))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    cb = StopAtTwo()
+    result = rlhfkit.train("sft", model="tiny", train_dataset="data/tiny/sft_train.jsonl", callbacks=[cb],
+                           config={"max_steps": 6, "logging": {"progress_bar": False, "logging_steps": 1}},
+                           output_dir=str(tmp_path / "run"))
+    history = rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in history] == [1, 2]
+    assert [s for s, _ in cb.logged] == [1, 2] and cb.logged[-1][1]["loss"] == pytest.approx(history[-1]["loss"])
+    assert result.metrics["loss"] == pytest.approx(history[-1]["loss"])
