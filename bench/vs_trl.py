@@ -49,7 +49,7 @@ s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB; the work counted ident
     grpo   0.0368 vs 0.0475  1.29x   594 vs 598
     rloo   0.0461 vs 0.0538  1.17x   588 vs 597
     ppo    0.1236 vs 0.6924  5.60x   596 vs 606   (TRL 1.12 as shipped)
-    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprobs=sampler)
+    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprob_source=sampler)
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
               f"kl.coef={BETA[method]}"]
         o += ["reward.function=rlhfkit.tasks.toy:vowel_reward"] if method == "grpo" else [f"reward.model=[{spec['rm']}]"]
         if method == "ppo":  # TRL 1.12 takes π_old from the sampler's logits: so does rlhfkit here (same work)
-            o += ["algo.old_logprobs=sampler"]
+            o += ["algo.old_logprob_source=sampler"]
     cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
     def at_start(fn):

@@ -477,7 +477,7 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
 
 
 def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recompute(tmp_path, monkeypatch):
-    """`algo.old_logprobs=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
+    """`algo.old_logprob_source=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
     log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
     noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
     first update forward, where it is float noise too."""
@@ -487,7 +487,7 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
     assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
     recompute_rows = sum(calls)
     calls.clear()
-    assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprobs=sampler"]) == 0
+    assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprob_source=sampler"]) == 0
     assert recompute_rows - sum(calls) == 2 * 4  # the skipped pass: 2 steps × 4 rows
     rows = rows_of(tmp_path / "sampler" / "metrics.jsonl")
     assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
@@ -502,8 +502,17 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
 
 
 def test_sampler_old_logprobs_need_rlhfkits_decode_loop():
-    with pytest.raises(UserError, match="algo.old_logprobs.*generation.engine=rlhfkit"):
-        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler", "generation.engine=hf"])
+    with pytest.raises(UserError, match="algo.old_logprob_source.*generation.engine=rlhfkit"):
+        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprob_source=sampler", "generation.engine=hf"])
+
+
+def test_old_logprobs_key_is_refused_with_its_new_name(tmp_path, capsys):
+    """The switch once named like a tensor: the old key gives one line naming the new one, exit status 2."""
+    with pytest.raises(UserError, match=r"^config key 'algo.old_logprobs' was renamed: use 'algo.old_logprob_source'$"):
+        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler"])
+    assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"output_dir={tmp_path}", "algo.old_logprobs=recompute"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert errors == ["rlhfkit: error: config key 'algo.old_logprobs' was renamed: use 'algo.old_logprob_source'"]
 
 
 def test_accelerate_unwrap_is_not_called_per_micro_batch(tmp_path, monkeypatch):
