@@ -391,13 +391,12 @@ def worker(lib: str, method: str, spec: dict) -> None:
     meter.send(state="error", message=f"training ended after {meter.steps} of {total} steps")
 
 
-# 2a. rlhfkit: the real stage (`rlhfkit.stages.run_stage`), its trainer's step methods wrapped for the boundaries.
+# 2a. rlhfkit: the real stage (`rlhfkit.stages.run_stage`), its `Run`'s step calls wrapped for the boundaries.
 
 
 def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> None:
     from rlhfkit.stages import run_stage, stage_config
-    from rlhfkit.trainers.base import Trainer
-    from rlhfkit.trainers.online import OnlineTrainer
+    from rlhfkit.trainers.run import Run
 
     s = spec["shape"]
     o = [f"output_dir={spec['out']}", f"max_steps={total}", f"seed={spec['seed']}", f"optim.lr={LR}",
@@ -422,24 +421,20 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
             o += ["algo.old_logprob_source=sampler"]
     cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
-    def at_start(fn):
-        def wrapped(self, *args, **kwargs):
-            meter.start()
-            return fn(self, *args, **kwargs)
-        return wrapped
+    # A step's boundaries are the `Run` calls every rlhfkit loop makes: `begin` once its models are built, then
+    # `step_end` after each step's optimizer step(s) (that step's logging falls in the next interval, as TRL's
+    # `on_step_end` comes before its logging).
+    begin, step_end = Run.begin, Run.step_end
 
-    def at_end(fn):
-        def wrapped(self, *args, **kwargs):
-            result = fn(self, *args, **kwargs)
-            meter.boundary()
-            return result
-        return wrapped
+    def at_begin(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        meter.start()
 
-    if online:  # a step: make_experience ... end_step (logging, alarms)
-        OnlineTrainer.make_experience = at_start(OnlineTrainer.make_experience)
-        OnlineTrainer.end_step = at_end(OnlineTrainer.end_step)
-    else:  # a step: train_step, then the loop's logging (counted in the next step)
-        Trainer.train_step = at_end(at_start(Trainer.train_step))
+    def at_step_end(self, *args, **kwargs):
+        step_end(self, *args, **kwargs)
+        meter.boundary()
+
+    Run.begin, Run.step_end = at_begin, at_step_end
     run_stage(method, cfg)
 
 
