@@ -101,3 +101,26 @@ def nan_weights_after_step(n: int):
                 optimizer.param_groups[0]["params"][0].fill_(float("nan"))
 
     return watching(on_step=blow_up)
+
+
+@contextlib.contextmanager
+def causal_lm_forwards():
+    """The list of every causal-LM forward over whole sequences (a policy or reference log-prob forward; the decode
+    loop's forwards, which ask for the KV cache with `use_cache=True`, are left out), each as (rows, whether the
+    input's last column holds a real token in some row), appended as they run."""
+    from transformers import PreTrainedModel
+
+    seen: list[tuple[int, bool]] = []
+
+    def record(module, args, kwargs, output):
+        logits = getattr(output, "logits", None)
+        if isinstance(module, PreTrainedModel) and logits is not None and logits.dim() == 3 and not kwargs.get("use_cache"):
+            mask = kwargs.get("attention_mask")
+            rows = kwargs["input_ids"].shape[0] if "input_ids" in kwargs else logits.shape[0]
+            seen.append((rows, mask is None or bool(mask[:, -1].any())))
+
+    handle = register_module_forward_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rlhfkit.cli import main
 from rlhfkit.config import OnlineConfig, load_config
@@ -24,6 +25,7 @@ from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 from rlhfkit.trainers import online, online_setup
 from rlhfkit.trainers.online import OnlineTrainer
 from rlhfkit.types import Experience
+from tests.hooks import causal_lm_forwards
 
 FAST = ["logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4", "algo.num_minibatches=1"]
 
@@ -171,9 +173,12 @@ def _losses_and_grads(t, exp, monkeypatch):
         return value
 
     monkeypatch.setattr(online, "aggregate", recording)
-    monkeypatch.setattr(t.optim.optimizer, "step", lambda *a, **k: seen.append(grads(t)))
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.append(grads(t)))
     torch.manual_seed(0)
-    t.update(exp, 1)
+    try:
+        t.update(exp, 1)
+    finally:
+        handle.remove()
     monkeypatch.setattr(online, "aggregate", real)
     return losses, seen[0]
 
@@ -387,44 +392,23 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     assert seen[-1] == [1, 2, 3, 4]
 
 
-def count_logprob_rows(monkeypatch) -> list[int]:
-    """The rows of every policy log-prob forward of the online trainer, appended as they run."""
-    calls = []
-    real = online.OnlineTrainer.response_logprobs
-
-    def counting(self, model, ro, with_entropy=False):
-        calls.append(ro.response_ids.shape[0])
-        return real(self, model, ro, with_entropy)
-
-    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
-    return calls
-
-
 def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
     """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
     micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
-    calls = count_logprob_rows(monkeypatch)
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4", *FAST]
-    assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
-    lean_rows = sum(calls)
-    calls.clear()
+    with causal_lm_forwards() as lean:
+        assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
     after_build(monkeypatch, one_pass=False)
-    assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
-    assert sum(calls) - lean_rows == 2 * 16  # the skipped pass: 2 steps × 16 rows (the reference's forwards remain)
+    with causal_lm_forwards() as two:
+        assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
+    # The skipped pass: 2 steps × 16 rows (the reference's and the update's forwards are in both counts).
+    assert sum(rows for rows, _ in two) - sum(rows for rows, _ in lean) == 2 * 16
     assert_same_run(tmp_path / "lean", tmp_path / "two")
 
 
 def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monkeypatch):
     """Each micro-batch is cut to its longest response: forwards at narrower widths than the rollout's, and the same
     metrics and weights as without the cut."""
-    widths = []
-    real = online.OnlineTrainer.response_logprobs
-
-    def spy(self, model, ro, with_entropy=False):
-        widths.append((ro.response_ids.shape[1], int(ro.response_mask.sum(1).max())))
-        return real(self, model, ro, with_entropy)
-
-    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", spy)
     real_generate = online.generate
 
     def varied_lengths(*a, **k):  # a random tiny model seldom ends early: cut row i after 3 + i % 7 tokens
@@ -439,31 +423,25 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=2",
             "logging.progress_bar=false", "algo.rollout_batch_size=8", "algo.num_minibatches=1"]
-    assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 0
-    assert all(width == longest for width, longest in widths)  # no forward pays for columns of padding only
+    with causal_lm_forwards() as forwards:
+        assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 0
+    assert forwards and all(last for _, last in forwards)  # no forward pays for columns of padding only
     monkeypatch.setattr(Experience, "trimmed", lambda self: self)
     monkeypatch.setattr(online.Rollout, "trimmed", lambda self: self)
-    widths.clear()
-    assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
-    assert any(width > longest for width, longest in widths)  # the comparison run does pay for them
+    with causal_lm_forwards() as forwards:
+        assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
+    assert not all(last for _, last in forwards)  # the comparison run does pay for them
     assert_same_run(tmp_path / "cut", tmp_path / "full")
 
 
 def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_path, monkeypatch):
     """PPO with its own critic model: one backward of policy + value loss per micro-batch (two with a shared-base
     critic), and the same metrics and weights as two backwards."""
+    from accelerate import Accelerator
+
     calls = []
-    real = online.OnlineTrainer.update
-
-    def counting(self, exp, step):
-        backward = self.accelerator.backward
-        self.accelerator.backward = lambda loss, **k: calls.append(1) or backward(loss, **k)
-        try:
-            return real(self, exp, step)
-        finally:
-            self.accelerator.backward = backward
-
-    monkeypatch.setattr(online.OnlineTrainer, "update", counting)
+    backward = Accelerator.backward  # accelerate's public backward, which every loop calls through `Run.backward`
+    monkeypatch.setattr(Accelerator, "backward", lambda self, loss, **k: calls.append(1) or backward(self, loss, **k))
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=4", "logging.progress_bar=false", "algo.rollout_batch_size=8",
             "algo.num_minibatches=1", "algo.ppo_epochs=1"]
@@ -481,14 +459,13 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
     log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
     noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
     first update forward, where it is float noise too."""
-    calls = count_logprob_rows(monkeypatch)
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "logging.logging_steps=1", *FAST, "algo.num_minibatches=2", "optim.per_device_batch_size=2", "algo.ppo_epochs=2"]
-    assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
-    recompute_rows = sum(calls)
-    calls.clear()
-    assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprob_source=sampler"]) == 0
-    assert recompute_rows - sum(calls) == 2 * 4  # the skipped pass: 2 steps × 4 rows
+    with causal_lm_forwards() as recompute:
+        assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
+    with causal_lm_forwards() as sampler:
+        assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprob_source=sampler"]) == 0
+    assert sum(r for r, _ in recompute) - sum(r for r, _ in sampler) == 2 * 4  # the skipped pass: 2 steps × 4 rows
     rows = rows_of(tmp_path / "sampler" / "metrics.jsonl")
     assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
     assert all(r["policy/approxkl_avg"] > 1e-6 for r in rows)  # the weights did move between minibatches
