@@ -201,8 +201,9 @@ def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch)
 # 3. Truncated samples and their siblings' baselines ---------------------------------------------------------------
 
 
-def _fixed_scores(monkeypatch, t, scores, has_eos):
-    """Rollouts whose `has_eos` is forced and whose scores are fixed: 1 prompt × 4 samples."""
+def _fixed_scores(monkeypatch, tmp_path, scores, has_eos) -> str:
+    """Rollouts whose `has_eos` is forced, scored `scores` (one per row) by a reward function under the public
+    contract: returns the `reward.function` override that names it."""
     real = online.generate
 
     def generate(*args, **kwargs):
@@ -210,18 +211,10 @@ def _fixed_scores(monkeypatch, t, scores, has_eos):
         return dataclasses.replace(ro, has_eos=torch.tensor(has_eos))
 
     monkeypatch.setattr(online, "generate", generate)
-    t.reward = _ScoresOnly(scores, t.reward)
-
-
-class _ScoresOnly:
-    def __init__(self, scores, source):
-        self.scores, self.source = scores, source
-
-    def __call__(self, rollout, *args, **kwargs):
-        return torch.tensor(self.scores, dtype=torch.float32)
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
+    module = "fixed_scores_" + "_".join(str(int(x)) for x in scores)  # one module per list: imports are cached
+    (tmp_path / f"{module}.py").write_text(f"def reward(prompts, completions):\n    return {list(scores)!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"reward.function={module}:reward"
 
 
 @pytest.mark.parametrize("algorithm", ["rloo", "grpo"])
@@ -229,9 +222,9 @@ def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorit
     """Scores [1, 1, 1, 5], the 5 truncated, mask_truncated=true: the siblings' advantages are those of all four
     scores (RLOO: 1 - (1 + 1 + 5)/3 = -4/3), and the truncated sample takes no loss."""
     config = "rloo_tiny.yaml" if algorithm == "rloo" else "grpo_tiny.yaml"
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
     t = build(tmp_path, config, f"algo.algorithm={algorithm}", "algo.mask_truncated=true", "kl.coef=0", "algo.rollout_batch_size=1",
-              "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+              "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false", fixed)
     exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     assert exp.loss_mask[3].sum() == 0 and torch.equal(exp.loss_mask[:3], mask[:3])
@@ -284,10 +277,10 @@ def test_lora_ppo_uses_disabled_adapters_as_reference(tmp_path, monkeypatch):
 def test_dapo_options_take_effect(tmp_path, monkeypatch):
     """Dynamic filtering drops the group whose four scores are equal; mask_truncated drops the truncated sample;
     clip-higher (ε_high = 0.28) leaves a ratio of 1.25 unclipped where the symmetric 0.2 clips it."""
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
     t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dapo", "algo.dynamic_filtering=true", "algo.mask_truncated=true",
               "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
-              "optim.per_device_batch_size=8")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
+              "optim.per_device_batch_size=8", fixed)
     exp = online.make_experience(t, 0).experience
     kept = exp.loss_mask.sum(1) > 0
     assert kept.tolist() == [False] * 4 + [True, False, True, True]
@@ -331,9 +324,9 @@ def test_algorithms_without_a_reference_log_no_kl(tmp_path):
 
 def test_missing_eos_penalty_is_subtracted(tmp_path, monkeypatch):
     """TRL's convention: penalty 2 turns the truncated sample's 5 into 3; RLOO's first advantage is 1 - 5/3."""
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
     t = build(tmp_path, "rloo_tiny.yaml", "algo.algorithm=rloo", "reward.missing_eos_penalty=2.0", "kl.coef=0", "algo.rollout_batch_size=1",
-              "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+              "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false", fixed)
     exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     first = float((exp.advantages[0] * mask[0]).sum() / mask[0].sum())
