@@ -49,7 +49,7 @@ s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB; the work counted ident
     grpo   0.0368 vs 0.0475  1.29x   594 vs 598
     rloo   0.0461 vs 0.0538  1.17x   588 vs 597
     ppo    0.1236 vs 0.6924  5.60x   596 vs 606   (TRL 1.12 as shipped)
-    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprobs=sampler)
+    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprob_source=sampler)
 """
 
 from __future__ import annotations
@@ -391,13 +391,12 @@ def worker(lib: str, method: str, spec: dict) -> None:
     meter.send(state="error", message=f"training ended after {meter.steps} of {total} steps")
 
 
-# 2a. rlhfkit: the real stage (`rlhfkit.stages.run_stage`), its trainer's step methods wrapped for the boundaries.
+# 2a. rlhfkit: the real stage (`rlhfkit.stages.run_stage`), its `Run`'s step calls wrapped for the boundaries.
 
 
 def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> None:
     from rlhfkit.stages import run_stage, stage_config
-    from rlhfkit.trainers.base import Trainer
-    from rlhfkit.trainers.online import OnlineTrainer
+    from rlhfkit.trainers.run import Run
 
     s = spec["shape"]
     o = [f"output_dir={spec['out']}", f"max_steps={total}", f"seed={spec['seed']}", f"optim.lr={LR}",
@@ -419,27 +418,23 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
               f"kl.coef={BETA[method]}"]
         o += ["reward.function=rlhfkit.tasks.toy:vowel_reward"] if method == "grpo" else [f"reward.model=[{spec['rm']}]"]
         if method == "ppo":  # TRL 1.12 takes π_old from the sampler's logits: so does rlhfkit here (same work)
-            o += ["algo.old_logprobs=sampler"]
+            o += ["algo.old_logprob_source=sampler"]
     cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
-    def at_start(fn):
-        def wrapped(self, *args, **kwargs):
-            meter.start()
-            return fn(self, *args, **kwargs)
-        return wrapped
+    # A step's boundaries are the `Run` calls every rlhfkit loop makes: `begin` once its models are built, then
+    # `step_end` after each step's optimizer step(s) (that step's logging falls in the next interval, as TRL's
+    # `on_step_end` comes before its logging).
+    begin, step_end = Run.begin, Run.step_end
 
-    def at_end(fn):
-        def wrapped(self, *args, **kwargs):
-            result = fn(self, *args, **kwargs)
-            meter.boundary()
-            return result
-        return wrapped
+    def at_begin(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        meter.start()
 
-    if online:  # a step: make_experience ... end_step (logging, alarms)
-        OnlineTrainer.make_experience = at_start(OnlineTrainer.make_experience)
-        OnlineTrainer.end_step = at_end(OnlineTrainer.end_step)
-    else:  # a step: train_step, then the loop's logging (counted in the next step)
-        Trainer.train_step = at_end(at_start(Trainer.train_step))
+    def at_step_end(self, *args, **kwargs):
+        step_end(self, *args, **kwargs)
+        meter.boundary()
+
+    Run.begin, Run.step_end = at_begin, at_step_end
     run_stage(method, cfg)
 
 

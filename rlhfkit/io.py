@@ -1,7 +1,7 @@
 """Atomic writes: every file and directory rlhfkit writes appears whole under its name, or not at all.
 
 A reader — a resumed run, `rlhfkit dashboard`, a browser tab on report.html — never sees half a file, and a kill
-leaves only `.tmp-*` entries, which the next run in that directory removes (`trainers.base.RunDir`).
+leaves only `.tmp-*` entries, which the next run in that directory removes (`trainers.rundir.RunDir`).
 
 This module imports only the standard library (and `rlhfkit.errors`).
 """

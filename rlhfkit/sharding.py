@@ -27,7 +27,7 @@ and the frozen models need once each process holds only a slice of every weight.
 
 5. Keeping processes in step. Every forward of a sharded model is collective: loops whose number of batches differs
    between processes (evaluation shares, RFT's sampling batches) give the short processes filler batches
-   (`Trainer.eval_chunks`, `RFTTrainer.best_of_n`).
+   (`OfflineTrainer.eval_chunks`, `RFTTrainer.best_of_n`).
 
 accelerate 1.15 runs none of these engines on CPU by itself (see the README's table): FSDP needs a GPU-type device
 (`AcceleratorState` picks FSDP only for GPU-like multi-device types; its FSDP1 plugin with `sync_module_states`

@@ -122,7 +122,7 @@ class PromptBatch(_TensorBatch):
     attention_mask: torch.Tensor  # (B, P)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout(_TensorBatch):
     """Sampled responses to left-padded prompts, one row per sample (prompt i's k samples are adjacent).
 
@@ -161,11 +161,11 @@ class Rollout(_TensorBatch):
         return torch.cat([torch.zeros_like(self.prompt_mask), self.response_mask], 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Experience(_TensorBatch):
     """One online step's rollout with everything its updates read (rows as in `Rollout`).
 
-    Built by the online trainer's no-grad pass (`OnlineTrainer.make_experience`); `select` gives a minibatch.
+    Built once, by `trainers.experience.make_experience`, and never changed; `select` gives a minibatch.
     """
 
     rollout: Rollout

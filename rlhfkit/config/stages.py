@@ -125,6 +125,8 @@ class KTOConfig(TrainConfig):
 
 @dataclass(frozen=True)
 class OnlineOptions:
+    RENAMED = {"old_logprobs": "old_logprob_source"}  # a class attribute, not a field: refused with the new name
+
     algorithm: str = "ppo"  # a name in rlhfkit.algorithms: ppo, rloo, grpo, dr_grpo, dapo, reinforce_pp, ...
     rollout_batch_size: PosInt = 16  # prompts sampled per step (per process); samples = prompts × num_samples
     ppo_epochs: PosInt = 1  # passes over each rollout
@@ -133,7 +135,7 @@ class OnlineOptions:
     # of the policy after sampling; "sampler" = those the decode loop recorded (one policy forward fewer per step,
     # as TRL's PPO; they differ by numerics only: policy/sampler_logprob_gap, measured at the first update forward).
     # With one pass and no KL in the reward, π_old is the update forward's own log-probs either way.
-    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    old_logprob_source: Literal["recompute", "sampler"] = "recompute"
     clip_eps: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # ratio clip ε (lower side)
     clip_eps_high: Positive | None = None  # upper side (DAPO's clip-higher, 0.28); None = clip_eps
     dual_clip: Annotated[float, Gt(1)] | None = None  # dual-clip constant c > 1 for negative advantages; None = off
@@ -183,8 +185,8 @@ class OnlineConfig(TrainConfig):
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
         elif ALGORITHMS[name].advantage not in ("gae", "reinforce_pp") and k < 2:
             yield "generation.num_samples", f"{name} compares samples of one prompt: needs >= 2, got {k}"
-        if self.algo.old_logprobs == "sampler" and self.generation.engine != "rlhfkit":
-            yield "algo.old_logprobs", ("'sampler' reads rlhfkit's decode loop: needs generation.engine=rlhfkit "
+        if self.algo.old_logprob_source == "sampler" and self.generation.engine != "rlhfkit":
+            yield "algo.old_logprob_source", ("'sampler' reads rlhfkit's decode loop: needs generation.engine=rlhfkit "
                                         "(transformers' generate applies the model's own generation config)")
         samples = self.algo.rollout_batch_size * k
         if samples % self.algo.num_minibatches:

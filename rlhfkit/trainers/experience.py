@@ -82,7 +82,7 @@ def make_experience(t, step: int) -> Made:
     cat = lambda f: torch.cat([pad_to(f(c), ro.response_ids.shape[1]) for c in chunks])  # noqa: E731
     if t.one_pass:
         old_logprobs = None  # the update forward's own, detached (`update` returns them)
-    elif cfg.algo.old_logprobs == "sampler":
+    elif cfg.algo.old_logprob_source == "sampler":
         old_logprobs = ro.sampler_logprobs
     else:
         old_logprobs = cat(lambda c: t.response_logprobs(policy, c))
@@ -91,7 +91,7 @@ def make_experience(t, step: int) -> Made:
     finite = run.on_every_process(all(torch.isfinite(x).all() for x in (scores, old_logprobs, ref_logprobs) if x is not None))
     exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
     stats.update(rollout_stats(t, exp, rows))
-    figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprobs == "recompute") \
+    figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source == "recompute") \
         if old_logprobs is not None else PolicyFigures({}, None)
     stats.update(figures.stats)
     if not run.on_every_process(finite and bool(torch.isfinite(exp.advantages).all())):

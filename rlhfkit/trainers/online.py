@@ -118,7 +118,7 @@ class OnlineTrainer(OnlineModels):
                 idx = perm[m * (n // a.num_minibatches) : (m + 1) * (n // a.num_minibatches)]
                 # π_old from the sampler: its gap to the training forward, read where the weights are still the
                 # sampler's (the first minibatch of the first epoch).
-                gap = a.old_logprobs == "sampler" and not self.one_pass and epoch == m == 0
+                gap = a.old_logprob_source == "sampler" and not self.one_pass and epoch == m == 0
                 nonfinite, approxkl = self.minibatch(exp, idx, tally, kept, gap)
                 result = optimizer_step(self.optim, step, Fault.LOSS if nonfinite else None, schedule_steps=total - done)
                 done += 1

@@ -6,8 +6,9 @@ comparison in-process.
 
 A job is {"argv": [stage, "--config", FILE, key=value, ...]} plus optional
   "copy": [SRC, DST]    the main process copies directory SRC to DST first (a run to resume), the others wait;
-  "nan": {"rank": R, "steps": [S, ...]}   the process of rank R (every process when R is null) multiplies its
-                        training loss by NaN at the given steps (1-based), to test a fault seen by one process only.
+  "nan": {"rank": R, "steps": [S, ...]}   the process of rank R (every process when R is null) puts a NaN into its
+                        training forwards at the given steps (1-based, step 1 excluded), to test a fault seen by one
+                        process only.
 Each process writes RESULTS_DIR/rank{R}.json: the exit status of every job, in order.
 """
 
@@ -20,37 +21,12 @@ import shutil
 import sys
 
 
-@contextlib.contextmanager
 def nan_loss(rank: int | None, steps: list[int]):
-    """Poison the training loss of every offline stage (and RFT) on process `rank` at 1-based `steps`."""
-    from rlhfkit.trainers import kto, offline, preference, reward, rft, sft
+    """A NaN in every training forward of process `rank` (every process when None) at the 1-based `steps`, so its
+    loss is NaN there (any offline stage or RFT): torch's global hooks (tests/hooks.py), no trainer method patched."""
+    from tests.hooks import nan_in_steps
 
-    classes = [sft.SFTTrainer, reward.RewardTrainer, preference.PreferenceTrainer, kto.KTOTrainer, rft.RFTTrainer]
-    saved = [(cls, cls.compute_loss) for cls in classes] + [(offline.OfflineTrainer, offline.OfflineTrainer.train_step)]
-    original_step = offline.OfflineTrainer.train_step
-
-    def train_step(self, step):
-        self._poisoned = step + 1 in steps and rank in (None, self.accelerator.process_index)
-        return original_step(self, step)
-
-    def poisoned(compute_loss):
-        def compute(self, model, batch, num_items):
-            loss, metrics = compute_loss(self, model, batch, num_items)
-            return (loss * float("nan") if model.training and getattr(self, "_poisoned", False) else loss), metrics
-
-        return compute
-
-    offline.OfflineTrainer.train_step = train_step
-    for cls, fn in saved[:-1]:
-        cls.compute_loss = poisoned(fn)
-    try:
-        yield
-    finally:
-        for cls, fn in saved:
-            if cls is offline.OfflineTrainer:
-                cls.train_step = fn
-            else:
-                cls.compute_loss = fn
+    return nan_in_steps(steps, when=lambda: rank is None or rank == int(os.environ.get("RANK", "0")))
 
 
 def run_job(job: dict) -> int:

@@ -28,14 +28,12 @@ from rlhfkit.checkpoint import latest_checkpoint, save_checkpoint
 from rlhfkit.trainers import rundir
 from rlhfkit.trainers.rundir import RunDir
 from rlhfkit.trainers.sinks import JsonlSink
-from rlhfkit.trainers.kto import KTOTrainer
-from rlhfkit.trainers.preference import PreferenceTrainer
-from rlhfkit.trainers.reward import RewardTrainer
 from rlhfkit.trainers.sft import SFTTrainer
+from tests.hooks import interrupt_after_step, nan_in_steps, nan_weights_after_step
 
 FAST = ["logging.logging_steps=1", "logging.save_total_limit=10", "data.eval=null",
         "logging.progress_bar=false", "optim.per_device_batch_size=4", "optim.scheduler=constant", "optim.warmup_steps=0"]
-STAGES = {"sft": SFTTrainer, "rm": RewardTrainer, "dpo": PreferenceTrainer, "orpo": PreferenceTrainer, "kto": KTOTrainer}
+STAGES = ["dpo", "kto", "orpo", "rm", "sft"]
 
 
 def strict_rows(path):
@@ -78,25 +76,14 @@ def error_lines(capsys):
 # 1. Non-finite loss or gradient ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", sorted(STAGES))
-def test_nonfinite_step_is_skipped_in_every_offline_stage(stage, tmp_path, monkeypatch):
-    """Step 2 of 4 gets a NaN loss (and so NaN gradients): its update is skipped — the weights and the optimizer
-    state of checkpoint-2 equal checkpoint-1's, the schedule still advances — and the run goes on."""
-    cls = STAGES[stage]
-    train_step, compute_loss = cls.train_step, cls.compute_loss
-
-    def poisoned_step(self, step):
-        self.poison = step == 1
-        return train_step(self, step)
-
-    def poisoned_loss(self, model, batch, num_items):
-        loss, metrics = compute_loss(self, model, batch, num_items)
-        return (loss * float("nan") if getattr(self, "poison", False) else loss), metrics
-
-    monkeypatch.setattr(cls, "train_step", poisoned_step)
-    monkeypatch.setattr(cls, "compute_loss", poisoned_loss)
+@pytest.mark.parametrize("stage", STAGES)
+def test_nonfinite_step_is_skipped_in_every_offline_stage(stage, tmp_path):
+    """Step 2 of 4 gets a NaN loss (a NaN in its forwards, so NaN gradients): its update is skipped — the weights and
+    the optimizer state of checkpoint-2 equal checkpoint-1's, the schedule still advances — and the run goes on."""
     out = tmp_path / stage
-    assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "max_steps=4", *FAST, "logging.save_steps=1"]) == 0
+    with nan_in_steps([2]):
+        assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "max_steps=4", *FAST,
+                     "logging.save_steps=1"]) == 0
 
     rows = strict_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -114,24 +101,12 @@ def test_nonfinite_step_is_skipped_in_every_offline_stage(stage, tmp_path, monke
     assert all(torch.isfinite(t).all() for t in weights(out).values())
 
 
-def test_nonfinite_gradient_with_finite_loss_is_skipped(tmp_path, monkeypatch):
+def test_nonfinite_gradient_with_finite_loss_is_skipped(tmp_path):
     """A finite loss whose gradient is NaN (caught by the gradient norm) is skipped too."""
-    train_step = SFTTrainer.train_step
-
-    def poisoned_step(self, step):
-        if step == 1:
-            p = next(q for q in self.model.parameters() if q.requires_grad)
-            handle = p.register_hook(lambda g: g * float("nan"))
-            try:
-                return train_step(self, step)
-            finally:
-                handle.remove()
-        return train_step(self, step)
-
-    monkeypatch.setattr(SFTTrainer, "train_step", poisoned_step)
     out = tmp_path / "run"
-    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=3", "optim.max_grad_norm=null",
-                 *FAST, "logging.save_steps=1"]) == 0
+    with nan_in_steps([2], gradient=True):
+        assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=3",
+                     "optim.max_grad_norm=null", *FAST, "logging.save_steps=1"]) == 0
     rows = strict_rows(out / "metrics.jsonl")
     assert [r["faults/skipped_total"] for r in rows] == [0, 1, 1]
     assert math.isfinite(rows[1]["loss"])
@@ -202,25 +177,16 @@ def test_checkpoint_with_nonfinite_weights_is_refused(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"] and fingerprint(tmp_path) == before
 
 
-def test_final_model_with_nonfinite_weights_is_refused(tmp_path, capsys, monkeypatch):
+def test_final_model_with_nonfinite_weights_is_refused(tmp_path, capsys):
     """A run resumed from a finished one whose weights turn NaN in its last step: exit 2, and the model the earlier
     run saved in output_dir (and its checkpoints) are left as they were."""
     out = tmp_path / "sft"
     args = ["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "logging.save_steps=1"]
     assert main(args + ["max_steps=2"]) == 0
     before = fingerprint(out)
-    train_step = SFTTrainer.train_step
-
-    def nan_weights_at_the_end(self, step):
-        metrics = train_step(self, step)
-        if step == self.total_steps - 1:
-            with torch.no_grad():
-                next(self.model.parameters()).fill_(float("nan"))
-        return metrics
-
-    monkeypatch.setattr(SFTTrainer, "train_step", nan_weights_at_the_end)
     capsys.readouterr()
-    assert main(args + ["max_steps=2", "resume=true"]) == 2
+    with nan_weights_after_step(1):  # the resumed run's one step, its last
+        assert main(args + ["max_steps=2", "resume=true"]) == 2
     errors = error_lines(capsys)
     assert len(errors) == 1 and str(out) in errors[0] and "final model" in errors[0], errors
     after = fingerprint(out)
@@ -369,30 +335,19 @@ def previous_run(tmp_path):
     return out
 
 
-def _crash_at(monkeypatch, at):
-    train_step = SFTTrainer.train_step
-
-    def crash(self, step):
-        if step == at:
-            raise KeyboardInterrupt
-        return train_step(self, step)
-
-    monkeypatch.setattr(SFTTrainer, "train_step", crash)
-
-
-def test_overwrite_keeps_the_previous_run_if_the_new_one_stops_before_a_checkpoint(previous_run, monkeypatch):
+def test_overwrite_keeps_the_previous_run_if_the_new_one_stops_before_a_checkpoint(previous_run):
     before = fingerprint(previous_run)
-    _crash_at(monkeypatch, 1)
-    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={previous_run}", "overwrite=true", "max_steps=4",
+    with interrupt_after_step(1):
+        code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={previous_run}", "overwrite=true", "max_steps=4",
                  *FAST, "logging.save_steps=2"])
     assert code == 130
     assert fingerprint(previous_run) == before
     assert sorted(os.listdir(previous_run.parent)) == ["previous"]
 
 
-def test_overwrite_replaces_the_previous_run_at_the_first_checkpoint(previous_run, monkeypatch):
-    _crash_at(monkeypatch, 2)
-    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={previous_run}", "overwrite=true", "max_steps=4",
+def test_overwrite_replaces_the_previous_run_at_the_first_checkpoint(previous_run):
+    with interrupt_after_step(2):
+        code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={previous_run}", "overwrite=true", "max_steps=4",
                  *FAST, "logging.save_steps=2"])
     assert code == 130
     assert sorted(os.listdir(previous_run)) == ["checkpoint-2", "config.yaml", "metrics.jsonl"]
@@ -430,9 +385,9 @@ def test_a_failure_before_the_first_step_writes_nothing(tmp_path, capsys, monkey
     assert main(args + ["reward.function=good_reward:reward"]) == 0
 
 
-def test_a_failure_after_logged_steps_keeps_the_run(tmp_path, monkeypatch):
+def test_a_failure_after_logged_steps_keeps_the_run(tmp_path):
     out = tmp_path / "run"
-    _crash_at(monkeypatch, 2)
-    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=4", *FAST]) == 130
+    with interrupt_after_step(2):
+        assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=4", *FAST]) == 130
     assert [r["step"] for r in strict_rows(out / "metrics.jsonl")] == [1, 2]
     assert (out / "config.yaml").is_file()

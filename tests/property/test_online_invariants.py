@@ -8,7 +8,6 @@ import os
 import pytest
 
 from rlhfkit.cli import main
-from rlhfkit.trainers.online import OnlineTrainer
 
 FAST = ["max_steps=2", "logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4",
         "algo.num_minibatches=1"]
@@ -32,20 +31,14 @@ def test_lr_zero_first_epoch_has_ratio_one(stage, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "model.lora.r=4"]], ids=["full", "lora-shared-critic"])
-def test_resume_reproduces_final_metrics(extra, tmp_path, monkeypatch):
+def test_resume_reproduces_final_metrics(extra, tmp_path):
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=4", "logging.save_steps=2", "logging.progress_bar=false",
             "algo.rollout_batch_size=4", "optim.per_device_batch_size=2", *extra]
     assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
-    original = OnlineTrainer.prompts_for
-
-    def crash(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(OnlineTrainer, "prompts_for", crash)
-    assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 130
-    monkeypatch.setattr(OnlineTrainer, "prompts_for", original)
+    # The configs' reward, interrupted when step 4 is scored: the run dies after step 3 (checkpoint-2 is the last).
+    interrupted = "reward.function=tests.smoke.interrupted_reward:vowel_reward"
+    assert main(args + [f"output_dir={tmp_path / 'cut'}", interrupted]) == 130
+    assert [r["step"] for r in metrics(tmp_path / "cut")] == [1, 2, 3]
     assert main(args + [f"output_dir={tmp_path / 'cut'}", "resume=true"]) == 0
     full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
     assert len(cut) == len(full) == 4

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rlhfkit.cli import main
 from rlhfkit.config import OnlineConfig, load_config
@@ -24,6 +25,7 @@ from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 from rlhfkit.trainers import online, online_setup
 from rlhfkit.trainers.online import OnlineTrainer
 from rlhfkit.types import Experience
+from tests.hooks import causal_lm_forwards
 
 FAST = ["logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4", "algo.num_minibatches=1"]
 
@@ -171,9 +173,12 @@ def _losses_and_grads(t, exp, monkeypatch):
         return value
 
     monkeypatch.setattr(online, "aggregate", recording)
-    monkeypatch.setattr(t.optim.optimizer, "step", lambda *a, **k: seen.append(grads(t)))
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.append(grads(t)))
     torch.manual_seed(0)
-    t.update(exp, 1)
+    try:
+        t.update(exp, 1)
+    finally:
+        handle.remove()
     monkeypatch.setattr(online, "aggregate", real)
     return losses, seen[0]
 
@@ -196,8 +201,9 @@ def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch)
 # 3. Truncated samples and their siblings' baselines ---------------------------------------------------------------
 
 
-def _fixed_scores(monkeypatch, t, scores, has_eos):
-    """Rollouts whose `has_eos` is forced and whose scores are fixed: 1 prompt × 4 samples."""
+def _fixed_scores(monkeypatch, tmp_path, scores, has_eos) -> str:
+    """Rollouts whose `has_eos` is forced, scored `scores` (one per row) by a reward function under the public
+    contract: returns the `reward.function` override that names it."""
     real = online.generate
 
     def generate(*args, **kwargs):
@@ -205,18 +211,10 @@ def _fixed_scores(monkeypatch, t, scores, has_eos):
         return dataclasses.replace(ro, has_eos=torch.tensor(has_eos))
 
     monkeypatch.setattr(online, "generate", generate)
-    t.reward = _ScoresOnly(scores, t.reward)
-
-
-class _ScoresOnly:
-    def __init__(self, scores, source):
-        self.scores, self.source = scores, source
-
-    def __call__(self, rollout, *args, **kwargs):
-        return torch.tensor(self.scores, dtype=torch.float32)
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
+    module = "fixed_scores_" + "_".join(str(int(x)) for x in scores)  # one module per list: imports are cached
+    (tmp_path / f"{module}.py").write_text(f"def reward(prompts, completions):\n    return {list(scores)!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"reward.function={module}:reward"
 
 
 @pytest.mark.parametrize("algorithm", ["rloo", "grpo"])
@@ -224,9 +222,9 @@ def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorit
     """Scores [1, 1, 1, 5], the 5 truncated, mask_truncated=true: the siblings' advantages are those of all four
     scores (RLOO: 1 - (1 + 1 + 5)/3 = -4/3), and the truncated sample takes no loss."""
     config = "rloo_tiny.yaml" if algorithm == "rloo" else "grpo_tiny.yaml"
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
     t = build(tmp_path, config, f"algo.algorithm={algorithm}", "algo.mask_truncated=true", "kl.coef=0", "algo.rollout_batch_size=1",
-              "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+              "generation.num_samples=4", "optim.lr=0", "max_steps=1", "algo.whiten_advantages=false", fixed)
     exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     assert exp.loss_mask[3].sum() == 0 and torch.equal(exp.loss_mask[:3], mask[:3])
@@ -279,10 +277,10 @@ def test_lora_ppo_uses_disabled_adapters_as_reference(tmp_path, monkeypatch):
 def test_dapo_options_take_effect(tmp_path, monkeypatch):
     """Dynamic filtering drops the group whose four scores are equal; mask_truncated drops the truncated sample;
     clip-higher (ε_high = 0.28) leaves a ratio of 1.25 unclipped where the symmetric 0.2 clips it."""
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
     t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dapo", "algo.dynamic_filtering=true", "algo.mask_truncated=true",
               "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
-              "optim.per_device_batch_size=8")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [True] * 5 + [False] + [True] * 2)
+              "optim.per_device_batch_size=8", fixed)
     exp = online.make_experience(t, 0).experience
     kept = exp.loss_mask.sum(1) > 0
     assert kept.tolist() == [False] * 4 + [True, False, True, True]
@@ -326,9 +324,9 @@ def test_algorithms_without_a_reference_log_no_kl(tmp_path):
 
 def test_missing_eos_penalty_is_subtracted(tmp_path, monkeypatch):
     """TRL's convention: penalty 2 turns the truncated sample's 5 into 3; RLOO's first advantage is 1 - 5/3."""
+    fixed = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
     t = build(tmp_path, "rloo_tiny.yaml", "algo.algorithm=rloo", "reward.missing_eos_penalty=2.0", "kl.coef=0", "algo.rollout_batch_size=1",
-              "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false")
-    _fixed_scores(monkeypatch, t, [1.0, 1.0, 1.0, 5.0], [True, True, True, False])
+              "generation.num_samples=4", "max_steps=1", "algo.whiten_advantages=false", fixed)
     exp = online.make_experience(t, 0).experience
     mask = exp.rollout.response_mask.float()
     first = float((exp.advantages[0] * mask[0]).sum() / mask[0].sum())
@@ -387,44 +385,23 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     assert seen[-1] == [1, 2, 3, 4]
 
 
-def count_logprob_rows(monkeypatch) -> list[int]:
-    """The rows of every policy log-prob forward of the online trainer, appended as they run."""
-    calls = []
-    real = online.OnlineTrainer.response_logprobs
-
-    def counting(self, model, ro, with_entropy=False):
-        calls.append(ro.response_ids.shape[0])
-        return real(self, model, ro, with_entropy)
-
-    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", counting)
-    return calls
-
-
 def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
     """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
     micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
-    calls = count_logprob_rows(monkeypatch)
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4", *FAST]
-    assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
-    lean_rows = sum(calls)
-    calls.clear()
+    with causal_lm_forwards() as lean:
+        assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
     after_build(monkeypatch, one_pass=False)
-    assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
-    assert sum(calls) - lean_rows == 2 * 16  # the skipped pass: 2 steps × 16 rows (the reference's forwards remain)
+    with causal_lm_forwards() as two:
+        assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
+    # The skipped pass: 2 steps × 16 rows (the reference's and the update's forwards are in both counts).
+    assert sum(rows for rows, _ in two) - sum(rows for rows, _ in lean) == 2 * 16
     assert_same_run(tmp_path / "lean", tmp_path / "two")
 
 
 def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monkeypatch):
     """Each micro-batch is cut to its longest response: forwards at narrower widths than the rollout's, and the same
     metrics and weights as without the cut."""
-    widths = []
-    real = online.OnlineTrainer.response_logprobs
-
-    def spy(self, model, ro, with_entropy=False):
-        widths.append((ro.response_ids.shape[1], int(ro.response_mask.sum(1).max())))
-        return real(self, model, ro, with_entropy)
-
-    monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", spy)
     real_generate = online.generate
 
     def varied_lengths(*a, **k):  # a random tiny model seldom ends early: cut row i after 3 + i % 7 tokens
@@ -439,31 +416,25 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=2",
             "logging.progress_bar=false", "algo.rollout_batch_size=8", "algo.num_minibatches=1"]
-    assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 0
-    assert all(width == longest for width, longest in widths)  # no forward pays for columns of padding only
+    with causal_lm_forwards() as forwards:
+        assert main(args + [f"output_dir={tmp_path / 'cut'}"]) == 0
+    assert forwards and all(last for _, last in forwards)  # no forward pays for columns of padding only
     monkeypatch.setattr(Experience, "trimmed", lambda self: self)
     monkeypatch.setattr(online.Rollout, "trimmed", lambda self: self)
-    widths.clear()
-    assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
-    assert any(width > longest for width, longest in widths)  # the comparison run does pay for them
+    with causal_lm_forwards() as forwards:
+        assert main(args + [f"output_dir={tmp_path / 'full'}"]) == 0
+    assert not all(last for _, last in forwards)  # the comparison run does pay for them
     assert_same_run(tmp_path / "cut", tmp_path / "full")
 
 
 def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_path, monkeypatch):
     """PPO with its own critic model: one backward of policy + value loss per micro-batch (two with a shared-base
     critic), and the same metrics and weights as two backwards."""
+    from accelerate import Accelerator
+
     calls = []
-    real = online.OnlineTrainer.update
-
-    def counting(self, exp, step):
-        backward = self.accelerator.backward
-        self.accelerator.backward = lambda loss, **k: calls.append(1) or backward(loss, **k)
-        try:
-            return real(self, exp, step)
-        finally:
-            self.accelerator.backward = backward
-
-    monkeypatch.setattr(online.OnlineTrainer, "update", counting)
+    backward = Accelerator.backward  # accelerate's public backward, which every loop calls through `Run.backward`
+    monkeypatch.setattr(Accelerator, "backward", lambda self, loss, **k: calls.append(1) or backward(self, loss, **k))
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=4", "logging.progress_bar=false", "algo.rollout_batch_size=8",
             "algo.num_minibatches=1", "algo.ppo_epochs=1"]
@@ -477,18 +448,17 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
 
 
 def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recompute(tmp_path, monkeypatch):
-    """`algo.old_logprobs=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
+    """`algo.old_logprob_source=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
     log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
     noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
     first update forward, where it is float noise too."""
-    calls = count_logprob_rows(monkeypatch)
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "logging.logging_steps=1", *FAST, "algo.num_minibatches=2", "optim.per_device_batch_size=2", "algo.ppo_epochs=2"]
-    assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
-    recompute_rows = sum(calls)
-    calls.clear()
-    assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprobs=sampler"]) == 0
-    assert recompute_rows - sum(calls) == 2 * 4  # the skipped pass: 2 steps × 4 rows
+    with causal_lm_forwards() as recompute:
+        assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
+    with causal_lm_forwards() as sampler:
+        assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprob_source=sampler"]) == 0
+    assert sum(r for r, _ in recompute) - sum(r for r, _ in sampler) == 2 * 4  # the skipped pass: 2 steps × 4 rows
     rows = rows_of(tmp_path / "sampler" / "metrics.jsonl")
     assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
     assert all(r["policy/approxkl_avg"] > 1e-6 for r in rows)  # the weights did move between minibatches
@@ -502,8 +472,17 @@ def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recomput
 
 
 def test_sampler_old_logprobs_need_rlhfkits_decode_loop():
-    with pytest.raises(UserError, match="algo.old_logprobs.*generation.engine=rlhfkit"):
-        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler", "generation.engine=hf"])
+    with pytest.raises(UserError, match="algo.old_logprob_source.*generation.engine=rlhfkit"):
+        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprob_source=sampler", "generation.engine=hf"])
+
+
+def test_old_logprobs_key_is_refused_with_its_new_name(tmp_path, capsys):
+    """The switch once named like a tensor: the old key gives one line naming the new one, exit status 2."""
+    with pytest.raises(UserError, match=r"^config key 'algo.old_logprobs' was renamed: use 'algo.old_logprob_source'$"):
+        load_config(OnlineConfig, "configs/ppo_tiny.yaml", ["algo.old_logprobs=sampler"])
+    assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"output_dir={tmp_path}", "algo.old_logprobs=recompute"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert errors == ["rlhfkit: error: config key 'algo.old_logprobs' was renamed: use 'algo.old_logprob_source'"]
 
 
 def test_accelerate_unwrap_is_not_called_per_micro_batch(tmp_path, monkeypatch):

@@ -6,11 +6,13 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rlhfkit.cli import main
 from rlhfkit.config import RMConfig, SFTConfig, load_config
 from rlhfkit.trainers.reward import RewardTrainer
 from rlhfkit.trainers.sft import SFTTrainer
+from tests.hooks import interrupt_after_step
 
 STAGES = {
     "sft": (SFTConfig, SFTTrainer, "configs/sft_tiny.yaml"),
@@ -26,13 +28,16 @@ def first_step_gradients(stage, tmp_path, overrides):
     trainer.setup()
     grads = {}
 
-    def capture():
+    def capture(optimizer, args, kwargs):
         for name, p in trainer.model.named_parameters():
             if p.grad is not None:
                 grads[name] = p.grad.detach().clone()
 
-    trainer.optim.optimizer.step = capture
-    trainer.train_step(0)
+    handle = register_optimizer_step_pre_hook(capture)  # torch's public hook, before the update is applied
+    try:
+        trainer.train_step(0)
+    finally:
+        handle.remove()
     return grads
 
 
@@ -54,23 +59,15 @@ def weights(run_dir):
 
 
 @pytest.mark.parametrize("stage, extra", [("sft", []), ("rm", ["model.lora.enabled=true", "model.lora.r=4"])])
-def test_resume_equals_uninterrupted(stage, extra, tmp_path, monkeypatch):
-    _, trainer_cls, path = STAGES[stage]
+def test_resume_equals_uninterrupted(stage, extra, tmp_path):
+    _, _, path = STAGES[stage]
     args = [stage, "--config", path, "max_steps=6", "logging.save_steps=3", "logging.logging_steps=1", "data.eval=null", *extra]
     full = tmp_path / "full"
     assert main(args + [f"output_dir={full}"]) == 0
 
     interrupted = tmp_path / "interrupted"
-    original = trainer_cls.train_step
-
-    def crash_at_step_4(self, step):
-        if step == 4:
-            raise KeyboardInterrupt  # the run dies after checkpoint-3 was written
-        return original(self, step)
-
-    monkeypatch.setattr(trainer_cls, "train_step", crash_at_step_4)
-    assert main(args + [f"output_dir={interrupted}"]) == 130
-    monkeypatch.setattr(trainer_cls, "train_step", original)
+    with interrupt_after_step(4):  # the run dies in step 5, after checkpoint-3 was written
+        assert main(args + [f"output_dir={interrupted}"]) == 130
     assert os.path.isdir(interrupted / "checkpoint-3")
     assert main(args + [f"output_dir={interrupted}", "resume=true"]) == 0
 

@@ -43,3 +43,27 @@ def test_reward_function_loading_errors():
         load_reward_function("no_such_module:f")
     with pytest.raises(UserError, match="has no function 'nope'"):
         load_reward_function("rlhfkit.tasks.toy:nope")
+
+
+def test_experience_and_rollout_are_frozen_and_select_and_trim_make_copies():
+    """Nothing changes an experience after `make_experience`: its fields cannot be reassigned; `select` and `trimmed`
+    give new objects with the rows and the response columns asked for."""
+    import dataclasses
+
+    from rlhfkit.types import Experience, Rollout
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    ro = Rollout(prompt_ids=torch.ones(3, 2, dtype=torch.long), prompt_mask=torch.ones(3, 2, dtype=torch.long),
+                 response_ids=torch.arange(12).view(3, 4), response_mask=mask, group_ids=torch.tensor([0, 0, 1]),
+                 has_eos=torch.tensor([True, True, False]), sampler_logprobs=-mask.float())
+    per_token = torch.arange(12, dtype=torch.float32).view(3, 4)
+    exp = Experience(rollout=ro, old_logprobs=None, ref_logprobs=per_token, values=None, scores=torch.tensor([1.0, 2.0, 3.0]),
+                     shaped_scores=torch.tensor([0.0, 0.5, 1.0]), kl=None, advantages=per_token, returns=per_token,
+                     loss_mask=mask.float())
+    for obj, name in ((exp, "advantages"), (exp, "old_logprobs"), (ro, "response_mask")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, None)
+    rows = exp.select(torch.tensor([0, 1])).trimmed()
+    assert rows.advantages.tolist() == [[0.0, 1.0], [4.0, 5.0]]  # rows 0-1, cut at their longest response (2)
+    assert rows.rollout.response_ids.tolist() == [[0, 1], [4, 5]] and rows.scores.tolist() == [1.0, 2.0]
+    assert exp.advantages.shape == (3, 4) and exp.rollout.response_ids.shape == (3, 4)  # the original is untouched
