@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
     p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in under 20 seconds (plumbing only)")
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
-    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "dpo", "eval"],
+    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval"],
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the demo in a non-empty --output-dir (refused without this or --from-stage)")

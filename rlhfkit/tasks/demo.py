@@ -41,14 +41,15 @@ import yaml
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.stages import run_stage
-from rlhfkit.tasks import reviews
+from rlhfkit.tasks import general_qa, reviews
 
 logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_PROMPT = "You are a helpful assistant."
 BEST_OF_N = 4
-METHODS = ("sft", "ppo", "dpo", f"best_of_{BEST_OF_N}")
-STAGES = ("prompts", "sft", "rm", "ppo", "dpo", "eval")
+TRAINED = ("ppo", "online_dpo", "dpo")  # the methods that train a policy of their own
+METHODS = ("sft", *TRAINED, f"best_of_{BEST_OF_N}")
+STAGES = ("prompts", "sft", "rm", *TRAINED, "eval")
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,18 @@ class Policy:
                           for ro in dev]).cpu()
 
 
+    def capability_nll(self, records_file: str) -> torch.Tensor:
+        """(2,) [Σ NLL, tokens] of the reference responses in `records_file` (SFT format) under this model
+        (`evaluation.capability.response_nll`)."""
+        from rlhfkit.config import DataConfig
+        from rlhfkit.data import build_datasets
+        from rlhfkit.evaluation.capability import response_nll
+
+        data = DataConfig(train=records_file, max_length=512, max_prompt_length=256)
+        examples = build_datasets("sft", data, self.tokenizer, 0)[0]
+        return response_nll(self.model, examples, self.tokenizer.pad_token_id, 16, _device()).cpu()
+
+
 @torch.no_grad()
 def _rm_scores(scorer, rollouts) -> torch.Tensor:
     dev = [ro.to(_device()) for ro in rollouts]
@@ -227,7 +240,8 @@ class Demo:
             "sft": "1. SFT (LoRA): the format, from the base model's own 1-2 sentence answers",
             "rm": f"2. reward model (linear probe on the SFT model): SFT pairs labelled by Bradley-Terry annotators (tau={reviews.ANNOTATOR_TAU})",
             "ppo": "3a. PPO (LoRA, adaptive KL, critic from the reward model) against the reward model",
-            "dpo": "3b. DPO (LoRA) on the same pairs (two disjoint pairs per prompt)",
+            "online_dpo": "3b. online DPO (LoRA): pairs sampled from the policy, ranked by the same reward model, same prompts",
+            "dpo": "3c. DPO (LoRA) on the annotated pairs (two disjoint pairs per prompt)",
             "eval": f"4. evaluation on {self.size.eval_prompts} held-out prompts (best-of-{BEST_OF_N} sampled here)",
         }
         for name in STAGES[STAGES.index(from_stage):]:
@@ -257,6 +271,7 @@ class Demo:
         _write_jsonl(self.path("prompts_eval.jsonl"), records(held_out[: size.eval_prompts]))
         _write_jsonl(self.path("prompts_sft.jsonl"), records(rng.sample(train, size.sft_prompts)))
         _write_jsonl(self.path("prompts_pairs.jsonl"), records(rng.sample(train, size.pair_prompts)))
+        _write_jsonl(self.path("capability.jsonl"), general_qa.records(SYSTEM_PROMPT))  # the alignment tax's texts
         print(f"{len(train)} train prompts, {min(len(held_out), size.eval_prompts)} held out; e.g. {train[0]!r}")
 
     # 1. SFT on the base model's own filtered samples -----------------------------------------------------------
@@ -345,7 +360,19 @@ class Demo:
             "algo.num_minibatches": 2, "algo.vf_coef": 0.1, "algo.table_steps": 1, "algo.sample_log_steps": 5,
             "optim.lr": size.ppo_lr, "optim.per_device_batch_size": size.ppo_batch // 2})
 
-    # 3b. DPO on the same pairs ---------------------------------------------------------------------------------
+    # 3b. Online DPO: fresh pairs from the policy, labelled by the reward model, PPO's prompt budget -------------
+    def stage_online_dpo(self) -> None:
+        self.need("prompts_train.jsonl", "sft", "rm")
+        size = self.size
+        _train("online_dpo", {
+            **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("prompts_train.jsonl"),
+            "output_dir": self.path("online_dpo"), "max_steps": size.ppo_steps, "reward.model": [self.path("rm")],
+            "reward.missing_eos_penalty": 1.0, "reward.gold_function": "rlhfkit.tasks.reviews:gold_judge",
+            "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0, "generation.num_samples": 2,
+            "algo.beta": 0.1, "algo.rollout_batch_size": size.ppo_batch, "algo.table_steps": 1, "algo.sample_log_steps": 5,
+            "optim.lr": 2e-4, "optim.per_device_batch_size": size.ppo_batch // 2})
+
+    # 3c. DPO on the annotated pairs ---------------------------------------------------------------------------------
     def stage_dpo(self) -> None:
         self.need("pairs_dpo.jsonl", "sft")
         _train("dpo", {**self.lora, **self.common, "model.name_or_path": self.path("sft"),
@@ -356,10 +383,11 @@ class Demo:
     # 4. Evaluation on held-out prompts (best-of-n is sampled here) ---------------------------------------------
     def stage_eval(self) -> dict:
         from rlhfkit.config import ModelConfig
+        from rlhfkit.evaluation.capability import alignment_tax
         from rlhfkit.evaluation.metrics import best_of_n_kl, distinct_n, win_rate, within_group_accuracy
         from rlhfkit.rewards import load_reward_scorer
 
-        self.need("prompts_eval.jsonl", "sft", "rm", "ppo", "dpo", "rm_eval.json")
+        self.need("prompts_eval.jsonl", "capability.jsonl", "sft", "rm", *TRAINED, "rm_eval.json")
         size, prompts_file = self.size, self.path("prompts_eval.jsonl")
         prompts = [r["prompt"][-1]["content"] for r in _read_jsonl(prompts_file)]
         scorer = _scorer_on_device(load_reward_scorer(self.path("rm")))
@@ -375,14 +403,20 @@ class Demo:
         best = candidates.gather(1, rm[candidates].argmax(1, keepdim=True)).squeeze(1).tolist()
         pick = lambda idx, kl: ([texts[i] for i in idx], rm[idx], gold[idx], eos[idx], kl)  # noqa: E731
         samples = {"sft": pick(baseline, torch.zeros(len(baseline))),
-                   METHODS[3]: pick(best, torch.full((len(best),), best_of_n_kl(BEST_OF_N)))}
-        for method in ("ppo", "dpo"):
+                   METHODS[-1]: pick(best, torch.full((len(best),), best_of_n_kl(BEST_OF_N)))}
+        # The alignment tax: each policy's per-token NLL of general-knowledge answers against the SFT model's.
+        capability = self.path("capability.jsonl")
+        nll = {"sft": sft.capability_nll(capability)}
+        for method in TRAINED:
             policy = Policy(ModelConfig(name_or_path=self.path(method)), prompts_file)
             ros = policy.sample(1, size, self.seed + 3)
             out = policy.texts(ros)
             samples[method] = (out, _rm_scores(scorer, ros), torch.tensor(reviews.gold_judge([], out)),
                                torch.cat([ro.has_eos for ro in ros]).float(), policy.sequence_kl(ros, sft))
+            nll[method] = policy.capability_nll(capability)
             del policy
+        nll[METHODS[-1]] = nll["sft"]  # best-of-n samples the SFT model: no tax by construction
+        tax = {m: alignment_tax(nll[m], nll["sft"]).as_dict() for m in METHODS}
         with open(self.path("rm_eval.json"), encoding="utf-8") as f:
             rm_figures = json.load(f)
         # The reward model on held-out prompts: every pair of the k SFT samples to one prompt, against the gold order.
@@ -402,12 +436,15 @@ class Demo:
                 "distinct_2": distinct_n(out, 2),
                 "eos_rate": float(m_eos.mean()),
                 "mean_words": sum(len(t.split()) for t in out) / len(out),
+                "alignment_tax_nats": tax[m]["delta_nats"],
             }
         _write_jsonl(self.path("eval_samples.jsonl"), [
             {"prompt": p, **{m: samples[m][0][i] for m in METHODS}, **{f"gold_{m}": float(samples[m][2][i]) for m in METHODS}}
             for i, p in enumerate(prompts)])
         result = {"quick": self.quick, "output_dir": self.output_dir, "eval_prompts": len(prompts),
                   "annotator_tau": reviews.ANNOTATOR_TAU, "reward_model": rm_figures, "methods": figures,
+                  "alignment_tax": {"reference": "sft", "texts": f"{len(general_qa.QA)} general-knowledge answers "
+                                    "(rlhfkit.tasks.general_qa)", **tax},
                   "kl_note": f"best_of_{BEST_OF_N}: analytic log n - (n-1)/n (an upper bound)",
                   "acceptance": _acceptance(figures, rm_figures)}
         print("\n" + format_table(figures))
@@ -457,10 +494,11 @@ def _acceptance(figures: dict, rm: dict) -> dict[str, bool]:
 
 def format_table(figures: dict) -> str:
     cols = [("gold reward", "gold_reward"), ("KL (nats)", "kl_to_sft"), ("win% gold", "win_rate_gold"),
-            ("win% RM", "win_rate_rm"), ("distinct-2", "distinct_2"), ("EOS%", "eos_rate"), ("words", "mean_words")]
-    lines = [f"{'method':<10}" + "".join(f"{c:>12}" for c, _ in cols)]
+            ("win% RM", "win_rate_rm"), ("distinct-2", "distinct_2"), ("EOS%", "eos_rate"), ("words", "mean_words"),
+            ("tax nats", "alignment_tax_nats")]
+    lines = [f"{'method':<11}" + "".join(f"{c:>12}" for c, _ in cols)]
     for m, f in figures.items():
-        lines.append(f"{m:<10}" + "".join(f"{f[k] * 100:>11.1f}%" if k in ("win_rate_gold", "win_rate_rm", "eos_rate")
+        lines.append(f"{m:<11}" + "".join(f"{f[k] * 100:>11.1f}%" if k in ("win_rate_gold", "win_rate_rm", "eos_rate")
                                           else f"{f[k]:>12.3f}" for _, k in cols))
     return "\n".join(lines)
 

@@ -10,7 +10,8 @@ import pytest
 from rlhfkit.cli import main
 from rlhfkit.tasks.demo import METHODS
 
-FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "eos_rate", "mean_words"}
+FIGURES = {"gold_reward", "rm_reward", "kl_to_sft", "win_rate_gold", "win_rate_rm", "distinct_2", "eos_rate", "mean_words",
+           "alignment_tax_nats"}
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,21 @@ def test_eval_json_has_every_figure(demo_run):
             "rm_gold_pairs_eval_prompts"} <= set(result["reward_model"])
     assert result["reward_model"]["rm_gold_pairs_eval_prompts"] <= 8 * 10  # 5 samples per prompt: at most 10 pairs each
     assert set(result["acceptance"]) == {"ppo_win_rate_gold>0.65", "ppo_kl<10", "ppo_distinct_2>=sft/2", "rm_accuracy_gold>0.70"}
-    assert {"prompts", "sft", "rm", "ppo", "dpo", "eval", "total"} <= set(result["timings_s"])
+    assert {"prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval", "total"} <= set(result["timings_s"])
+    # The alignment tax against the SFT model on the general-knowledge answers: zero for SFT and best-of-n (the SFT
+    # model itself), the difference of the two NLLs for every method.
+    tax = result["alignment_tax"]
+    assert tax["reference"] == "sft" and set(METHODS) <= set(tax)
+    assert tax["sft"]["delta_nats"] == 0.0 and tax["best_of_4"]["delta_nats"] == 0.0 and tax["sft"]["tokens"] > 0
+    for method in METHODS:
+        block = tax[method]
+        assert block["delta_nats"] == pytest.approx(block["policy_nll"] - block["reference_nll"])
+        assert block["reference_nll"] == pytest.approx(tax["sft"]["policy_nll"])
+        assert result["methods"][method]["alignment_tax_nats"] == block["delta_nats"]
 
 
 def test_every_stage_wrote_its_run(demo_run):
-    for stage in ("sft", "rm", "ppo", "dpo"):
+    for stage in ("sft", "rm", "ppo", "online_dpo", "dpo"):
         stage_dir = os.path.join(demo_run, stage)
         for name in ("config.json", "config.yaml", "metrics.jsonl"):
             assert os.path.isfile(os.path.join(stage_dir, name)), (stage, name)
