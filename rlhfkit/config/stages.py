@@ -123,6 +123,14 @@ class KTOConfig(TrainConfig):
                                                   "reference point z0 is estimated from mismatched pairs within a batch")
 
 
+def ptx_check(coef: float, ptx: str | None):
+    """algo.ptx_coef and data.ptx come together: one without the other would be a setting silently ignored."""
+    if coef > 0 and not ptx:
+        yield "algo.ptx_coef", f"is {coef} but data.ptx is not set: give data.ptx (SFT records) or set algo.ptx_coef=0"
+    if ptx is not None and coef == 0:
+        yield "data.ptx", "is mixed in with weight algo.ptx_coef, which is 0: set algo.ptx_coef > 0 or drop data.ptx"
+
+
 @dataclass(frozen=True)
 class OnlineOptions:
     algorithm: str = "ppo"  # a name in rlhfkit.algorithms: ppo, rloo, grpo, dr_grpo, dapo, reinforce_pp, ...
@@ -154,6 +162,9 @@ class OnlineOptions:
     allow_new_value_head: bool = False
     sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
     table_steps: PosInt = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
+    # PPO-ptx (InstructGPT, arXiv 2203.02155 eq. 2; OpenRLHF's ptx_coef): every optimizer step adds ptx_coef × the
+    # token-mean next-token loss of a batch of data.ptx records (as many records as the step's minibatch holds samples).
+    ptx_coef: NonNeg = 0.0
 
     def check(self):
         if self.allow_new_value_head and not self.value_model:
@@ -165,6 +176,7 @@ class OnlineOptions:
 class OnlineConfig(TrainConfig):
     """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts."""
 
+    ptx_supported = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
@@ -175,6 +187,7 @@ class OnlineConfig(TrainConfig):
 
         yield from super().check()
         yield from self.reward.check_has_source()
+        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
@@ -221,7 +234,7 @@ class RFTConfig(TrainConfig):
 
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
 _EVAL_UNUSED = {
-    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples"), "it reads data.eval; max_prompts limits it"),
+    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples", "ptx"), "it reads data.eval; max_prompts limits it"),
     "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
                "it reports each judge's raw scores; add a gold judge to `judges`"),
 }
