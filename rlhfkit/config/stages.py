@@ -204,6 +204,48 @@ class OnlineConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
+class OnlineDPOOptions:
+    # Online DPO (Guo et al. 2024, arXiv 2402.04792): each step samples two responses per prompt from the policy, the
+    # reward sources rank them (ties dropped) and the DPO family's loss trains on the fresh pairs; one update per step.
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # as dpo's, on summed log-probs (TRL's online DPO)
+    beta: Positive = 0.1  # β: the KL strength; the optimum of the KL-regularised reward r is π_ref · exp(r/β) / Z
+    # The reference; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
+    ref_model: str | None = None
+    rollout_batch_size: PosInt = 16  # prompts per step (per process): as many pairs, twice as many samples
+    disable_dropout: bool = True  # dropout off in the policy for the run (as the other online stages)
+    ptx_coef: NonNeg = 0.0  # PPO-ptx with data.ptx, as the other online stages (records per step: 2 × rollout_batch_size)
+    sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
+    table_steps: PosInt = 10  # print the console table every N steps
+
+    def check(self):
+        yield from ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
+
+
+@dataclass(frozen=True)
+class OnlineDPOConfig(TrainConfig):
+    """`rlhfkit online_dpo`. `max_steps` counts rollouts, each one optimizer step; `optim.per_device_batch_size`
+    counts pairs per micro-batch."""
+
+    ptx_supported = True
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
+
+    def check(self):
+        yield from super().check()
+        yield from self.reward.check_has_source()
+        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
+        if self.generation.num_samples != 2:
+            yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"
+        # The pair is ranked on the raw scores (plus reward.missing_eos_penalty): normalising cannot change a ranking
+        # and clipping only creates ties.
+        if self.reward.normalize != "none":
+            yield "reward.normalize", f"must be 'none' for online_dpo (pairs are ranked on raw scores), got {self.reward.normalize!r}"
+        if self.reward.clip is not None:
+            yield "reward.clip", "must be null for online_dpo (clipping only creates ties between the two samples)"
+
+
+@dataclass(frozen=True)
 class RFTOptions:
     iterations: PosInt = 1  # sample -> keep the best -> fine-tune rounds; each samples from the policy the last one trained
     prompts_per_iteration: PosInt | None = None  # a seeded random subset of the train prompts per iteration; None = all

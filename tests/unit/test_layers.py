@@ -65,6 +65,7 @@ LAYERS = [
     "rlhfkit.trainers.sinks",
     "rlhfkit.trainers.run",
     "rlhfkit.trainers.experience",
+    "rlhfkit.trainers.ptx",  # PPO-ptx: the SFT term every online loop mixes into its updates
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
     "rlhfkit.trainers.online_setup",
     "rlhfkit.trainers",
