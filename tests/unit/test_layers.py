@@ -29,6 +29,7 @@ LAYERS = [
     "rlhfkit.types",  # the core, torch only: types ... kl
     "rlhfkit.ops",
     "rlhfkit.losses.aggregate",
+    "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
     "rlhfkit.losses",
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
