@@ -198,13 +198,13 @@ def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch)
 
 def _fixed_scores(monkeypatch, t, scores, has_eos):
     """Rollouts whose `has_eos` is forced and whose scores are fixed: 1 prompt × 4 samples."""
-    real = online.generate
+    real = online_setup.generate
 
     def generate(*args, **kwargs):
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, has_eos=torch.tensor(has_eos))
 
-    monkeypatch.setattr(online, "generate", generate)
+    monkeypatch.setattr(online_setup, "generate", generate)
     t.reward = _ScoresOnly(scores, t.reward)
 
 
@@ -425,7 +425,7 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
         return real(self, model, ro, with_entropy)
 
     monkeypatch.setattr(online.OnlineTrainer, "response_logprobs", spy)
-    real_generate = online.generate
+    real_generate = online_setup.generate
 
     def varied_lengths(*a, **k):  # a random tiny model seldom ends early: cut row i after 3 + i % 7 tokens
         ro = real_generate(*a, **k)
@@ -435,7 +435,7 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
         return dataclasses.replace(ro, response_mask=mask, response_ids=ro.response_ids.masked_fill(mask == 0, 0),
                                    sampler_logprobs=ro.sampler_logprobs * mask, has_eos=torch.ones(n, dtype=torch.bool))
 
-    monkeypatch.setattr(online, "generate", varied_lengths)
+    monkeypatch.setattr(online_setup, "generate", varied_lengths)
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=2",
             "logging.progress_bar=false", "algo.rollout_batch_size=8", "algo.num_minibatches=1"]
