@@ -12,8 +12,9 @@ Each step:
 Setup, checkpoints and resume are `OnlineModels`' (the online loop's).
 
 Labels from a Bradley–Terry judge (P(y1 ≻ y2) = σ(r1 − r2)) make the fixed point π* ∝ π_ref · exp(r/β), the
-KL-regularised optimum; hard labels (the argmax of a deterministic r, as a reward model ranks) have another fixed
-point, sharper than π*: a pair's label is then certain, and the loss keeps pushing its log-ratio margin up.
+KL-regularised optimum. Hard labels (the argmax of a deterministic r, as a reward model ranks) have another fixed
+point: every unequal pair's label is then certain, so the sigmoid loss keeps widening its log-ratio margin and the
+policy collapses toward r's argmax (IPO instead pulls each margin to 1/(2β)); tests/unit/test_online_dpo.py shows both.
 """
 
 from __future__ import annotations
