@@ -12,14 +12,14 @@ Any problem raises `ConfigError` naming the full key (`optim.lr`, `data.train`) 
 from rlhfkit.config.fields import config_to_yaml, load_config, parse_overrides, read_yaml
 from rlhfkit.config.sections import (AlarmsConfig, DataConfig, GenerationConfig, KLConfig, LoggingConfig, LoraConfig, ModelConfig,
                                      OptimConfig, QuantizationConfig, RewardConfig, TrainConfig, bitsandbytes_problem)
-from rlhfkit.config.stages import (DPOConfig, DPOOptions, EvalConfig, KTOConfig, KTOOptions, OnlineConfig, OnlineOptions,
-                                   ORPOConfig, ORPOOptions, RFTConfig, RFTOptions, RMConfig, RMOptions, SFTConfig,
+from rlhfkit.config.stages import (DPOConfig, DPOOptions, EvalConfig, KTOConfig, KTOOptions, OnlineConfig, OnlineDPOConfig,
+                                   OnlineDPOOptions, OnlineOptions, ORPOConfig, ORPOOptions, RFTConfig, RFTOptions, RMConfig, RMOptions, SFTConfig,
                                    SFTOptions)
 
 __all__ = [
     "config_to_yaml", "load_config", "parse_overrides", "read_yaml",
     "AlarmsConfig", "DataConfig", "GenerationConfig", "KLConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
     "QuantizationConfig", "RewardConfig", "TrainConfig", "bitsandbytes_problem",
-    "DPOConfig", "DPOOptions", "EvalConfig", "KTOConfig", "KTOOptions", "OnlineConfig", "OnlineOptions", "ORPOConfig",
+    "DPOConfig", "DPOOptions", "EvalConfig", "KTOConfig", "KTOOptions", "OnlineConfig", "OnlineDPOConfig", "OnlineDPOOptions", "OnlineOptions", "ORPOConfig",
     "ORPOOptions", "RFTConfig", "RFTOptions", "RMConfig", "RMOptions", "SFTConfig", "SFTOptions",
 ]

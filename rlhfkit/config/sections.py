@@ -117,6 +117,9 @@ class DataConfig:
     # evaluation measures the alignment tax, the policy's and the reference's mean per-token NLL of their responses
     # (`rlhfkit eval`'s `capability_data`); the `alignment_tax` alarm reads their difference.
     capability: str | None = None
+    # Online stages: SFT records (any format the sft stage takes; `columns` and `subset` do not apply to them) whose
+    # next-token loss is mixed into every update with weight algo.ptx_coef (PPO-ptx, InstructGPT arXiv 2203.02155 eq. 2).
+    ptx: str | None = None
 
     def check(self):
         for name in self.columns:
@@ -260,12 +263,15 @@ class TrainConfig:
     padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
     packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
     samples_supported: ClassVar[bool] = False  # the stage samples responses: held-out sampling eval, data.capability
+    ptx_supported: ClassVar[bool] = False  # the stage mixes an SFT loss into its updates (data.ptx, algo.ptx_coef)
 
     def check(self):
         if self.data.padding_free and not self.padding_free_supported:
             yield "data.padding_free", "is supported by the sft, rm, dpo and orpo stages only"
         if self.data.packing and not self.packing_supported:
             yield "data.packing", "is supported by the sft stage only (for the others, data.padding_free saves the padding)"
+        if self.data.ptx is not None and not self.ptx_supported:
+            yield "data.ptx", "is read by the online stages only (ppo, rloo, grpo, reinforce_pp, online_dpo)"
         if not self.data.train:
             yield "data.train", "is required (a local file or a hub dataset name)"
         if self.data.capability and not self.samples_supported:

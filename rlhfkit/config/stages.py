@@ -123,6 +123,14 @@ class KTOConfig(TrainConfig):
                                                   "reference point z0 is estimated from mismatched pairs within a batch")
 
 
+def ptx_check(coef: float, ptx: str | None):
+    """algo.ptx_coef and data.ptx come together: one without the other would be a setting silently ignored."""
+    if coef > 0 and not ptx:
+        yield "algo.ptx_coef", f"is {coef} but data.ptx is not set: give data.ptx (SFT records) or set algo.ptx_coef=0"
+    if ptx is not None and coef == 0:
+        yield "data.ptx", "is mixed in with weight algo.ptx_coef, which is 0: set algo.ptx_coef > 0 or drop data.ptx"
+
+
 @dataclass(frozen=True)
 class OnlineOptions:
     RENAMED = {"old_logprobs": "old_logprob_source"}  # a class attribute, not a field: refused with the new name
@@ -156,6 +164,9 @@ class OnlineOptions:
     allow_new_value_head: bool = False
     sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
     table_steps: PosInt = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
+    # PPO-ptx (InstructGPT, arXiv 2203.02155 eq. 2; OpenRLHF's ptx_coef): every optimizer step adds ptx_coef × the
+    # token-mean next-token loss of a batch of data.ptx records (as many records as the step's minibatch holds samples).
+    ptx_coef: NonNeg = 0.0
 
     def check(self):
         if self.allow_new_value_head and not self.value_model:
@@ -169,6 +180,7 @@ class OnlineConfig(TrainConfig):
     `data.capability` the policy is evaluated every `logging.eval_steps` and after the last step (`trainers.held_out`)."""
 
     samples_supported = True
+    ptx_supported = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
@@ -180,6 +192,7 @@ class OnlineConfig(TrainConfig):
 
         yield from super().check()
         yield from self.reward.check_has_source()
+        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
@@ -193,6 +206,49 @@ class OnlineConfig(TrainConfig):
             yield "algo.num_minibatches", f"must divide the rollout's {samples} samples"
         elif (samples // self.algo.num_minibatches) % self.optim.per_device_batch_size:
             yield "optim.per_device_batch_size", f"must divide the minibatch of {samples // self.algo.num_minibatches} samples"
+
+
+@dataclass(frozen=True)
+class OnlineDPOOptions:
+    # Online DPO (Guo et al. 2024, arXiv 2402.04792): each step samples two responses per prompt from the policy, the
+    # reward sources rank them (ties dropped) and the DPO family's loss trains on the fresh pairs; one update per step.
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # as dpo's, on summed log-probs (TRL's online DPO)
+    beta: Positive = 0.1  # β: the KL strength; the optimum of the KL-regularised reward r is π_ref · exp(r/β) / Z
+    # The reference; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
+    ref_model: str | None = None
+    rollout_batch_size: PosInt = 16  # prompts per step (per process): as many pairs, twice as many samples
+    disable_dropout: bool = True  # dropout off in the policy for the run (as the other online stages)
+    ptx_coef: NonNeg = 0.0  # PPO-ptx with data.ptx, as the other online stages (records per step: 2 × rollout_batch_size)
+    sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
+    table_steps: PosInt = 10  # print the console table every N steps
+
+    def check(self):
+        yield from ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
+
+
+@dataclass(frozen=True)
+class OnlineDPOConfig(TrainConfig):
+    """`rlhfkit online_dpo`. `max_steps` counts rollouts, each one optimizer step; `optim.per_device_batch_size`
+    counts pairs per micro-batch."""
+
+    samples_supported = True
+    ptx_supported = True
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
+
+    def check(self):
+        yield from super().check()
+        yield from self.reward.check_has_source()
+        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
+        if self.generation.num_samples != 2:
+            yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"
+        # The pair is ranked on the raw scores (plus reward.missing_eos_penalty): normalising cannot change a ranking
+        # and clipping only creates ties.
+        if self.reward.normalize != "none":
+            yield "reward.normalize", f"must be 'none' for online_dpo (pairs are ranked on raw scores), got {self.reward.normalize!r}"
+        if self.reward.clip is not None:
+            yield "reward.clip", "must be null for online_dpo (clipping only creates ties between the two samples)"
 
 
 @dataclass(frozen=True)
@@ -230,7 +286,7 @@ class RFTConfig(TrainConfig):
 
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
 _EVAL_UNUSED = {
-    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples", "capability"),
+    "data": (("train", "train_split", "eval_fraction", "packing", "padding_free", "max_samples", "capability", "ptx"),
              "it reads data.eval; max_prompts limits it; capability_data is its capability set"),
     "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
                "it reports each judge's raw scores; add a gold judge to `judges`"),

@@ -7,9 +7,10 @@ Each step reads like the algorithm box of a paper:
   3. old / reference log-probs and critic values in no-grad forwards without dropout (fp32 log-probs);
   4. per-token rewards with the KL penalty, then advantages from the algorithm's estimator (steps 1-4:
      `experience.make_experience`, the one place an `Experience` is built);
-  5. `ppo_epochs` passes of minibatch updates of `losses.policy.policy_objective` (+ value loss), each applied by
-     `optimizer_step`, stopping early when approx-KL passes `algo.target_kl`; a non-finite rollout, loss or gradient
-     skips the step's remaining updates (the schedule advances past them);
+  5. `ppo_epochs` passes of minibatch updates of `losses.policy.policy_objective` (+ value loss, + the PPO-ptx term
+     of `trainers.ptx` with data.ptx), each applied by `optimizer_step`, stopping early when approx-KL passes
+     `algo.target_kl`; a non-finite rollout, loss or gradient skips the step's remaining updates (the schedule
+     advances past them);
   6. update the KL controller, log, checkpoint.
 What differs between methods is data in `rlhfkit.algorithms.Algorithm`; this file never branches on a name.
 """
@@ -24,14 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhfkit.data import collate_prompts
-from rlhfkit.generation import generate
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.policy import policy_objective, value_loss
-from rlhfkit.models import SharedBaseCritic, rollout_logprobs
+from rlhfkit.models import SharedBaseCritic
 from rlhfkit.ops import masked_mean
 from rlhfkit.rewards import token_scores
-from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.experience import make_experience, pad_to, policy_stats, token_kl
 from rlhfkit.trainers.online_setup import OnlineModels
 from rlhfkit.trainers.optim import Fault, optimizer_step
@@ -66,32 +64,7 @@ class Update:
 class OnlineTrainer(OnlineModels):
     """The online loop. Models, data, checkpoints and resume are `OnlineModels`' (the setup); this class is the step."""
 
-    # 1. Sample -------------------------------------------------------------------------------------------------
-    def prompts_for(self, step: int):
-        """This process's prompts for `step`: (PromptBatch, their dataset examples); see `Run.step_indices`."""
-        per_step = self.cfg.algo.rollout_batch_size * self.world
-        order = torch.tensor(self.run.step_indices(step, len(self.train_set), per_step, self.steps_per_epoch))
-        examples = [self.train_set[i] for i in order.view(self.world, -1)[self.accelerator.process_index].tolist()]
-        return collate_prompts(examples, self.tokenizer.pad_token_id), examples
-
-    def sample(self, prompts) -> Rollout | None:
-        """`generation.generate` from the policy; None when the policy's probabilities are not finite (weights
-        that blew up): the step is then a bad step, not a crash."""
-        tok = self.tokenizer
-        try:
-            with gathered_weights(self.accelerator, self.model, self.run.unwrap(self.model)) as policy:  # FSDP / ZeRO-3
-                return generate(policy, prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
-        except RuntimeError as exc:
-            if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
-                return None
-            raise
-
     # 2-4. Forwards the experience reads ------------------------------------------------------------------------
-    def response_logprobs(self, model, ro: Rollout, with_entropy: bool = False):
-        """(B, R) fp32 log-probs of the response tokens (temperature as when sampling); with `with_entropy` also the
-        (B, R) entropies of the distributions they were drawn from."""
-        return rollout_logprobs(model, ro, self.cfg.generation.temperature, with_entropy)
-
     def values_of(self, critic, ro: Rollout):
         """(B, R) values V(s_t) of the state before each response token, from `critic` (the prepared critic for the
         update, its unwrapped module for no-grad forwards)."""
@@ -109,6 +82,8 @@ class OnlineTrainer(OnlineModels):
         n, total = exp.loss_mask.shape[0], a.ppo_epochs * a.num_minibatches
         tally, norms, early_stopped, done = Tally(), [], 0.0, 0
         kept = torch.zeros_like(exp.loss_mask) if self.one_pass else None  # π_old = this pass's own log-probs
+        if self.ptx is not None:
+            self.ptx.start_step()
         for module in (self.model, self.value):
             if module is not None:
                 module.train()
@@ -119,7 +94,7 @@ class OnlineTrainer(OnlineModels):
                 # π_old from the sampler: its gap to the training forward, read where the weights are still the
                 # sampler's (the first minibatch of the first epoch).
                 gap = a.old_logprob_source == "sampler" and not self.one_pass and epoch == m == 0
-                nonfinite, approxkl = self.minibatch(exp, idx, tally, kept, gap)
+                nonfinite, approxkl = self.minibatch(exp, idx, tally, kept, gap, (step - 1) * total + done)
                 result = optimizer_step(self.optim, step, Fault.LOSS if nonfinite else None, schedule_steps=total - done)
                 done += 1
                 if result.fault is not None:
@@ -132,13 +107,16 @@ class OnlineTrainer(OnlineModels):
             if early_stopped:
                 break
         metrics = self.reduce_tally(tally)
+        if self.ptx is not None:
+            metrics.update(self.ptx.metrics())
         if norms:
             metrics["grad_norm"] = sum(norms) / len(norms)  # the mean over the step's updates
         return Update({**metrics, "policy/early_stopped": early_stopped}, kept, None)
 
-    def minibatch(self, exp: Experience, idx: torch.Tensor, tally: Tally, kept, gap: bool) -> tuple[bool, float]:
-        """Backward of one minibatch, micro-batch by micro-batch; returns (a loss was non-finite on some process,
-        the minibatch's approx-KL over every process)."""
+    def minibatch(self, exp: Experience, idx: torch.Tensor, tally: Tally, kept, gap: bool, update: int) -> tuple[bool, float]:
+        """Backward of one minibatch, micro-batch by micro-batch, then of the ptx batch of the run's `update`-th
+        optimizer step (0-based) if any; returns (a loss was non-finite on some process, the minibatch's approx-KL
+        over every process)."""
         micro, agg = self.cfg.optim.per_device_batch_size, self.cfg.algo.loss_agg or self.algo.default_loss_agg
         num_tokens, num_seqs = self.global_counts(exp.loss_mask[idx])
         control = torch.zeros(3, device=idx.device)  # non-finite losses, approx-KL · tokens, tokens (this process)
@@ -146,7 +124,7 @@ class OnlineTrainer(OnlineModels):
             rows = idx[i : i + micro]
             batch = exp.select(rows).trimmed()  # at its own longest response
             loss, parts, logprobs = self.policy_loss(batch, agg, num_tokens, num_seqs)
-            last, apart = i + micro >= len(idx), self.value is not None and self.shares_base
+            last, apart = i + micro >= len(idx) and self.ptx is None, self.value is not None and self.shares_base
             if self.value is not None and not apart:  # one backward of the sum
                 value_part, value_metrics = self.critic_loss(batch, num_tokens)
                 loss = loss + value_part
@@ -170,6 +148,8 @@ class OnlineTrainer(OnlineModels):
             w = float(batch.loss_mask.sum())
             tally.add(parts, w)
             control[1:] += torch.tensor([float(parts["policy/approxkl_avg"]) * w, w], device=control.device)
+        if self.ptx is not None:  # PPO-ptx: + ptx_coef · NLL of this optimizer step's ptx batch
+            control[0] += self.ptx.backward(self.model, update, last=True)
         control = self.run.sum_over_processes(control)
         return bool(control[0] > 0), float(control[1] / control[2].clamp(min=1.0))
 
@@ -216,15 +196,6 @@ class OnlineTrainer(OnlineModels):
         vl, vm = value_loss(self.values_of(self.value, batch.rollout), batch.values, batch.returns, clip_range_value=a.clip_range_value)
         loss = a.vf_coef * aggregate(vl, mask, "token-mean", num_tokens=num_tokens)
         return loss, {"loss/value_avg": masked_mean(vl.detach(), mask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], mask)}
-
-    @torch.no_grad()
-    def policy_is_finite(self, exp: Experience) -> bool:
-        """Whether the policy, as updated, still gives finite log-probs on a micro-batch of this step's rollout (one
-        no-grad forward, before a checkpoint: weights that blew up can be finite while every output is inf/NaN)."""
-        policy = self.run.unwrap(self.model)
-        policy.eval()
-        rollout = exp.rollout.select(slice(0, self.cfg.optim.per_device_batch_size))
-        return self.run.on_every_process(bool(torch.isfinite(self.response_logprobs(policy, rollout)).all()))
 
     # The loop ------------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

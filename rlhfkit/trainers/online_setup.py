@@ -14,17 +14,22 @@ import torch
 
 from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
+from rlhfkit.data import collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
+from rlhfkit.generation import generate
 from rlhfkit.io import read_jsonl_rows
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
+from rlhfkit.models import (PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model,
+                            rollout_logprobs)
 from rlhfkit.objects import Objects
-from rlhfkit.models import PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model
 from rlhfkit.rewards import Rewards, RunningMoments
+from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.held_out import HeldOutEval, capability_set
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
+from rlhfkit.trainers.ptx import Ptx, load_ptx_set
 from rlhfkit.trainers.run import Run
-from rlhfkit.types import Experience
+from rlhfkit.types import Experience, Rollout
 
 logger = logging.getLogger("rlhfkit")
 TABLE = [("Step", "step"), ("Reward", "objective/scores"), ("KL", "objective/kl"), ("ClipFrac", "policy/clipfrac_avg"),
@@ -55,6 +60,7 @@ class OnlineModels:
             check_model_structure(cfg.model, self.tokenizer, given=self.objects.model)
             self.train_set, eval_prompts = build_datasets("prompt", cfg.data, self.tokenizer, cfg.seed)
             capability = capability_set(cfg, self.tokenizer)
+            self.ptx_set = load_ptx_set(cfg, self.tokenizer)
         self.accelerator = run.make_accelerator()
         self.world = run.world
         set_seed(cfg.seed)
@@ -105,9 +111,17 @@ class OnlineModels:
         else:
             (self.model, optimizer), self.value = acc.prepare(policy, optimizer), None
         self.optim = self.run.make_optim(optimizer, scheduler, [m for m in (self.model, self.value) if m is not None])
+        self.ptx = self.make_ptx(a.rollout_batch_size * cfg.generation.num_samples // a.num_minibatches)
         k = cfg.kl
         self.kl_ctl = AdaptiveKLController(k.coef, k.target, k.horizon) if k.controller == "adaptive" else FixedKLController(k.coef)
         self.moments = RunningMoments()
+
+    def make_ptx(self, per_update: int) -> Ptx | None:
+        """The PPO-ptx term (`trainers.ptx`): `per_update` records per optimizer step and process; None without data.ptx."""
+        if self.ptx_set is None:
+            return None
+        return Ptx(self.ptx_set, self.cfg.algo.ptx_coef, self.run, per_update, self.cfg.optim.per_device_batch_size,
+                   self.tokenizer.pad_token_id)
 
     def refuse_unsupported_critic(self, value) -> None:
         acc = self.accelerator
@@ -136,6 +150,40 @@ class OnlineModels:
         return load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer, given=given,
                                  allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                  hint="set algo.allow_new_value_head=true to start the critic's value head at random")
+
+    # The step's sampling, shared by the online loops ---------------------------------------------------------------
+    def prompts_for(self, step: int):
+        """This process's prompts for `step`: (PromptBatch, their dataset examples); see `Run.step_indices`."""
+        per_step = self.cfg.algo.rollout_batch_size * self.world
+        order = torch.tensor(self.run.step_indices(step, len(self.train_set), per_step, self.steps_per_epoch))
+        examples = [self.train_set[i] for i in order.view(self.world, -1)[self.accelerator.process_index].tolist()]
+        return collate_prompts(examples, self.tokenizer.pad_token_id), examples
+
+    def sample(self, prompts) -> Rollout | None:
+        """`generation.generate` from the policy; None when the policy's probabilities are not finite (weights
+        that blew up): the step is then a bad step, not a crash."""
+        tok = self.tokenizer
+        try:
+            with gathered_weights(self.accelerator, self.model, self.run.unwrap(self.model)) as policy:  # FSDP / ZeRO-3
+                return generate(policy, prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
+        except RuntimeError as exc:
+            if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
+                return None
+            raise
+
+    def response_logprobs(self, model, ro: Rollout, with_entropy: bool = False):
+        """(B, R) fp32 log-probs of the response tokens (temperature as when sampling); with `with_entropy` also the
+        (B, R) entropies of the distributions they were drawn from."""
+        return rollout_logprobs(model, ro, self.cfg.generation.temperature, with_entropy)
+
+    @torch.no_grad()
+    def policy_is_finite(self, exp: Experience) -> bool:
+        """Whether the policy, as updated, still gives finite log-probs on a micro-batch of this step's rollout (one
+        no-grad forward, before a checkpoint: weights that blew up can be finite while every output is inf/NaN)."""
+        policy = self.run.unwrap(self.model)
+        policy.eval()
+        rollout = exp.rollout.select(slice(0, self.cfg.optim.per_device_batch_size))
+        return self.run.on_every_process(bool(torch.isfinite(self.response_logprobs(policy, rollout)).all()))
 
     # Checkpoints -----------------------------------------------------------------------------------------------------
     def trained_models(self) -> list:

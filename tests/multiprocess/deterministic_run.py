@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from rlhfkit.cli import main  # noqa: E402
 from rlhfkit.generation import generate  # noqa: E402
-from rlhfkit.trainers import online  # noqa: E402
+from rlhfkit.trainers import online_setup  # noqa: E402
 from rlhfkit.types import PromptBatch, Rollout  # noqa: E402
 
-prompts_for = online.OnlineTrainer.prompts_for
+prompts_for = online_setup.OnlineModels.prompts_for
 
 
 def recording_step(self, step):
@@ -56,8 +56,9 @@ def seeded_sample(self, prompts):
     )
 
 
-online.OnlineTrainer.prompts_for = recording_step
-online.OnlineTrainer.sample = seeded_sample
+# On the online loops' shared base: every online stage (PPO, ..., online DPO) samples through it.
+online_setup.OnlineModels.prompts_for = recording_step
+online_setup.OnlineModels.sample = seeded_sample
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

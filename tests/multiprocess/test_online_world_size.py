@@ -56,17 +56,22 @@ def weights(out):
 
 
 COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/length_avg", "loss/policy_avg",
-            "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "objective/kl_coef", "episodes")
+            "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "objective/kl_coef", "episodes",
+            "loss/ptx_avg", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+            "logps/rejected", "objective/tie_rate")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, micro, extra", [
-    ("grpo", 8, []),  # 4 samples per prompt
-    ("ppo", 4, ["model.lora.enabled=true", "model.lora.r=4", "algo.ppo_epochs=2", "kl.controller=adaptive"]),
-], ids=["grpo", "ppo-lora-shared-critic"])
+    ("grpo", 8, ["algo.num_minibatches=1"]),  # 4 samples per prompt
+    ("ppo", 4, ["algo.num_minibatches=1", "model.lora.enabled=true", "model.lora.r=4", "algo.ppo_epochs=2",
+                "kl.controller=adaptive"]),
+    ("grpo", 8, ["algo.num_minibatches=1", "data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # PPO-ptx
+    ("online_dpo", 4, ["data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # micro-batches of pairs
+], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx"])
 def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     common = ["--config", f"configs/{stage}_tiny.yaml", "max_steps=3", "logging.progress_bar=false", "optim.lr=1e-2", "optim.adam_eps=1e-4",
-              "algo.num_minibatches=1", "generation.max_new_tokens=8", *extra]
+              "generation.max_new_tokens=8", *extra]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     a = run([stage, *common, f"output_dir={one}", "algo.rollout_batch_size=4", f"optim.per_device_batch_size={micro}"], 1)
     assert a.returncode == 0, a.stderr[-3000:]
@@ -74,6 +79,7 @@ def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     assert b.returncode == 0, b.stderr[-3000:]
     single, double = rows(one), rows(two)
     assert [r["step"] for r in double] == [1, 2, 3]  # logged once, by the main process
+    assert ("loss/ptx_avg" in single[0]) == any("ptx" in e for e in extra)
     for r1, r2 in zip(single, double):
         for key in COMPARED:
             if key in r1:

@@ -204,13 +204,13 @@ def test_dr_grpo_loss_does_not_depend_on_the_padded_width(tmp_path, monkeypatch)
 def _fixed_scores(monkeypatch, tmp_path, scores, has_eos) -> str:
     """Rollouts whose `has_eos` is forced, scored `scores` (one per row) by a reward function under the public
     contract: returns the `reward.function` override that names it."""
-    real = online.generate
+    real = online_setup.generate
 
     def generate(*args, **kwargs):
         ro = real(*args, **kwargs)
         return dataclasses.replace(ro, has_eos=torch.tensor(has_eos))
 
-    monkeypatch.setattr(online, "generate", generate)
+    monkeypatch.setattr(online_setup, "generate", generate)
     module = "fixed_scores_" + "_".join(str(int(x)) for x in scores)  # one module per list: imports are cached
     (tmp_path / f"{module}.py").write_text(f"def reward(prompts, completions):\n    return {list(scores)!r}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -402,7 +402,7 @@ def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, mo
 def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monkeypatch):
     """Each micro-batch is cut to its longest response: forwards at narrower widths than the rollout's, and the same
     metrics and weights as without the cut."""
-    real_generate = online.generate
+    real_generate = online_setup.generate
 
     def varied_lengths(*a, **k):  # a random tiny model seldom ends early: cut row i after 3 + i % 7 tokens
         ro = real_generate(*a, **k)
@@ -412,7 +412,7 @@ def test_micro_batches_run_at_their_own_width_and_change_nothing(tmp_path, monke
         return dataclasses.replace(ro, response_mask=mask, response_ids=ro.response_ids.masked_fill(mask == 0, 0),
                                    sampler_logprobs=ro.sampler_logprobs * mask, has_eos=torch.ones(n, dtype=torch.bool))
 
-    monkeypatch.setattr(online, "generate", varied_lengths)
+    monkeypatch.setattr(online_setup, "generate", varied_lengths)
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "optim.per_device_batch_size=2",
             "logging.progress_bar=false", "algo.rollout_batch_size=8", "algo.num_minibatches=1"]

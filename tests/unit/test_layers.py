@@ -29,6 +29,7 @@ LAYERS = [
     "rlhfkit.types",  # the core, torch only: types ... kl
     "rlhfkit.ops",
     "rlhfkit.losses.aggregate",
+    "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
     "rlhfkit.losses",
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
@@ -70,6 +71,7 @@ LAYERS = [
     "rlhfkit.trainers.run",
     "rlhfkit.trainers.held_out",  # the sampling stages' evaluation during training
     "rlhfkit.trainers.experience",
+    "rlhfkit.trainers.ptx",  # PPO-ptx: the SFT term every online loop mixes into its updates
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
     "rlhfkit.trainers.online_setup",
     "rlhfkit.trainers",

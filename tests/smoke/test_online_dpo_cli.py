@@ -1,0 +1,65 @@
+"""`rlhfkit online_dpo` end to end on the tiny model: it logs TRL's online-DPO metrics and the tie rate, a resumed
+run ends where the uninterrupted one ends, and its settings are refused in one line where they cannot apply."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.cli import main
+from rlhfkit.trainers.online_dpo import OnlineDPOTrainer
+
+ARGS = ["online_dpo", "--config", "configs/online_dpo_tiny.yaml", "max_steps=4", "logging.save_steps=2",
+        "logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=2",
+        "generation.max_new_tokens=8"]
+LOGGED = ("objective/scores", "objective/kl", "objective/entropy", "rewards/chosen", "rewards/rejected",
+          "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "beta", "objective/tie_rate",
+          "loss/policy_avg")
+
+
+def rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    assert main([*ARGS, f"output_dir={full}"]) == 0
+    original = OnlineDPOTrainer.prompts_for
+
+    def crash(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(OnlineDPOTrainer, "prompts_for", crash)
+    assert main([*ARGS, f"output_dir={cut}"]) == 130
+    monkeypatch.setattr(OnlineDPOTrainer, "prompts_for", original)
+    assert main([*ARGS, f"output_dir={cut}", "resume=true"]) == 0
+    a, b = rows(full), rows(cut)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in LOGGED:  # the pair metrics are absent from a step whose pairs all tied
+        assert any(key in r for r in a), key
+    assert all(0.0 <= r["objective/tie_rate"] <= 1.0 and r["beta"] == 0.1 for r in a)
+    for r1, r2 in zip(a, b):
+        assert r1.keys() == r2.keys()
+        for k in (k for k in r1 if not k.startswith("time/")):
+            assert r2[k] == pytest.approx(r1[k], abs=1e-6), (r1["step"], k)
+    w1, w2 = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(cut, "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("generation.num_samples=4", "config key 'generation.num_samples' must be 2 for online_dpo"),
+    ("reward.normalize=batch", "config key 'reward.normalize' must be 'none' for online_dpo"),
+    ("algo.loss_type=simpo", "config key 'algo.loss_type'"),
+    ("algo.ptx_coef=0.1", "config key 'algo.ptx_coef' is 0.1 but data.ptx is not set"),
+])
+def test_settings_that_cannot_apply_are_refused(override, message, tmp_path, capsys):
+    assert main(["online_dpo", "--config", "configs/online_dpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", override]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhfkit: error:")]
+    assert len(errors) == 1 and message in errors[0], errors
