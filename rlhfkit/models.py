@@ -282,13 +282,17 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     `copy.deepcopy` would clone every tensor where it lies (a second full model on the accelerator); here each tensor
     is copied straight to the CPU and handed to deepcopy through its memo, so the module tree (peft wrappers, tied
-    weights: one tensor seen once) is rebuilt around the CPU tensors.
+    weights: one tensor seen once) is rebuilt around the CPU tensors. Tensors on the meta device (a whole copy built
+    around a gathered FSDP state dict keeps its non-persistent buffers there) hold no data: deepcopy copies them as
+    they are.
     """
     memo: dict = {}
     for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        if not p.is_meta:
+            memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = b.detach().to("cpu", copy=True)
+        if not b.is_meta:
+            memo[id(b)] = b.detach().to("cpu", copy=True)
     return copy.deepcopy(model, memo)
 
 

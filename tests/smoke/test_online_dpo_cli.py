@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.cli import main
-from rlhfkit.trainers.online_dpo import OnlineDPOTrainer
 
 ARGS = ["online_dpo", "--config", "configs/online_dpo_tiny.yaml", "max_steps=4", "logging.save_steps=2",
         "logging.progress_bar=false", "algo.rollout_batch_size=4", "optim.per_device_batch_size=2",
@@ -25,19 +24,13 @@ def rows(out):
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+def test_resume_equals_uninterrupted(tmp_path):
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     assert main([*ARGS, f"output_dir={full}"]) == 0
-    original = OnlineDPOTrainer.prompts_for
-
-    def crash(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(OnlineDPOTrainer, "prompts_for", crash)
-    assert main([*ARGS, f"output_dir={cut}"]) == 130
-    monkeypatch.setattr(OnlineDPOTrainer, "prompts_for", original)
+    # The config's reward, interrupted when step 4 is scored (tests/smoke/interrupted_reward.py): the run dies after
+    # step 3, checkpoint-2 being its last.
+    assert main([*ARGS, f"output_dir={cut}", "reward.function=tests.smoke.interrupted_reward:vowel_reward"]) == 130
+    assert [r["step"] for r in rows(cut)] == [1, 2, 3]
     assert main([*ARGS, f"output_dir={cut}", "resume=true"]) == 0
     a, b = rows(full), rows(cut)
     assert [r["step"] for r in b] == [1, 2, 3, 4]

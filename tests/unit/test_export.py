@@ -80,3 +80,17 @@ def test_merged_export_allocates_no_second_copy_on_the_accelerator(tmp_path, tin
     torch.cuda.synchronize()
     # A deep copy on the device would add model_bytes; the CPU merge adds nothing beyond transient copies.
     assert torch.cuda.max_memory_allocated() - start < 0.1 * model_bytes
+
+
+def test_cpu_copy_keeps_meta_tensors_on_the_meta_device():
+    """Under FSDP the main process saves a whole copy built on the meta device around the gathered state dict, whose
+    non-persistent buffers stay meta: the CPU copy must carry them over as they are (copying one raised)."""
+    from rlhfkit.models import cpu_copy
+
+    module = torch.nn.Linear(3, 2)
+    module.register_buffer("inv_freq", torch.empty(4, device="meta"), persistent=False)
+    module.register_parameter("extra", torch.nn.Parameter(torch.empty(2, device="meta")))
+    copied = cpu_copy(module)
+    assert copied.inv_freq.is_meta and copied.extra.is_meta
+    assert copied.weight.device.type == "cpu" and torch.equal(copied.weight, module.weight)
+    assert copied.weight is not module.weight
