@@ -17,10 +17,13 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from transformers import TrainerCallback
+
 from rlhfkit.cli import main
 from rlhfkit.config import OnlineConfig, load_config
 from rlhfkit.errors import UserError
 from rlhfkit.losses.aggregate import aggregate
+from rlhfkit.stages import run_stage
 from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 from rlhfkit.trainers import online, online_setup
 from rlhfkit.trainers.online import OnlineTrainer
@@ -78,20 +81,17 @@ def grads(trainer):
             for p in trainer.model.parameters() if p.requires_grad]
 
 
-def nonzero_adapters(monkeypatch):
-    """LoRA B starts at zero, so the adapters change nothing until trained: make them non-zero after setup (seeded),
-    so that with lr = 0 the policy still differs from its base and dropout on the adapter input changes the output."""
-    setup = OnlineTrainer.setup
+class NonzeroAdapters(TrainerCallback):
+    """LoRA B starts at zero, so the adapters change nothing until trained: make them non-zero when training begins
+    (seeded; `on_train_begin` gets the model), so that with lr = 0 the policy still differs from its base and dropout
+    on the adapter input changes the output."""
 
-    def patched(self):
-        setup(self)
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            for name, p in self.accelerator.unwrap_model(self.model).named_parameters():
+            for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    monkeypatch.setattr(OnlineTrainer, "setup", patched)
 
 
 # 1. Entropy bonus ------------------------------------------------------------------------------------------------
@@ -242,10 +242,10 @@ def test_truncated_sample_excluded_from_loss_keeps_its_siblings_baseline(algorit
 
 @pytest.mark.parametrize("stage", ["grpo", "ppo"])
 def test_lora_dropout_lr_zero_gives_ratio_one_at_every_step(stage, tmp_path, monkeypatch):
-    nonzero_adapters(monkeypatch)
     out = tmp_path / "run"
-    assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true",
-                 "model.lora.r=4", "model.lora.dropout=0.1", "optim.lr=0", "algo.ppo_epochs=2", "max_steps=3", *FAST]) == 0
+    run_stage(stage, f"configs/{stage}_tiny.yaml", [f"output_dir={out}", "model.lora.enabled=true", "model.lora.r=4",
+                                                    "model.lora.dropout=0.1", "optim.lr=0", "algo.ppo_epochs=2",
+                                                    "max_steps=3", *FAST], callbacks=[NonzeroAdapters()])
     rows = rows_of(out / "metrics.jsonl")
     assert len(rows) == 3
     for row in rows:
@@ -254,20 +254,19 @@ def test_lora_dropout_lr_zero_gives_ratio_one_at_every_step(stage, tmp_path, mon
         assert row["policy/clipfrac_avg"] == 0.0, row["step"]
     # The switch: with dropout kept in the update forward, the same run's ratio moves off 1.
     out = tmp_path / "dropout"
-    assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true",
-                 "model.lora.r=4", "model.lora.dropout=0.1", "optim.lr=0", "max_steps=1", "algo.disable_dropout=false",
-                 "algo.ppo_epochs=2",
-                 *FAST]) == 0
+    run_stage(stage, f"configs/{stage}_tiny.yaml", [f"output_dir={out}", "model.lora.enabled=true", "model.lora.r=4",
+                                                    "model.lora.dropout=0.1", "optim.lr=0", "max_steps=1",
+                                                    "algo.disable_dropout=false", "algo.ppo_epochs=2", *FAST],
+              callbacks=[NonzeroAdapters()])
     assert abs(rows_of(out / "metrics.jsonl")[0]["policy/approxkl_avg"]) > 1e-6
 
 
 def test_lora_ppo_uses_disabled_adapters_as_reference(tmp_path, monkeypatch):
     """Non-zero adapters at lr = 0: the policy differs from its base, so the KL to the reference (adapters disabled)
     is positive; were the adapters left on, the reference would be the policy and the KL 0."""
-    nonzero_adapters(monkeypatch)
     out = tmp_path / "run"
-    assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"output_dir={out}", "model.lora.enabled=true", "model.lora.r=4",
-                 "optim.lr=0", "max_steps=1", *FAST]) == 0
+    run_stage("ppo", "configs/ppo_tiny.yaml", [f"output_dir={out}", "model.lora.enabled=true", "model.lora.r=4",
+                                               "optim.lr=0", "max_steps=1", *FAST], callbacks=[NonzeroAdapters()])
     assert rows_of(out / "metrics.jsonl")[-1]["objective/kl"] > 0.05
 
 
@@ -376,7 +375,7 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     """The reward-hacking alarms read the run's history: after a resume it starts with the rows logged before."""
     seen = []
     real = online_setup.check_alarms
-    monkeypatch.setattr(online_setup, "check_alarms", lambda history: seen.append([r["step"] for r in history]) or real(history))
+    monkeypatch.setattr(online_setup, "check_alarms", lambda history, **kw: seen.append([r["step"] for r in history]) or real(history, **kw))
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", "logging.save_steps=2",
             "algo.table_steps=1", *FAST]
     assert main(args + ["max_steps=3"]) == 0  # leaves checkpoint-2

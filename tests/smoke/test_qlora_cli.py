@@ -132,7 +132,9 @@ def test_ppo_with_four_bit_policy_and_four_bit_reward_model(tmp_path, monkeypatc
     reference and the critic share one 4-bit base. At lr = 0 with non-zero adapters, sampling (eval mode, no grad)
     and the update forwards see the same model (ratio 1) and the reference differs from the policy (KL off 0)."""
     import rlhfkit.rewards
-    from rlhfkit.trainers.online import OnlineTrainer
+    from transformers import TrainerCallback
+
+    from rlhfkit.stages import run_stage
 
     rm = tmp_path / "rm"
     assert main(["rm", "--config", "configs/rm_tiny.yaml", f"output_dir={rm}", "max_steps=2", "data.eval=null", *FOUR_BIT]) == 0
@@ -141,22 +143,20 @@ def test_ppo_with_four_bit_policy_and_four_bit_reward_model(tmp_path, monkeypatc
     load_reward_model = rlhfkit.rewards.load_reward_model
     monkeypatch.setattr(rlhfkit.rewards, "load_reward_model",
                         lambda *a, **k: loaded.append(load_reward_model(*a, **k)) or loaded[-1])
-    setup = OnlineTrainer.setup
 
-    def nonzero_adapters(self):
-        setup(self)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in self.accelerator.unwrap_model(self.model).named_parameters():
-                if "lora_B" in name and ".default." in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    class NonzeroAdapters(TrainerCallback):  # LoRA B starts at zero: perturb it, so the policy differs from its base
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name and ".default." in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
-    monkeypatch.setattr(OnlineTrainer, "setup", nonzero_adapters)
     out = tmp_path / "ppo"
-    assert main(["ppo", "--config", "configs/ppo_tiny.yaml", f"output_dir={out}", "max_steps=2", "optim.lr=0",
-                 "reward.function=null", f"reward.model=[{rm}]", "reward.quantization.load_in_4bit=true",
-                 "algo.rollout_batch_size=4", "optim.per_device_batch_size=4", "algo.num_minibatches=1",
-                 "algo.ppo_epochs=2", *FOUR_BIT]) == 0
+    run_stage("ppo", "configs/ppo_tiny.yaml", [
+        f"output_dir={out}", "max_steps=2", "optim.lr=0", "reward.function=null", f"reward.model=[{rm}]",
+        "reward.quantization.load_in_4bit=true", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4",
+        "algo.num_minibatches=1", "algo.ppo_epochs=2", *FOUR_BIT], callbacks=[NonzeroAdapters()])
     assert len(loaded) == 1 and any(isinstance(m, linear4bit()) for m in loaded[0].modules())
     for row in rows(out):
         assert row["val/ratio"] == pytest.approx(1.0, abs=1e-6)
