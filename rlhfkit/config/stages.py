@@ -236,6 +236,7 @@ class OnlineDPOConfig(TrainConfig):
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
     def check(self):
         yield from super().check()

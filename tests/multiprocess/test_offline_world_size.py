@@ -204,7 +204,11 @@ def test_nan_on_one_process_skips_the_step_on_both(runs):
     r1, r2 = rows(one), rows(two)
     assert [r["step"] for r in r2] == [1, 2, 2]
     assert r2[1]["faults/skipped_total"] == 1 and r2[1]["grad_norm"] is None
-    assert_same_rows(r1, r2)
+    # The NaN enters through the embeddings' output (tests/hooks.py), so a skipped step's token accuracy is over NaN
+    # logits on the poisoned process only: every row of the one-process run, rank 1's half with two. It is no figure
+    # of the model; everything else of the step (skip count, lr, the loss's null) must match.
+    skipped = lambda rs: [{k: v for k, v in r.items() if not (r["step"] == 2 and k == "mean_token_accuracy")} for r in rs]  # noqa: E731
+    assert_same_rows(skipped(r1), skipped(r2))
     assert_same_weights(os.path.join(one, "checkpoint-2", "model"), os.path.join(two, "checkpoint-2", "model"))
     assert "stopping at step 3: 2 optimizer steps skipped" in runs["stderr"]
 

@@ -56,3 +56,14 @@ def test_settings_that_cannot_apply_are_refused(override, message, tmp_path, cap
     assert main(["online_dpo", "--config", "configs/online_dpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", override]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhfkit: error:")]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_online_dpo_evaluates_held_out_prompts(tmp_path):
+    """data.eval with logging.eval_steps: online DPO evaluates like the other online stages (the alarms section it
+    reads exists)."""
+    out = str(tmp_path / "run")
+    assert main([*ARGS, f"output_dir={out}", "data.eval=data/tiny/prompts_eval.jsonl", "logging.eval_steps=2",
+                 "logging.save_steps=0"]) == 0
+    evaluated = [r for r in rows(out) if "eval/objective/scores" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    assert all("eval/objective/kl" in r and "eval/response/length_avg" in r for r in evaluated)
