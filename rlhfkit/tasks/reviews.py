@@ -74,9 +74,13 @@ def gold_score(text: str) -> float:
     return float(_analyzer.polarity_scores(text)["compound"]) if text.strip() else 0.0
 
 
-def gold_judge(prompts: list[str], completions: list[str]) -> list[float]:
-    """The gold judge as a text judge (also usable as `reward.function: rlhfkit.tasks.reviews:gold_judge`)."""
-    return [gold_score(c) for c in completions]
+def gold_judge(prompts: list, completions: list) -> list[float]:
+    """The gold judge as a reward function under TRL's contract (`reward.function` / `reward.gold_function:
+    rlhfkit.tasks.reviews:gold_judge`): completions are texts, or `[{"role": "assistant", "content": ...}]` lists on
+    conversational prompts, as the demo's are."""
+    from rlhfkit.reward_functions import completion_text
+
+    return [gold_score(completion_text(c)) for c in completions]
 
 
 def annotate(gold_a: float, gold_b: float, rng: random.Random, tau: float = ANNOTATOR_TAU) -> bool:

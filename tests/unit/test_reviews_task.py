@@ -46,3 +46,14 @@ def test_annotators_prefer_with_bradley_terry_probability(gap):
 ])
 def test_trim_review(text, ended, expected):
     assert reviews.trim_review(text, ended) == expected
+
+
+def test_gold_judge_takes_conversational_completions():
+    """On chat prompts (the demo's) reward functions get `[{"role": "assistant", "content": ...}]` completions
+    (TRL's contract): the gold judge scores their text as it scores the string (it raised on the list)."""
+    from rlhfkit.tasks.reviews import gold_judge
+
+    texts = ["What a wonderful, lovely film.", "It was awful and boring."]
+    chat = [[{"role": "assistant", "content": t}] for t in texts]
+    assert gold_judge([], chat) == gold_judge([], texts)
+    assert gold_judge([], texts)[0] > 0 > gold_judge([], texts)[1]
