@@ -90,6 +90,13 @@ def run_dashboard(run_dir: str, out: str | None) -> None:
     print(write_report(run_dir, out_path=os.path.join(out, "report.html")))
 
 
+def _say(line: str) -> None:
+    """One stderr line in one write: every process of a launch may print it into one shared pipe, and a line written
+    in two calls (text, then newline) interleaves with the others'."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
@@ -103,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_command(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:
-        print(f"rlhfkit: error: {exc}", file=sys.stderr)
+        _say(f"rlhfkit: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("rlhfkit: interrupted", file=sys.stderr)
+        _say("rlhfkit: interrupted")
         return 130
     return 0
 

@@ -128,3 +128,30 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
         assert f.read().startswith(f"pid {os.getpid()} ")
     lock.release()
     assert os.listdir(tmp_path) == []
+
+
+class _Writes:
+    """A stderr that records each write() call: a line reaches a shared pipe whole only when written in one call."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_error_line_is_written_in_one_call(monkeypatch, tmp_path):
+    """Every process of a refused launch prints the same error into one pipe; written in two calls (text, then the
+    newline), two processes' lines interleave into one (CI saw `...machines)rlhfkit: error: ...` on one line)."""
+    from rlhfkit import cli
+
+    spy = _Writes()
+    monkeypatch.setattr(sys, "stderr", spy)
+    assert cli.main(["sft", "--config", str(tmp_path / "missing.yaml")]) == 2
+    lines = [c for c in spy.calls if "rlhfkit: error:" in c]
+    assert len(lines) == 1 and lines[0].startswith("rlhfkit: error:") and lines[0].endswith("\n"), spy.calls
+    assert lines[0].count("\n") == 1
