@@ -17,6 +17,7 @@ Two engines, chosen by `generation.engine`:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import math
 
@@ -198,8 +199,42 @@ def _hf_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, par
 
 
 @torch.no_grad()
-def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id: int, pad_token_id: int) -> Rollout:
-    """Sample `params.num_samples` responses per prompt; returns a `Rollout` (rows of one prompt adjacent)."""
+def prompt_seed(seed: int, step: int, prompt_ids: torch.Tensor) -> int:
+    """A seed that is a function of (the run's seed, the step, the prompt's tokens) alone: not of the process that
+    draws the prompt, nor of its neighbours in the batch."""
+    digest = hashlib.sha256(f"{seed}:{step}:{prompt_ids.tolist()}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # torch.manual_seed takes up to 2**64 - 1
+
+
+def stack_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Rollouts of one prompt each as one rollout: prompts left-padded, responses right-padded to the widest, group
+    ids renumbered in order."""
+    width_p = max(p.prompt_ids.shape[1] for p in parts)
+    width_r = max(p.response_ids.shape[1] for p in parts)
+    left = lambda x, v: torch.nn.functional.pad(x, (width_p - x.shape[1], 0), value=v)  # noqa: E731
+    right = lambda x, v: torch.nn.functional.pad(x, (0, width_r - x.shape[1]), value=v)  # noqa: E731
+    group_ids = torch.cat([torch.full_like(p.group_ids, i) for i, p in enumerate(parts)])
+    return Rollout(prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
+                   prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
+                   response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
+                   response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
+                   group_ids=group_ids, has_eos=torch.cat([p.has_eos for p in parts]),
+                   sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]))
+
+
+def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id: int, pad_token_id: int,
+             seeds: list[int] | None = None) -> Rollout:
+    """Sample `params.num_samples` responses per prompt; returns a `Rollout` (rows of one prompt adjacent).
+
+    With `seeds` (one per prompt), each prompt's responses are drawn alone, without its padding, under its own seed
+    (the caller's random state untouched): they depend on the prompt and its seed only, whatever the batch."""
+    if seeds is not None:
+        parts = []
+        for ids, mask, seed in zip(prompts.input_ids, prompts.attention_mask, seeds, strict=True):
+            ids = ids[mask.bool()].unsqueeze(0)
+            with seeded(seed):
+                parts.append(generate(model, PromptBatch(ids, torch.ones_like(ids)), params, eos_token_id, pad_token_id))
+        return stack_rollouts(parts, pad_token_id)
     k = params.num_samples
     prompt_ids = prompts.input_ids.repeat_interleave(k, 0)  # (B*k, P)
     prompt_mask = prompts.attention_mask.repeat_interleave(k, 0)

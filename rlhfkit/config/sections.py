@@ -189,6 +189,10 @@ class GenerationConfig:
     # With engine "rlhfkit": a static KV cache and a compiled one-token step (on a GPU, CUDA graphs through
     # torch.compile mode "reduce-overhead"); each new batch shape compiles once, so it pays off over many steps.
     compile: bool = False
+    # Online stages: each prompt's responses drawn alone under a seed of (seed, step, the prompt's tokens), so a run
+    # draws the same responses whatever its number of processes or batch layout (N processes ≡ 1); one prompt at a
+    # time, so slower. False: one random stream per process, the whole batch at once.
+    seed_per_prompt: bool = False
 
     def check(self):
         if self.compile and self.engine != "rlhfkit":

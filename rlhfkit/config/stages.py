@@ -139,11 +139,12 @@ class OnlineOptions:
     rollout_batch_size: PosInt = 16  # prompts sampled per step (per process); samples = prompts × num_samples
     ppo_epochs: PosInt = 1  # passes over each rollout
     num_minibatches: PosInt = 1  # optimizer steps per pass (each split into micro-batches of per_device_batch_size)
-    # Where π_old's log-probs come from when the experience is read more than once: "recompute" = a no-grad forward
-    # of the policy after sampling; "sampler" = those the decode loop recorded (one policy forward fewer per step,
-    # as TRL's PPO; they differ by numerics only: policy/sampler_logprob_gap, measured at the first update forward).
-    # With one pass and no KL in the reward, π_old is the update forward's own log-probs either way.
-    old_logprob_source: Literal["recompute", "sampler"] = "recompute"
+    # Where π_old's log-probs come from. "auto": with one pass (ppo_epochs × num_minibatches = 1) and no KL in the
+    # reward, the update forward's own, detached (exact: the ratio is 1; one policy forward fewer per step, as TRL's
+    # GRPO), else as "recompute". "recompute": a no-grad forward of the policy after sampling, always. "sampler": those
+    # the decode loop recorded (one policy forward fewer per step, as TRL's PPO; they differ by numerics only:
+    # policy/sampler_logprob_gap, measured at the first update forward); with one pass as "auto".
+    old_logprob_source: Literal["auto", "recompute", "sampler"] = "auto"
     clip_eps: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # ratio clip ε (lower side)
     clip_eps_high: Positive | None = None  # upper side (DAPO's clip-higher, 0.28); None = clip_eps
     dual_clip: Annotated[float, Gt(1)] | None = None  # dual-clip constant c > 1 for negative advantages; None = off
@@ -283,6 +284,9 @@ class RFTConfig(TrainConfig):
             yield "reward.normalize", f"must be 'none' for rft (the best sample is chosen on raw scores), got {self.reward.normalize!r}"
         if self.reward.clip is not None:
             yield "reward.clip", "must be null for rft (clipping only creates ties among the best samples)"
+        if self.generation.seed_per_prompt:
+            yield "generation.seed_per_prompt", ("is not used by rft: each batch of prompts is already drawn under a seed "
+                                                 "of (seed, iteration, batch), whatever the number of processes")
 
 
 # Fields of the shared sections that only training reads: refused by eval rather than silently ignored.
@@ -291,6 +295,8 @@ _EVAL_UNUSED = {
              "it reads data.eval; max_prompts limits it; capability_data is its capability set"),
     "reward": (("weights", "gold_function", "missing_eos_penalty", "normalize", "clip"),
                "it reports each judge's raw scores; add a gold judge to `judges`"),
+    "generation": (("seed_per_prompt",), "each batch of prompts is drawn under its own seed, by the policy and the "
+                                         "reference alike"),
 }
 
 

@@ -62,7 +62,7 @@ def make_experience(t, step: int) -> Made:
     cfg, run, mb = t.cfg, t.run, t.cfg.optim.per_device_batch_size
     prompts, examples = t.prompts_for(step)
     t0 = time.perf_counter()
-    ro = t.sample(prompts.to(t.accelerator.device))  # 1. sample
+    ro = t.sample(prompts.to(t.accelerator.device), step)  # 1. sample
     stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
     if not run.on_every_process(ro is not None):
         return Made(None, Fault.ROLLOUT, stats)
@@ -91,7 +91,7 @@ def make_experience(t, step: int) -> Made:
     finite = run.on_every_process(all(torch.isfinite(x).all() for x in (scores, old_logprobs, ref_logprobs) if x is not None))
     exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
     stats.update(rollout_stats(t, exp, rows))
-    figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source == "recompute") \
+    figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source != "sampler") \
         if old_logprobs is not None else PolicyFigures({}, None)
     stats.update(figures.stats)
     if not run.on_every_process(finite and bool(torch.isfinite(exp.advantages).all())):

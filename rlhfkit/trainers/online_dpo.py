@@ -92,7 +92,7 @@ class OnlineDPOTrainer(OnlineModels):
         cfg, run = self.cfg, self.run
         prompts, examples = self.prompts_for(step)
         t0 = time.perf_counter()
-        ro = self.sample(prompts.to(self.accelerator.device))
+        ro = self.sample(prompts.to(self.accelerator.device), step)
         stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
         if not run.on_every_process(ro is not None):
             return None, stats

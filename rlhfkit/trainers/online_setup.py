@@ -17,7 +17,7 @@ from rlhfkit.config import OnlineConfig
 from rlhfkit.data import collate_prompts
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
-from rlhfkit.generation import generate
+from rlhfkit.generation import generate, prompt_seed
 from rlhfkit.io import read_jsonl_rows
 from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.models import (PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model,
@@ -80,8 +80,9 @@ class OnlineModels:
         self.algo = get_algorithm(a.algorithm)
         # One pass over the experience (ppo_epochs × num_minibatches = 1) and no KL in the reward: π_old is then the
         # update forward's own log-probs, detached (the ratio is 1 by definition), so the separate no-grad forward is
-        # skipped, as TRL's GRPO does; `update` returns them for the statistics.
-        self.one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
+        # skipped, as TRL's GRPO does (unless algo.old_logprob_source=recompute); `update` returns them for the statistics.
+        self.one_pass = (a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward
+                         and a.old_logprob_source != "recompute")
         policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
         # With LoRA the reference is the base with adapters disabled: one copy of the weights, not two.
         frozen = self.run.frozen_dtype
@@ -159,13 +160,16 @@ class OnlineModels:
         examples = [self.train_set[i] for i in order.view(self.world, -1)[self.accelerator.process_index].tolist()]
         return collate_prompts(examples, self.tokenizer.pad_token_id), examples
 
-    def sample(self, prompts) -> Rollout | None:
-        """`generation.generate` from the policy; None when the policy's probabilities are not finite (weights
-        that blew up): the step is then a bad step, not a crash."""
-        tok = self.tokenizer
+    def sample(self, prompts, step: int) -> Rollout | None:
+        """`generation.generate` from the policy (with `generation.seed_per_prompt`, each prompt under its own seed);
+        None when the policy's probabilities are not finite (weights that blew up): the step is then a bad step, not
+        a crash."""
+        tok, cfg = self.tokenizer, self.cfg
+        seeds = [prompt_seed(cfg.seed, step, ids[mask.bool()]) for ids, mask in zip(prompts.input_ids, prompts.attention_mask)] \
+            if cfg.generation.seed_per_prompt else None
         try:
             with gathered_weights(self.accelerator, self.model, self.run.unwrap(self.model)) as policy:  # FSDP / ZeRO-3
-                return generate(policy, prompts, self.cfg.generation, tok.eos_token_id, tok.pad_token_id)
+                return generate(policy, prompts, cfg.generation, tok.eos_token_id, tok.pad_token_id, seeds)
         except RuntimeError as exc:
             if "inf" in str(exc) and "nan" in str(exc):  # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
                 return None

@@ -1,6 +1,6 @@
 """Online RL on two processes (torchrun, gloo, CPU) equals one process on the same global batch.
 
-Sampling is made a function of (step, prompt) (see deterministic_run.py), so both layouts draw the same responses;
+With `generation.seed_per_prompt` sampling is a function of (seed, step, prompt), so both layouts draw the same responses;
 then the rewards, the global whitening and normalisation, the global-count loss normalisation and DDP's gradient
 averaging must give the same updates: the same metrics (global means, logged once) and the same final weights.
 A non-finite reward on one process only skips the step on both and stops the run cleanly (no hang). A 2-process
@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-RUNNER = os.path.join(HERE, "deterministic_run.py")
 TIMEOUT = 300  # a hang fails the test instead of the suite
 
 
@@ -38,11 +37,13 @@ def env(extra_path=None):
 
 
 def run(args, processes, extra_path=None):
+    """The CLI on `processes` processes, each prompt's responses drawn under a seed of (seed, step, prompt)."""
+    args = [*args, "generation.seed_per_prompt=true"]
     if processes == 1:
-        cmd = [sys.executable, RUNNER, *args]
+        cmd = [sys.executable, "-m", "rlhfkit.cli", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), RUNNER, *args]
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "rlhfkit.cli", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(extra_path), capture_output=True, text=True, timeout=TIMEOUT)
 
 

@@ -61,7 +61,8 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
 
 
 def after_build(monkeypatch, **attributes):
-    """Set trainer attributes that `build` decides (`one_pass`, `shares_base`) to other values."""
+    """Set trainer attributes that `build` decides (`shares_base`) to other values: no configuration reaches a
+    separate critic backpropagated on its own."""
     build = OnlineTrainer.build
 
     def patched(self):
@@ -384,15 +385,14 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     assert seen[-1] == [1, 2, 3, 4]
 
 
-def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path, monkeypatch):
+def test_one_pass_skips_the_old_logprob_forward_and_changes_nothing(tmp_path):
     """GRPO with one pass over each rollout: π_old is the update forward's own log-probs, so one policy forward per
     micro-batch fewer — and the same metrics and weights as with the separate no-grad pass."""
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4", *FAST]
     with causal_lm_forwards() as lean:
         assert main(args + [f"output_dir={tmp_path / 'lean'}"]) == 0
-    after_build(monkeypatch, one_pass=False)
-    with causal_lm_forwards() as two:
-        assert main(args + [f"output_dir={tmp_path / 'two'}"]) == 0
+    with causal_lm_forwards() as two:  # the no-grad forward for π_old asked for
+        assert main(args + [f"output_dir={tmp_path / 'two'}", "algo.old_logprob_source=recompute"]) == 0
     # The skipped pass: 2 steps × 16 rows (the reference's and the update's forwards are in both counts).
     assert sum(rows for rows, _ in two) - sum(rows for rows, _ in lean) == 2 * 16
     assert_same_run(tmp_path / "lean", tmp_path / "two")

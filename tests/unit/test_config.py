@@ -199,11 +199,20 @@ def test_every_declared_range_is_enforced_with_the_dotted_key(cls):
 
 def test_eval_refuses_training_only_fields_of_shared_sections():
     required = ["model.name_or_path=tiny", "data.eval=e.jsonl", "output_dir=o"]
-    for override, key in [("data.train=t.jsonl", "data.train"), ("reward.normalize=batch", "reward.normalize")]:
+    for override, key in [("data.train=t.jsonl", "data.train"), ("reward.normalize=batch", "reward.normalize"),
+                          ("generation.seed_per_prompt=true", "generation.seed_per_prompt")]:
         with pytest.raises(ConfigError, match=f"config key '{key}' is not used by eval"):
             load_config(EvalConfig, None, required + [override])
     cfg = load_config(EvalConfig, None, required + ["reward.model=[rm]", "reward.function=m:f"])  # both are judges
     assert cfg.reward.model == ["rm"] and cfg.data.eval == "e.jsonl"
+
+
+def test_seed_per_prompt_is_refused_where_each_batch_already_has_its_seed():
+    """rft and eval draw each batch under its own seed already: the online stages' per-prompt seeding is refused."""
+    with pytest.raises(ConfigError, match="config key 'generation.seed_per_prompt' is not used by rft"):
+        load_config(RFTConfig, None, REQUIRED + ["reward.function=m:f", "generation.seed_per_prompt=true"])
+    assert load_config(OnlineConfig, None, REQUIRED + ["reward.function=m:f", "generation.seed_per_prompt=true"]) \
+        .generation.seed_per_prompt
 
 
 def test_data_columns_map_canonical_fields_to_dataset_columns():

@@ -231,3 +231,48 @@ def test_each_model_keeps_its_compiled_step(tiny, monkeypatch):
     for m in (policy, reference, policy, reference):
         generate(m, prompts(tok), params, tok.eos_token_id, tok.pad_token_id)
     assert len(compiled) == 2
+
+
+@pytest.mark.parametrize("engine", ["rlhfkit", "hf"])
+def test_seeded_prompts_draw_the_same_responses_in_any_batch(tiny, engine):
+    """`seeds`: a prompt's responses depend on the prompt and its seed only — drawn alone, with another prompt before
+    it, or in the other order (the layout of a 1- or 2-process run), they are the same tokens and log-probs; the
+    caller's random state is left as it was."""
+    from rlhfkit.generation import prompt_seed
+
+    model, tok = tiny
+    params = GenerationConfig(max_new_tokens=10, num_samples=3, engine=engine)
+    batch = prompts(tok)
+    seeds = [prompt_seed(42, 3, ids[m.bool()]) for ids, m in zip(batch.input_ids, batch.attention_mask)]
+    torch.manual_seed(0)
+    both = generate(model, batch, params, tok.eos_token_id, tok.pad_token_id, seeds)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.rand(1) == after  # the seeded draws consumed nothing of the caller's stream
+    flipped = generate(model, PromptBatch(batch.input_ids.flip(0), batch.attention_mask.flip(0)), params,
+                       tok.eos_token_id, tok.pad_token_id, seeds[::-1])
+    second = batch.attention_mask[1].bool()
+    unpadded = batch.input_ids[1][second].unsqueeze(0)
+    alone = generate(model, PromptBatch(unpadded, torch.ones_like(unpadded)), params, tok.eos_token_id,
+                     tok.pad_token_id, seeds[1:])
+    assert torch.equal(both.group_ids, torch.tensor([0, 0, 0, 1, 1, 1]))
+    width = lambda ro, rows: int(ro.response_mask[rows].sum(1).max())  # noqa: E731
+    for mine, theirs, rows_theirs in ((slice(3, 6), flipped, slice(0, 3)), (slice(3, 6), alone, slice(0, 3)),
+                                      (slice(0, 3), flipped, slice(3, 6))):
+        w = width(both, mine)
+        assert w == width(theirs, rows_theirs)
+        assert torch.equal(both.response_ids[mine, :w], theirs.response_ids[rows_theirs, :w])
+        torch.testing.assert_close(both.sampler_logprobs[mine, :w], theirs.sampler_logprobs[rows_theirs, :w])
+    # Different seeds draw different responses (the seed is used, not ignored).
+    other = generate(model, batch, params, tok.eos_token_id, tok.pad_token_id, [s + 1 for s in seeds])
+    assert not torch.equal(other.response_ids, both.response_ids)
+
+
+def test_prompt_seed_is_a_function_of_seed_step_and_tokens():
+    from rlhfkit.generation import prompt_seed
+
+    ids = torch.tensor([5, 6, 7])
+    assert prompt_seed(42, 3, ids) == prompt_seed(42, 3, ids.clone())
+    assert len({prompt_seed(42, 3, ids), prompt_seed(43, 3, ids), prompt_seed(42, 4, ids),
+                prompt_seed(42, 3, torch.tensor([5, 6, 8]))}) == 4
+    assert 0 <= prompt_seed(42, 3, ids) < 2**63
