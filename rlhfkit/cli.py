@@ -31,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end RLHF of SmolLM2-135M on a sentiment task: SFT, reward model, PPO/DPO/best-of-n, evaluation",
                        description="rlhfkit demo: SFT -> reward model -> PPO, DPO and best-of-4 on the built-in reviews task "
                                    "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
-    p.add_argument("--quick", action="store_true", help="the same path on a tiny random model, in under 20 seconds (plumbing only)")
+    p.add_argument("--quick", action="store_true", help="the whole path, online DPO included, on a tiny random model, in "
+                                                        "under a minute (plumbing only)")
+    p.add_argument("--full", action="store_true", help="add online DPO (the same reward model and prompts as PPO; about "
+                                                       "1.4x PPO's time)")
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
     p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval"],
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "demo":
             from rlhfkit.tasks.demo import run_demo  # only `rlhfkit demo` pays for its imports
 
-            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite)
+            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite,
+                     full=args.full)
         else:
             run_command(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:

@@ -10,6 +10,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `-n 2` (pyproject's addopts): one worker per core, each computing on one thread, so that the workers' in-process
+    # runs and the processes the tests start do not fight over the cores.
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):

@@ -7,12 +7,13 @@ simulated Bradley-Terry annotators:
   1. SFT (LoRA): sample the base model on train prompts, keep 1-2 sentence answers, fine-tune on them (the format);
   2. reward model (a score head on the mean of the SFT model's first-layer states): four SFT samples per prompt,
      every pair labelled by the annotators; held-out accuracy against the noisy labels and against the noiseless gold order;
-  3. policies: PPO (adaptive KL, LoRA, critic initialised from the reward model) against the reward model; DPO on
+  3. policies: PPO (adaptive KL, LoRA, critic initialised from the reward model) against the reward model; with
+     `--full` also online DPO (pairs sampled from the policy, ranked by the same reward model, PPO's prompts); DPO on
      the same pairs; best-of-4 sampling from the SFT model, scored by the reward model;
   4. evaluation on held-out prompts against the SFT model: gold reward, sequence KL (nats), win rates by the gold
      judge and by the reward model, distinct-2, EOS rate; the reward model's accuracy against the gold order on
      every pair of SFT samples to the same held-out prompt; a table, `eval.json`, the frontier plot and the report.
-`--quick` runs the same path on the tiny random model in under 20 seconds (the figures are then meaningless).
+`--quick` runs the whole path, online DPO included, on the tiny random model (the figures are then meaningless).
 
 Every stage prints its wall time and reads its inputs from `output_dir`, where the earlier stages wrote them, so
 `--from-stage` can rerun the later stages of a finished or interrupted run. As with every stage, an existing non-empty
@@ -47,14 +48,15 @@ logger = logging.getLogger("rlhfkit")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_PROMPT = "You are a helpful assistant."
 BEST_OF_N = 4
-TRAINED = ("ppo", "online_dpo", "dpo")  # the methods that train a policy of their own
+TRAINED = ("ppo", "online_dpo", "dpo")  # the methods that train a policy of their own (online DPO with --full)
 METHODS = ("sft", *TRAINED, f"best_of_{BEST_OF_N}")
 STAGES = ("prompts", "sft", "rm", *TRAINED, "eval")
+FULL_ONLY = ("online_dpo",)  # it doubles PPO's sampling: past the default demo's time budget on 2 CPU cores
 
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How much of everything a run uses: the full demo is sized to finish within 30 minutes on 2 CPU cores."""
+    """How much of everything a run uses."""
 
     num_items: int = 400  # invented items; 20% of them are the held-out eval prompts
     sft_prompts: int = 64  # base-model samples (one per prompt) filtered into the SFT data
@@ -190,8 +192,13 @@ class Demo:
     """The demo's stages, in `STAGES` order; each reads what the earlier ones wrote to `output_dir`."""
 
     def __init__(self, output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, size: DemoSize | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, full: bool = False):
         self.output_dir, self.quick, self.seed, self.overwrite = output_dir, quick, seed, overwrite
+        # --quick checks the whole path, online DPO included; the real demo runs online DPO with --full only.
+        self.full = full or quick
+        self.trained = tuple(m for m in TRAINED if self.full or m not in FULL_ONLY)
+        self.methods = ("sft", *self.trained, METHODS[-1])
+        self.stages = ("prompts", "sft", "rm", *self.trained, "eval")
         self.size = size or (QUICK if quick else DemoSize())
         self.timings: dict[str, float] = {}
         if quick:
@@ -218,17 +225,19 @@ class Demo:
         check_writable(self.output_dir, "--output-dir")
         if from_stage == "prompts" and not self.overwrite and os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
             raise UserError(f"--output-dir '{self.output_dir}' is not empty: pass --overwrite to replace the demo in it, "
-                            f"or --from-stage {'|'.join(STAGES[1:])} to rerun its later stages")
+                            f"or --from-stage {'|'.join(self.stages[1:])} to rerun its later stages")
 
     def run(self, from_stage: str = "prompts") -> dict:
-        if from_stage not in STAGES:
-            raise UserError(f"--from-stage must be one of {', '.join(STAGES)}, got '{from_stage}'")
+        if from_stage in FULL_ONLY and not self.full:
+            raise UserError(f"--from-stage {from_stage}: that stage runs with --full only")
+        if from_stage not in self.stages:
+            raise UserError(f"--from-stage must be one of {', '.join(self.stages)}, got '{from_stage}'")
         self.check_output_dir(from_stage)
         # The stages this run reruns replace their earlier runs: asked for by --overwrite or --from-stage.
         self.common["overwrite"] = self.overwrite or from_stage != "prompts"
         os.makedirs(self.output_dir, exist_ok=True)
         atomic_write_text(self.path("config.yaml"), yaml.safe_dump(  # read by the report
-            {"demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage, "system_prompt": SYSTEM_PROMPT,
+            {"demo": {"quick": self.quick, "full": self.full, "seed": self.seed, "from_stage": from_stage, "system_prompt": SYSTEM_PROMPT,
                       "best_of_n": BEST_OF_N, **dataclasses.asdict(self.size)},
              "model": self.base, "lora": self.lora, "common": self.common}, sort_keys=False))
         t_start = time.time()
@@ -242,7 +251,7 @@ class Demo:
             "dpo": "3c. DPO (LoRA) on the annotated pairs (two disjoint pairs per prompt)",
             "eval": f"4. evaluation on {self.size.eval_prompts} held-out prompts (best-of-{BEST_OF_N} sampled here)",
         }
-        for name in STAGES[STAGES.index(from_stage):]:
+        for name in self.stages[self.stages.index(from_stage):]:
             print(f"\n=== {titles[name]} ===", flush=True)
             t0 = time.time()
             out = getattr(self, f"stage_{name}")()
@@ -385,7 +394,7 @@ class Demo:
         from rlhfkit.evaluation.metrics import best_of_n_kl, distinct_n, win_rate, within_group_accuracy
         from rlhfkit.rewards import load_reward_scorer
 
-        self.need("prompts_eval.jsonl", "capability.jsonl", "sft", "rm", *TRAINED, "rm_eval.json")
+        self.need("prompts_eval.jsonl", "capability.jsonl", "sft", "rm", *self.trained, "rm_eval.json")
         size, prompts_file = self.size, self.path("prompts_eval.jsonl")
         prompts = [r["prompt"][-1]["content"] for r in _read_jsonl(prompts_file)]
         scorer = _scorer_on_device(load_reward_scorer(self.path("rm")))
@@ -405,7 +414,7 @@ class Demo:
         # The alignment tax: each policy's per-token NLL of general-knowledge answers against the SFT model's.
         capability = self.path("capability.jsonl")
         nll = {"sft": sft.capability_nll(capability)}
-        for method in TRAINED:
+        for method in self.trained:
             policy = Policy(ModelConfig(name_or_path=self.path(method)), prompts_file)
             ros = policy.sample(1, size, self.seed + 3)
             out = policy.texts(ros)
@@ -414,7 +423,7 @@ class Demo:
             nll[method] = policy.capability_nll(capability)
             del policy
         nll[METHODS[-1]] = nll["sft"]  # best-of-n samples the SFT model: no tax by construction
-        tax = {m: alignment_tax(nll[m], nll["sft"]).as_dict() for m in METHODS}
+        tax = {m: alignment_tax(nll[m], nll["sft"]).as_dict() for m in self.methods}
         with open(self.path("rm_eval.json"), encoding="utf-8") as f:
             rm_figures = json.load(f)
         # The reward model on held-out prompts: every pair of the k SFT samples to one prompt, against the gold order.
@@ -423,7 +432,7 @@ class Demo:
         print(f"reward model on {len(prompts)} held-out prompts: accuracy {_fmt(acc)} vs the gold order over "
               f"{n_pairs} pairs of SFT samples")
         figures = {}
-        for m in METHODS:
+        for m in self.methods:
             out, m_rm, m_gold, m_eos, kl = samples[m]
             figures[m] = {
                 "gold_reward": float(m_gold.mean()),
@@ -437,9 +446,9 @@ class Demo:
                 "alignment_tax_nats": tax[m]["delta_nats"],
             }
         _write_jsonl(self.path("eval_samples.jsonl"), [
-            {"prompt": p, **{m: samples[m][0][i] for m in METHODS}, **{f"gold_{m}": float(samples[m][2][i]) for m in METHODS}}
+            {"prompt": p, **{m: samples[m][0][i] for m in self.methods}, **{f"gold_{m}": float(samples[m][2][i]) for m in self.methods}}
             for i, p in enumerate(prompts)])
-        result = {"quick": self.quick, "output_dir": self.output_dir, "eval_prompts": len(prompts),
+        result = {"quick": self.quick, "full": self.full, "output_dir": self.output_dir, "eval_prompts": len(prompts),
                   "annotator_tau": reviews.ANNOTATOR_TAU, "reward_model": rm_figures, "methods": figures,
                   "alignment_tax": {"reference": "sft", "texts": f"{len(general_qa.QA)} general-knowledge answers "
                                     "(rlhfkit.tasks.general_qa)", **tax},
@@ -453,8 +462,8 @@ class Demo:
 
 
 def run_demo(output_dir: str = "runs/demo", quick: bool = False, seed: int = 0, from_stage: str = "prompts",
-             overwrite: bool = False) -> dict:
-    return Demo(output_dir, quick=quick, seed=seed, overwrite=overwrite).run(from_stage)
+             overwrite: bool = False, full: bool = False) -> dict:
+    return Demo(output_dir, quick=quick, seed=seed, overwrite=overwrite, full=full).run(from_stage)
 
 
 def _fmt(x: float | None) -> str:

@@ -101,3 +101,20 @@ def test_demo_overwrite_replaces_the_previous_demo(previous_run, stages):
 def test_demo_from_stage_continues_in_a_non_empty_dir(previous_run, stages, stage):
     assert main(["demo", "--quick", "--output-dir", str(previous_run), "--from-stage", stage]) == 0
     assert stages == [(name, True) for name in demo.STAGES[demo.STAGES.index(stage):]]  # the stages it reruns
+
+
+@pytest.mark.parametrize("extra, with_online_dpo", [([], False), (["--full"], True)])
+def test_online_dpo_runs_with_full_only(tmp_path, stages, extra, with_online_dpo):
+    """The real demo runs online DPO with --full only (it would take it past its time budget on 2 CPU cores);
+    --quick, plumbing, runs every stage."""
+    assert main(["demo", "--output-dir", str(tmp_path / "demo"), *extra]) == 0
+    want = [s for s in demo.STAGES if with_online_dpo or s != "online_dpo"]
+    assert [name for name, _ in stages] == want and len(want) == len(demo.STAGES) - (not with_online_dpo)
+
+
+def test_from_stage_online_dpo_without_full_is_one_line(previous_run, no_models, capsys):
+    before = _tree(previous_run)
+    assert main(["demo", "--output-dir", str(previous_run), "--from-stage", "online_dpo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rlhfkit: error: --from-stage online_dpo: that stage runs with --full only"]
+    assert _tree(previous_run) == before

@@ -1,0 +1,105 @@
+"""What limits the demo's offline DPO: label noise, the number of labelled pairs, or the number of passes?
+
+Run after `rlhfkit demo` (it reads the demo's directory and writes nothing into it):
+
+    python bench/dpo_labels.py runs/demo [--out runs/dpo_labels]
+
+Each variant trains DPO exactly as the demo's stage 3c does (LoRA on the SFT model, beta 0.1, lr 2e-4, batch 8), only
+on other pairs or for more epochs, then samples the held-out prompts as the demo's evaluation does (same seed, one
+response per prompt) and reports the gold judge's win rate against the demo's SFT samples (`eval_samples.jsonl`)
+and the sequence KL to the SFT model:
+
+- `annotators`: the demo's own DPO run (two disjoint pairs per train prompt, the annotators' noisy labels), evaluated
+  again here as a check that this script reproduces the demo's figure;
+- `gold`: the same pairs ordered by the gold judge (no label noise; gold ties dropped);
+- `all-annotators` / `all-gold`: every labelled pair of the train prompts (six per prompt, overlapping);
+- `annotators-3ep`: the demo's pairs for three epochs.
+
+Figures go to stdout and OUT/dpo_labels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from rlhfkit.config import ModelConfig
+from rlhfkit.evaluation.metrics import win_rate
+from rlhfkit.tasks import reviews
+from rlhfkit.tasks.demo import DemoSize, Policy, _read_jsonl, _train, _write_jsonl
+
+SEED = 0  # the demo's default seed: its evaluation samples the trained policies under seed + 3
+
+
+def relabel_by_gold(pairs: list[dict]) -> list[dict]:
+    out = []
+    for p in pairs:
+        if p["gold_chosen"] == p["gold_rejected"]:
+            continue
+        if p["gold_chosen"] < p["gold_rejected"]:
+            p = {**p, "chosen": p["rejected"], "rejected": p["chosen"], "gold_chosen": p["gold_rejected"],
+                 "gold_rejected": p["gold_chosen"]}
+        out.append(p)
+    return out
+
+
+def evaluate(model_dir, path, size, sft, sft_gold, pairs, flips, epochs, train_s) -> dict:
+    """The demo's evaluation of one DPO policy: one sample per held-out prompt under the demo's seed, the gold judge's
+    win rate against the demo's SFT samples, the mean gold reward and the sequence KL to the SFT model."""
+    policy = Policy(ModelConfig(name_or_path=model_dir), path("prompts_eval.jsonl"))
+    ros = policy.sample(1, size, SEED + 3)
+    gold = torch.tensor(reviews.gold_judge([], policy.texts(ros)))
+    figures = {"pairs": len(pairs), "pairs_against_gold": flips, "epochs": epochs,
+               "win_rate_gold": win_rate(gold, sft_gold), "gold_reward": float(gold.mean()),
+               "kl_to_sft": float(policy.sequence_kl(ros, sft).mean()), "train_s": round(train_s, 1)}
+    print(os.path.basename(model_dir), json.dumps(figures), flush=True)
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("demo_dir")
+    ap.add_argument("--out", default="runs/dpo_labels")
+    ap.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    args = ap.parse_args()
+    demo, out = args.demo_dir, args.out
+    os.makedirs(out, exist_ok=True)
+    path = lambda name: os.path.join(demo, name)  # noqa: E731
+    size = DemoSize()
+    demo_pairs, train_pairs = _read_jsonl(path("pairs_dpo.jsonl")), _read_jsonl(path("pairs_train.jsonl"))
+    variants = {
+        "annotators": (demo_pairs, size.dpo_epochs),
+        "gold": (relabel_by_gold(demo_pairs), size.dpo_epochs),
+        "all-annotators": (train_pairs, size.dpo_epochs),
+        "all-gold": (relabel_by_gold(train_pairs), size.dpo_epochs),
+        "annotators-3ep": (demo_pairs, 3.0),
+    }
+    sft_gold = torch.tensor([r["gold_sft"] for r in _read_jsonl(path("eval_samples.jsonl"))])
+    sft = Policy(ModelConfig(name_or_path=path("sft")), path("prompts_eval.jsonl"))
+    results = {}
+    for name, (pairs, epochs) in variants.items():
+        if args.only and name not in args.only:
+            continue
+        flips = sum(p["gold_chosen"] < p["gold_rejected"] for p in pairs)
+        t0 = time.time()
+        if name == "annotators":  # the demo's own DPO run: evaluated, not retrained
+            results[name] = evaluate(path("dpo"), path, size, sft, sft_gold, pairs, flips, epochs, 0.0)
+            continue
+        data = _write_jsonl(os.path.join(out, f"pairs_{name}.jsonl"), pairs)
+        # The demo's stage 3c settings (Demo.lora, Demo.common, stage_dpo), with this variant's pairs and epochs.
+        _train("dpo", {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0,
+                       "seed": SEED, "overwrite": True, "logging.logging_steps": 1, "optim.scheduler": "constant",
+                       "data.max_length": 256, "data.max_prompt_length": 128, "logging.progress_bar": False,
+                       "model.name_or_path": path("sft"), "data.train": data, "output_dir": os.path.join(out, name),
+                       "num_epochs": epochs, "algo.beta": 0.1, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
+        results[name] = evaluate(os.path.join(out, name), path, size, sft, sft_gold, pairs, flips, epochs, time.time() - t0)
+    with open(os.path.join(out, "dpo_labels.json"), "w", encoding="utf-8") as f:
+        json.dump({"demo_dir": demo, "variants": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
