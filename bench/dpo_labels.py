@@ -74,9 +74,9 @@ def main() -> None:
     variants = {
         "annotators": (demo_pairs, size.dpo_epochs),
         "gold": (relabel_by_gold(demo_pairs), size.dpo_epochs),
-        "all-annotators": (train_pairs, size.dpo_epochs),
-        "all-gold": (relabel_by_gold(train_pairs), size.dpo_epochs),
         "annotators-3ep": (demo_pairs, 3.0),
+        "all-gold": (relabel_by_gold(train_pairs), size.dpo_epochs),
+        "all-annotators": (train_pairs, size.dpo_epochs),
     }
     sft_gold = torch.tensor([r["gold_sft"] for r in _read_jsonl(path("eval_samples.jsonl"))])
     sft = Policy(ModelConfig(name_or_path=path("sft")), path("prompts_eval.jsonl"))
