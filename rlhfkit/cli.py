@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the whole path, online DPO included, on a tiny random model, in "
                                                         "under a minute (plumbing only)")
     p.add_argument("--full", action="store_true", help="add online DPO (the same reward model and prompts as PPO; about "
-                                                       "1.4x PPO's time)")
+                                                       "1.3x PPO's time)")
     p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
     p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval"],
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
