@@ -198,7 +198,6 @@ def _hf_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, par
     return response_ids, recorder.finish(response_ids)  # before padding overwrites tokens after the EOS
 
 
-@torch.no_grad()
 def prompt_seed(seed: int, step: int, prompt_ids: torch.Tensor) -> int:
     """A seed that is a function of (the run's seed, the step, the prompt's tokens) alone: not of the process that
     draws the prompt, nor of its neighbours in the batch."""
@@ -222,6 +221,7 @@ def stack_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
                    sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]))
 
 
+@torch.no_grad()
 def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id: int, pad_token_id: int,
              seeds: list[int] | None = None) -> Rollout:
     """Sample `params.num_samples` responses per prompt; returns a `Rollout` (rows of one prompt adjacent).

@@ -276,3 +276,17 @@ def test_prompt_seed_is_a_function_of_seed_step_and_tokens():
     assert len({prompt_seed(42, 3, ids), prompt_seed(43, 3, ids), prompt_seed(42, 4, ids),
                 prompt_seed(42, 3, torch.tensor([5, 6, 8]))}) == 4
     assert 0 <= prompt_seed(42, 3, ids) < 2**63
+
+
+@pytest.mark.parametrize("seeded_prompts", [False, True])
+def test_generate_builds_no_autograd_graph(tiny, seeded_prompts):
+    """Sampling runs without gradients even when called with them enabled on a trainable model: no graph through the
+    decode loop's forwards (memory and time), none on the recorded log-probs."""
+    model, tok = tiny
+    assert any(p.requires_grad for p in model.parameters())
+    batch = prompts(tok)
+    seeds = [1, 2] if seeded_prompts else None
+    with torch.enable_grad():
+        ro = generate(model, batch, GenerationConfig(max_new_tokens=6, num_samples=2), tok.eos_token_id,
+                      tok.pad_token_id, seeds)
+    assert not ro.sampler_logprobs.requires_grad and ro.sampler_logprobs.grad_fn is None
