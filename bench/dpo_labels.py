@@ -30,7 +30,7 @@ import torch
 from rlhfkit.config import ModelConfig
 from rlhfkit.evaluation.metrics import win_rate
 from rlhfkit.tasks import reviews
-from rlhfkit.tasks.demo import DemoSize, Policy, _read_jsonl, _train, _write_jsonl
+from rlhfkit.tasks.demo import Demo, DemoSize, Policy, _read_jsonl, _train, _write_jsonl
 
 SEED = 0  # the demo's default seed: its evaluation samples the trained policies under seed + 3
 
@@ -70,6 +70,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     path = lambda name: os.path.join(demo, name)  # noqa: E731
     size = DemoSize()
+    settings = Demo(out, seed=SEED, overwrite=True)  # the demo's LoRA and common training settings, nothing run
     demo_pairs, train_pairs = _read_jsonl(path("pairs_dpo.jsonl")), _read_jsonl(path("pairs_train.jsonl"))
     variants = {
         "annotators": (demo_pairs, size.dpo_epochs),
@@ -90,10 +91,8 @@ def main() -> None:
             results[name] = evaluate(path("dpo"), path, size, sft, sft_gold, pairs, flips, epochs, 0.0)
             continue
         data = _write_jsonl(os.path.join(out, f"pairs_{name}.jsonl"), pairs)
-        # The demo's stage 3c settings (Demo.lora, Demo.common, stage_dpo), with this variant's pairs and epochs.
-        _train("dpo", {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0,
-                       "seed": SEED, "overwrite": True, "logging.logging_steps": 1, "optim.scheduler": "constant",
-                       "data.max_length": 256, "data.max_prompt_length": 128, "logging.progress_bar": False,
+        # The demo's stage 3c settings (its LoRA and common settings, stage_dpo's), with this variant's pairs and epochs.
+        _train("dpo", {**settings.lora, **settings.common, "logging.progress_bar": False,
                        "model.name_or_path": path("sft"), "data.train": data, "output_dir": os.path.join(out, name),
                        "num_epochs": epochs, "algo.beta": 0.1, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
         results[name] = evaluate(os.path.join(out, name), path, size, sft, sft_gold, pairs, flips, epochs, time.time() - t0)
