@@ -22,16 +22,18 @@ from rlhfkit.reward_functions import source_stats
 
 @torch.no_grad()
 def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict], params, batch_size: int, seed: int,
-                     state=None, num_rows: int = 8) -> tuple[dict[str, float], list[dict]]:
+                     state=None, num_rows: int = 8, trainer_state=None) -> tuple[dict[str, float], list[dict]]:
     """(figures, sample rows) of `policy` on the held-out `prompts` (tokenised prompt examples).
 
     Args:
         policy: the policy's module to call (in eval mode, weights whole on this process).
         reference: a model or a `models.Reference`, or None (no `eval/objective/kl`).
         rewards: the run's `rewards.Rewards`; every process scores every sample (the same forwards on each, which
-            a ZeRO-3 reward model needs), with no trainer state (as `rlhfkit eval`'s judges).
+            a ZeRO-3 reward model needs).
         params, batch_size, seed, state: as `evaluate.sample`.
         num_rows: samples returned for samples.jsonl (the first ones, in prompt order).
+        trainer_state: what the reward functions and the gold judge get as `trainer_state` (the training's, as TRL
+            passes its own state when it evaluates; None in `rlhfkit eval`).
 
     Figures: `eval/objective/scores` (the weighted total), `eval/rewards/<source>/mean|std`, `eval/objective/gold`,
     `eval/objective/kl` (mean sequence KL to the reference, nats), `eval/response/length_avg`, `eos_rate`,
@@ -40,8 +42,8 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
     parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False)
     ro = concat_rollouts(parts, tokenizer.pad_token_id)
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
-    scored = rewards(ro, rows)
-    gold = rewards.gold(ro, rows)
+    scored = rewards(ro, rows, trainer_state)
+    gold = rewards.gold(ro, rows, trainer_state)
     s = describe(ro, tokenizer)
     summary = summarize({**s, "scores": {}})
     figures = {"objective/scores": float(scored.total.float().mean()), **source_stats(scored.per_source),

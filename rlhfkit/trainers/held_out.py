@@ -61,8 +61,11 @@ class HeldOutEval:
         every = self.cfg.logging.eval_steps
         return self.enabled and (last or bool(every and done % every == 0))
 
-    def __call__(self, done: int, model, reference, rewards) -> dict[str, float]:
-        """Evaluate the prepared `model` (every process together), log the figures at step `done`, return them."""
+    def __call__(self, done: int, model, reference, rewards, total_steps: int) -> dict[str, float]:
+        """Evaluate the prepared `model` (every process together), log the figures at step `done` of `total_steps`,
+        return them. The reward functions get the training's `trainer_state` (global_step `done`)."""
+        from rlhfkit.reward_functions import trainer_state
+
         run, cfg = self.run, self.cfg
         acc = run.accelerator
         state = acc if run.world > 1 else None
@@ -73,7 +76,8 @@ class HeldOutEval:
             try:
                 if self.prompts:
                     figures, rows = held_out_figures(policy, reference, rewards, self.tokenizer, self.prompts,
-                                                     cfg.generation, self.batch_size, cfg.seed, state)
+                                                     cfg.generation, self.batch_size, cfg.seed, state,
+                                                     trainer_state=trainer_state(done, total_steps))
                 if self.capability:
                     figures.update(capability_figures(policy, reference, self.capability, self.tokenizer.pad_token_id,
                                                       cfg.optim.per_device_batch_size, state))

@@ -240,7 +240,7 @@ class OnlineModels:
         self.history.append({"step": done, **stats})
         evaluated = self.held_out.due(done, done == self.total_steps)
         if evaluated:  # logged as its own row of the step, before the step's checkpoint
-            figures = self.held_out(done, self.model, self.ref, self.reward)
+            figures = self.held_out(done, self.model, self.ref, self.reward, self.total_steps)
             self.history.append({"step": done, **figures})
             self.last = {**stats, **figures}
         if self.accelerator.is_main_process and (done % a.table_steps == 0 or done == self.total_steps):

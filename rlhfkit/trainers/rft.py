@@ -32,6 +32,7 @@ from rlhfkit.io import atomic_write_text
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import Reference, load_causal_lm, scored_logits
 from rlhfkit.objects import Objects
+from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.checkpoint import load_model_weights
@@ -168,9 +169,10 @@ class RFTTrainer:
         return examples, ro
 
     @torch.no_grad()
-    def best_of_n(self, iteration: int) -> tuple[list[dict], dict[str, float]]:
-        """The SFT examples of every process (the same list on each, in prompt order) and the iteration's metrics;
-        writes the kept rows to rft_iter{iteration + 1}.jsonl.
+    def best_of_n(self, iteration: int, step: int) -> tuple[list[dict], dict[str, float]]:
+        """The SFT examples of every process (the same list on each, in prompt order) and the iteration's metrics
+        (with each reward source's `rewards/<name>/mean|std` over every sample); writes the kept rows to
+        rft_iter{iteration + 1}.jsonl. The reward functions get `trainer_state` at `step` (SFT steps done).
 
         The iteration's prompts are cut into sampling batches of `algo.sampling_batch_size`; process r samples and
         scores batches r, r + world, ... (each under its own seed, `sampling_seed`), and the kept samples are gathered
@@ -182,6 +184,8 @@ class RFTTrainer:
         chosen = self.run.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
         starts = list(range(0, len(chosen), a.sampling_batch_size))
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
+        per_source: dict[str, list[float]] = {name: [] for name in self.reward.names}  # every sample's, NaN: None
+        state = trainer_state(step, self.total_steps)
         mine = list(range(acc.process_index, len(starts), self.world))
         if self.run.sharded(self.model):
             # A frozen reward model in a ZeRO-3 engine runs collective forwards: every process scores as many batches,
@@ -192,14 +196,17 @@ class RFTTrainer:
             batches = [(b, self.sample_batch(policy, chosen, starts, iteration, b if b is not None else 0)) for b in mine]
         for b, (examples, ro) in batches:
             rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
-            scores = penalize_missing_eos(self.reward(ro, rows).total, ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
+            scored = self.reward(ro, rows, state)
+            scores = penalize_missing_eos(scored.total, ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             if b is None:
                 continue
+            for name, values in scored.per_source.items():
+                per_source[name] += values.tolist()
             best = select_best(scores, ro.group_ids)  # (G,)
             finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
             if not finite.all():
                 logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
-            gold_scores = self.reward.gold(ro, rows)
+            gold_scores = self.reward.gold(ro, rows, state)
             gold = float(gold_scores.sum()) if gold_scores is not None else 0.0
             sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
                                   float(top.isfinite().sum()), 0.0, gold], device=sums.device)
@@ -215,6 +222,9 @@ class RFTTrainer:
         sums[4] = len(kept)
         sums = acc.reduce(sums, reduction="sum")
         kept = [e for _, e in sorted(gather_object(kept), key=lambda be: be[0])]  # batch order (a stable sort)
+        gathered = gather_object([per_source])  # one dict per process
+        sources = source_stats({name: torch.tensor([v for d in gathered for v in d[name]], dtype=torch.float32)
+                                for name in per_source})
         self.samples = [{"iteration": iteration + 1, **{k: e[k] for k in ("prompt", "completion", "score")}} for e in kept[:4]]
         if acc.is_main_process:
             rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
@@ -222,7 +232,8 @@ class RFTTrainer:
         stats = {"rft/iteration": iteration + 1, "rft/mean_score_all": float(sums[0] / sums[1].clamp(min=1)),
                  "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
                  "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
-                 "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1)}
+                 "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1),
+                 **sources}
         if self.reward.gold_function is not None:
             stats["objective/gold"] = float(sums[5]) / (self.per_iteration * cfg.generation.num_samples)  # all samples
         return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats
@@ -237,7 +248,7 @@ class RFTTrainer:
             self.evaluations, self.raised, self.evaluated_at = [], set(), None
             for iteration in range(self.start_iteration, cfg.algo.iterations):
                 # 1-3. Sample n per prompt, keep the best.
-                self.train_set, stats = self.best_of_n(iteration)
+                self.train_set, stats = self.best_of_n(iteration, step)
                 run.log(step, stats)
                 run.log_samples(step, self.samples)
                 last.update(stats)
@@ -261,7 +272,7 @@ class RFTTrainer:
 
     def evaluate(self, step: int, last: dict) -> None:
         """The held-out evaluation after SFT step `step` (`trainers.held_out`); its alignment-tax alarm."""
-        figures = self.held_out(step, self.model, self.ref, self.reward)
+        figures = self.held_out(step, self.model, self.ref, self.reward, self.total_steps)
         self.evaluated_at = step
         last.update(figures)
         self.evaluations.append({"step": step, **figures})

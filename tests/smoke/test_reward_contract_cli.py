@@ -197,3 +197,39 @@ def test_rows_no_source_scores_warn_once_and_score_zero(tmp_path, caplog):
     assert len([r for r in caplog.records if "every reward source returned None" in r.getMessage()]) == 1
     rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "objective/scores" in r]
     assert [r["objective/scores"] for r in rows] == [0.0, 0.0]
+
+
+def test_trainer_state_reaches_functions_in_evaluation_during_training(tmp_path):
+    """The held-out evaluation scores with the same contract: a function that reads trainer_state gets the step the
+    evaluation follows (TRL passes its own state in evaluate too), not None."""
+    from tests.smoke import reward_fns
+
+    reward_fns.STEPS.clear()
+    out = tmp_path / "run"
+    assert main(ARITH + [f"reward.function={FNS}:by_step", "data.eval=data/tiny/arithmetic_prompts.jsonl",
+                         "logging.eval_steps=1", f"output_dir={out}"]) == 0
+    assert reward_fns.STEPS == [0, 1, 1, 2]  # train step 1, eval after it, train step 2, eval after it
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/rewards/by_step/mean" in r] == [1, 2]
+
+
+def test_rft_passes_trainer_state_and_logs_each_source(tmp_path):
+    """rft scores under TRL's contract too: trainer_state counts the SFT steps done before each iteration's sampling,
+    and each source's mean and std over every sample are logged as the online stages log them."""
+    from tests.smoke import reward_fns
+
+    reward_fns.STEPS.clear()
+    out = tmp_path / "run"
+    assert main(["rft", "--config", "configs/rft_tiny.yaml", "data.train=data/tiny/arithmetic_prompts.jsonl",
+                 f"reward.function=[{FNS}:by_step, {FNS}:completions_only]", "reward.weights=[1.0, 0.5]",
+                 "algo.iterations=2", "algo.prompts_per_iteration=8", "algo.sampling_batch_size=4",
+                 "generation.num_samples=2", "generation.max_new_tokens=4", "optim.per_device_batch_size=4",
+                 f"output_dir={out}", "logging.progress_bar=false"]) == 0
+    assert reward_fns.STEPS == [0, 0, 2, 2]  # two sampling batches per iteration; 8 kept rows / 4 per step = 2 steps
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+            if "rft/mean_score_all" in r]
+    assert len(rows) == 2
+    for r in rows:  # every sample: by_step scores 0, completions_only the length; the total is 0.5 x the length
+        assert r["rewards/by_step/mean"] == 0.0 and r["rewards/by_step/std"] == 0.0
+        assert r["rewards/completions_only/mean"] > 0
+        assert abs(r["rft/mean_score_all"] - 0.5 * r["rewards/completions_only/mean"]) < 1e-5, r
