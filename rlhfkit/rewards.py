@@ -257,8 +257,8 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
 class RewardModelSource:
     """A reward model as a reward source, named `name` (its directory's name).
 
-    When its tokenizer is the policy's (the same vocabulary), it scores the rollout's own token ids, exactly as
-    sampled. Otherwise, as TRL does, it scores the text re-tokenised with its own tokenizer: the prompt followed by
+    When its tokenizer is the policy's (the same vocabulary and chat template), it scores the rollout's own token
+    ids, exactly as sampled. Otherwise, as TRL does, it scores the text re-tokenised with its own tokenizer: the prompt followed by
     the completion on standard data, its own chat template over the prompt's messages and the assistant's reply on
     conversational data. Scores are read in chunks of `batch_size` rows (None: all at once).
     """
@@ -266,7 +266,8 @@ class RewardModelSource:
     def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None):
         self.scorer, self.name, self.batch_size = scorer, name, batch_size
         own = scorer.tokenizer
-        self.retokenize = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
+        self.retokenize = own is not None and (own.get_vocab() != policy_tokenizer.get_vocab()
+                                               or getattr(own, "chat_template", None) != getattr(policy_tokenizer, "chat_template", None))
 
     @torch.no_grad()
     def __call__(self, rollout, inputs: RewardInputs) -> Tensor:
@@ -318,6 +319,12 @@ def _has_own_tokenizer(path: str) -> bool:
     return not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in files)
 
 
+def reads_ids_of(embeddings: int, tokenizer_size: int) -> bool:
+    """Whether a model with `embeddings` input embeddings reads the ids of a tokenizer of `tokenizer_size` tokens:
+    the same size, or a larger multiple of 64 (Qwen2.5's 151,936 embeddings read its 151,665-token tokenizer)."""
+    return embeddings == tokenizer_size or (embeddings > tokenizer_size and embeddings % 64 == 0)
+
+
 def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quantization: QuantizationConfig | None = None,
                              batch_size: int | None = None, dtype: str = "float32") -> RewardModelSource:
     """The frozen reward model at `path` as a source scoring the policy's rollouts.
@@ -335,7 +342,7 @@ def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quan
     tokenizer = load_tokenizer(cfg) if _has_own_tokenizer(where) else None
     if tokenizer is None:
         size, policy_size = from_pretrained(AutoConfig, where).vocab_size, len(policy_tokenizer)
-        if not (size == policy_size or (size > policy_size and size % 64 == 0)):
+        if not reads_ids_of(size, policy_size):
             raise UserError(f"reward model '{path}' has no tokenizer of its own and its vocabulary ({size} tokens) is not "
                             f"the policy tokenizer's ('{policy_name}', {policy_size} tokens): it cannot score the "
                             "policy's tokens; save the reward model with its tokenizer")
@@ -356,13 +363,14 @@ def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size:
     key = f"reward_funcs[{i}]"
     model, tokenizer = entry if isinstance(entry, tuple) else (entry, None)
     if isinstance(model, torch.nn.Module):
-        if tokenizer is None and model.get_input_embeddings().num_embeddings < len(policy_tokenizer):
+        if tokenizer is None and not reads_ids_of(model.get_input_embeddings().num_embeddings, len(policy_tokenizer)):
             raise UserError(f"{key}: a reward model whose vocabulary ({model.get_input_embeddings().num_embeddings} "
                             f"tokens) is not the policy tokenizer's ('{policy_name}', {len(policy_tokenizer)} tokens): "
                             "pass it with its own tokenizer, as a (model, tokenizer) pair")
         model.eval()
         model.requires_grad_(False)
-        name = os.path.basename(os.path.normpath(getattr(model, "name_or_path", "") or "")) or f"reward_model_{i}"
+        where = getattr(model, "name_or_path", "") or ""
+        name = os.path.basename(os.path.normpath(where)) if where else f"reward_model_{i}"
         return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
     if isinstance(model, str) and ":" not in model:
         return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype)

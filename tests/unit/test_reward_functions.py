@@ -515,3 +515,62 @@ def own_scores_ids(path, ro):
     ids = ro.input_ids[ro.attention_mask.bool()].unsqueeze(0)  # one row: its real tokens, ending with EOS
     with torch.no_grad():  # the head at the last token (transformers' own pooling skips an EOS that is also pad)
         return model.score(model.model(input_ids=ids).last_hidden_state)[:, -1, 0]
+
+
+# 7. Reward-model objects given from Python (`reward_funcs`), and tokenizers that differ only in their template ---
+
+
+def given_rewards(*given, weights=None):
+    cfg = SimpleNamespace(function=None, gold_function=None, model=[], ensemble="mean", weights=None, quantization=None)
+    return Rewards(cfg, build_tiny_tokenizer(), "cpu", policy_name="tiny", given=list(given), given_weights=weights)
+
+
+def rm_object(vocab_size, seed=0):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(config)
+
+
+def test_a_reward_model_object_built_in_memory_is_named_by_its_position(tok):
+    """An object with no directory behind it (name_or_path "") is `reward_model_<i>`, not '.'."""
+    r = given_rewards("rlhfkit.tasks.toy:vowel_reward", rm_object(len(tok)))
+    assert r.names == ["vowel_reward", "reward_model_1"]
+
+
+@pytest.mark.parametrize("size", [len(build_tiny_tokenizer()) - 3, len(build_tiny_tokenizer()) + 97])
+def test_a_reward_model_object_of_another_vocabulary_without_its_tokenizer_is_refused(size):
+    """Bigger as much as smaller: only the policy's size, or its size padded to a multiple of 64, reads its ids."""
+    with pytest.raises(UserError) as err:
+        given_rewards(rm_object(size))
+    assert str(err.value) == (f"reward_funcs[0]: a reward model whose vocabulary ({size} tokens) is not the policy "
+                              f"tokenizer's ('tiny', {len(build_tiny_tokenizer())} tokens): pass it with its own "
+                              "tokenizer, as a (model, tokenizer) pair")
+
+
+def test_a_reward_model_object_with_a_padded_vocabulary_reads_the_policys_ids(tok):
+    assert not given_rewards(rm_object(128)).sources[0].retokenize  # 103 tokens padded to 128 = 2 x 64
+
+
+def test_the_same_vocabulary_under_another_chat_template_is_retokenised(tok, tmp_path):
+    """TRL renders the conversation with the reward model's own chat template: same ids but another template must
+    not score the policy's rendering."""
+    own = build_tiny_tokenizer()
+    own.chat_template = OTHER_TEMPLATE
+    path = save_rm(tmp_path / "rm_template", own)
+    r = rewards(model=[path])
+    assert r.sources[0].retokenize
+    ro = rollout(tok, ["Go"], ["no", "ok"], k=2)
+    chat = [{"prompt": [{"role": "user", "content": "Go"}], "columns": {}}]
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.models import load_reward_model
+
+    model = load_reward_model(ModelConfig(name_or_path=path), own, trainable=False)
+    expected = []
+    with torch.no_grad():
+        for c in ["no", "ok"]:
+            ids = torch.tensor([own(f"[user] Go\n[assistant] {c}\n", add_special_tokens=False)["input_ids"]])
+            expected.append(model(input_ids=ids).logits[0, 0])
+    torch.testing.assert_close(r(ro, rows_of(ro, chat)).total, torch.stack(expected), atol=1e-5, rtol=0)
