@@ -263,9 +263,12 @@ class RewardModelSource:
     conversational data. Scores are read in chunks of `batch_size` rows (None: all at once).
     """
 
-    def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None):
-        self.scorer, self.name, self.batch_size = scorer, name, batch_size
+    def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None,
+                 given=None):
+        """`given`: the model object the Python API was given (None: loaded from `name`'s directory or hub name)."""
+        self.scorer, self.name, self.batch_size, self.given = scorer, name, batch_size, given
         own = scorer.tokenizer
+        self.own_vocabulary = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
         self.retokenize = own is not None and (own.get_vocab() != policy_tokenizer.get_vocab()
                                                or getattr(own, "chat_template", None) != getattr(policy_tokenizer, "chat_template", None))
 
@@ -371,7 +374,7 @@ def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size:
         model.requires_grad_(False)
         where = getattr(model, "name_or_path", "") or ""
         name = os.path.basename(os.path.normpath(where)) if where else f"reward_model_{i}"
-        return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
+        return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size, given=model)
     if isinstance(model, str) and ":" not in model:
         return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype)
     return _reward_function(model, key)
@@ -437,6 +440,15 @@ class Rewards:
         total, unscored = weighted_sum(torch.stack(values, -1), torch.stack(applies, -1), self.weights)
         warn_unscored_once(unscored, inputs, self._warned)
         return Scores(total, dict(zip(self.names, values)), unscored)
+
+    def first_model(self) -> RewardModelSource | None:
+        """The first reward model among the sources (an ensemble's first member), or None."""
+        for source in self.sources:
+            if isinstance(source, EnsembleSource):
+                return source.members[0]
+            if isinstance(source, RewardModelSource):
+                return source
+        return None
 
     def gold(self, rollout, examples: list[dict] | None = None, trainer_state=None) -> Tensor | None:
         """(B,) float32 gold-judge scores (the same contract as the reward functions; NaN where it returned None),

@@ -4,6 +4,7 @@ samples, checkpoint). The step itself is `online.OnlineTrainer`'s."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -145,9 +146,20 @@ class OnlineModels:
         cfg, a = self.cfg, self.cfg.algo
         if cfg.model.lora.enabled and not a.value_model:
             return SharedBaseCritic(policy, cfg.model)  # one base for policy, reference and critic
-        init = a.value_model or (cfg.reward.model[0] if cfg.reward.model else cfg.model.name_or_path)
-        # From a policy object given from Python: a copy of its backbone under a new value head.
-        given = policy if not a.value_model and not cfg.reward.model and self.objects.model is not None else None
+        first = self.reward.first_model() if not a.value_model else None
+        if first is not None and first.own_vocabulary:
+            raise UserError(f"algo.value_model: PPO's critic starts from the first reward model ('{first.name}'), whose "
+                            f"tokenizer is not the policy's ('{cfg.model.name_or_path}'), and the critic reads the "
+                            "policy's tokens; set algo.value_model to a model with the policy's tokenizer (the policy "
+                            "itself, with algo.allow_new_value_head=true)")
+        init = a.value_model or (cfg.model.name_or_path if first is None else first.name if first.given is not None
+                                 else cfg.reward.model[0])
+        given = None
+        if first is not None and first.given is not None:
+            # A reward-model object given from Python: the critic is a trainable copy (the reward model stays frozen).
+            given = copy.deepcopy(first.given).requires_grad_(True).train()
+        elif not a.value_model and first is None and self.objects.model is not None:
+            given = policy  # a policy object given from Python: a copy of its backbone under a new value head
         return load_reward_model(dataclasses.replace(cfg.model, name_or_path=init, gguf_file=None), self.tokenizer, given=given,
                                  allow_new_head=not a.value_model or a.allow_new_value_head, key="algo.value_model",
                                  hint="set algo.allow_new_value_head=true to start the critic's value head at random")

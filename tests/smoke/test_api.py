@@ -230,3 +230,47 @@ def test_callbacks_reach_the_run(tmp_path):
     assert [r["step"] for r in history] == [1, 2]
     assert [s for s, _ in cb.logged] == [1, 2] and cb.logged[-1][1]["loss"] == pytest.approx(history[-1]["loss"])
     assert result.metrics["loss"] == pytest.approx(history[-1]["loss"])
+
+
+# PPO's critic when the reward models come from Python -------------------------------------------------------------
+
+PPO = {"max_steps": 2, "logging.progress_bar": False, "reward.function": None}
+
+
+def test_ppo_critic_copies_a_reward_model_object_built_in_memory(tmp_path):
+    """A reward-model object with no directory behind it: the critic starts from a copy of it (the reward model
+    stays frozen, the critic trains), instead of loading the object's class name from the hub."""
+    from tests.unit.test_reward_functions import rm_object
+
+    _, tokenizer = tiny_model_and_tokenizer()
+    rm = rm_object(len(tokenizer))
+    before = {k: v.clone() for k, v in rm.state_dict().items()}
+    rlhfkit.train("ppo", model="tiny", reward_funcs=[rm], config="configs/ppo_tiny.yaml", overrides=PPO,
+                  output_dir=str(tmp_path / "ppo"))
+    assert all(torch.equal(before[k], v) for k, v in rm.state_dict().items())  # the reward model did not train
+    history = rows(tmp_path / "ppo" / "metrics.jsonl")
+    assert len(history) == 2 and "rewards/reward_model_0/mean" in history[0]
+    assert history[0]["loss/value_avg"] > 0 and history[1]["val/ratio"] != 1.0  # a critic trained
+
+
+def test_ppo_refuses_a_critic_from_a_reward_model_of_another_tokenizer(tmp_path, capsys):
+    """The critic reads the policy's token ids: started from a reward model with another vocabulary it would read
+    them through the wrong embeddings. Refused in one line, from Python and from the CLI."""
+    from tests.unit.test_reward_functions import other_tokenizer, rm_object, save_rm
+
+    other = other_tokenizer()
+    with pytest.raises(UserError) as err:
+        rlhfkit.train("ppo", model="tiny", reward_funcs=[(rm_object(len(other)), other)], config="configs/ppo_tiny.yaml",
+                      overrides=PPO, output_dir=str(tmp_path / "obj"))
+    assert str(err.value).startswith("algo.value_model: PPO's critic starts from the first reward model "
+                                     "('reward_model_0'), whose tokenizer is not the policy's ('tiny')"), err.value
+
+
+def test_ppo_refuses_a_critic_from_a_reward_model_directory_of_another_tokenizer(tmp_path, capsys):
+    from tests.unit.test_reward_functions import other_tokenizer, save_rm
+
+    path = save_rm(tmp_path / "rm_other", other_tokenizer())
+    code = main(["ppo", "--config", "configs/ppo_tiny.yaml", f"reward.model=[{path}]", "reward.function=null",
+                 "max_steps=1", f"output_dir={tmp_path / 'cli'}", "logging.progress_bar=false"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhfkit: error:")]
+    assert code == 2 and len(errors) == 1 and "('rm_other'), whose tokenizer is not the policy's ('tiny')" in errors[0]
