@@ -69,7 +69,7 @@ class SampleStats:
     """Per-sample data of one set of responses (e.g. the policy's evaluation samples)."""
 
     lengths: Sequence[float]  # response length in tokens
-    scores: Mapping[str, Sequence[float]]  # judge name -> one score per response
+    scores: Mapping[str, Sequence[float | None]]  # judge name -> one score per response (None: does not apply)
 
 
 def _series(history: Sequence[Mapping], key: str) -> list[tuple[Mapping, float]]:
@@ -148,8 +148,12 @@ def length_correlation(
     judge's scores with the lengths above `max_length_corr`, or the logged per-step correlation's last window."""
     alarms = []
     if samples is not None and len(samples.lengths) >= t.min_samples:
-        for judge, scores in samples.scores.items():
-            r = pearson(scores, samples.lengths)
+        for judge, all_scores in samples.scores.items():
+            scored = [(x, n) for x, n in zip(all_scores, samples.lengths) if x is not None]  # None: does not apply
+            if len(scored) < t.min_samples:
+                continue
+            scores = [x for x, _ in scored]
+            r = pearson(scores, [n for _, n in scored])
             if abs(r) > t.max_length_corr:
                 alarms.append(Alarm("length_correlation", (
                     f"{judge} scores correlate with response length: Pearson r = {r:+.2f} over {len(scores)} samples "

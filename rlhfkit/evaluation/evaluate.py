@@ -58,9 +58,13 @@ Judge = Callable[[Rollout, list[dict] | None], list[float]]
 def python_judge(fn: Callable, tokenizer) -> Judge:
     """A Python reward function under TRL's contract (e.g. `rlhfkit.tasks.toy:vowel_reward`, or a `RewardFunction`
     from `reward_functions.load_reward_function`) as a judge; `tokenizer` decodes the rollout. A row the function
-    returns None for has no score (NaN), which `_judge_all` refuses: a judge scores every sample."""
+    returns None for is one it does not apply to (TRL's convention): its score stays None, and the figures leave it
+    out. The function gets `trainer_state` as a fresh `transformers.TrainerState` (global_step 0): there is no
+    training here, and a TRL function that reads it must still run."""
+    from rlhfkit.reward_functions import trainer_state
+
     reward = fn if isinstance(fn, RewardFunction) else RewardFunction(fn, f"judge {getattr(fn, '__name__', fn)!r}")
-    return lambda rollout, examples: [math.nan if v is None else v for v in reward(reward_inputs(tokenizer, rollout, examples))]
+    return lambda rollout, examples: list(reward(reward_inputs(tokenizer, rollout, examples, trainer_state(0, 0))))
 
 
 class RewardModelJudge:
@@ -83,17 +87,19 @@ def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
 
 
 def _judge_all(judges: dict[str, Judge], rollout: Rollout, examples: list[dict]) -> dict:
-    """judge name -> one finite score per row of `rollout`."""
+    """judge name -> one score per row of `rollout`: a finite number, or None where the judge does not apply."""
     out = {}
     n = rollout.response_ids.shape[0]
     for name, judge in judges.items():
-        scores = [float(s) for s in judge(rollout, examples)]
+        scores = [None if s is None else float(s) for s in judge(rollout, examples)]
         if len(scores) != n:
             raise UserError(f"judge '{name}' returned {len(scores)} scores for {n} completions")
-        if not all(math.isfinite(s) for s in scores):
-            i, bad = next((i, s) for i, s in enumerate(scores) if not math.isfinite(s))
-            what = "None (no score)" if math.isnan(bad) else f"a non-finite score: {bad}"
-            raise UserError(f"judge '{name}' returned {what} at row {i}: eval needs a finite score for every sample")
+        bad = next(((i, s) for i, s in enumerate(scores) if s is not None and not math.isfinite(s)), None)
+        if bad is not None:
+            raise UserError(f"judge '{name}' returned a non-finite score ({bad[1]}) at row {bad[0]}: return a number, "
+                            "or None for a row the judge does not apply to")
+        if all(s is None for s in scores):
+            logger.warning("judge '%s' returned None for all %d samples: it has no figures", name, n)
         out[name] = scores
     return out
 
@@ -133,6 +139,19 @@ def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples
     return {**describe(ro, tokenizer), "scores": _judge_all(judges, ro, examples)}
 
 
+def judged(scores: list) -> dict:
+    """{"mean", "std", "n"} of a judge's scores over the rows it applies to (not None); mean and std are None when
+    it applies to none."""
+    applied = [x for x in scores if x is not None]
+    return {**(mean_std(applied) if applied else {"mean": None, "std": None}), "n": len(applied)}
+
+
+def paired_win_rate(a: list, b: list) -> float | None:
+    """`metrics.win_rate` over the pairs both sides have a score for (None when there are none)."""
+    both = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return win_rate([x for x, _ in both], [y for _, y in both]) if both else None
+
+
 def summarize(s: dict) -> dict:
     """The figures of one model's samples (`describe` plus "scores": judge -> scores; eval.json's "policy" /
     "reference" objects)."""
@@ -142,7 +161,7 @@ def summarize(s: dict) -> dict:
         "distinct_1": distinct_n(s["texts"], 1), "distinct_2": diversity[DISTINCT_KEY],
         "words_avg": diversity[WORDS_KEY], "top_share": diversity.get(TOP_SHARE_KEY),
         "eos_rate": eos_rate(s["has_eos"]), "truncation_rate": truncation_rate(s["has_eos"]),
-        "empty_rate": empty_rate(s["texts"]), "reward": {name: mean_std(v) for name, v in s["scores"].items()},
+        "empty_rate": empty_rate(s["texts"]), "reward": {name: judged(v) for name, v in s["scores"].items()},
     }
 
 
@@ -166,7 +185,7 @@ def evaluate(
 
     Returns the eval.json figures: "num_prompts", "num_samples", "policy" and "reference" ({"length": {mean, std},
     "distinct_1", "distinct_2", "words_avg", "top_share" (`alarms.diversity_figures`), "eos_rate", "truncation_rate",
-    "empty_rate", "reward": {judge: {mean, std}}}; reference
+    "empty_rate", "reward": {judge: {mean, std, n}}}; reference
     None without one), "kl" ({mean, std} of the per-sequence KL(policy || reference) in nats on policy samples, or
     None), "win_rate" ({judge: P(policy beats reference)}), "alarms" ([{name, message, source}]), "samples".
     """
@@ -230,7 +249,7 @@ def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float]
         "num_prompts": len(prompts), "num_samples": len(pol["texts"]),
         "policy": summarize(pol), "reference": summarize(ref) if ref else None,
         "kl": mean_std(kls) if ref else None,
-        "win_rate": {name: win_rate(pol["scores"][name], ref["scores"][name]) for name in judges} if ref else {},
+        "win_rate": {name: paired_win_rate(pol["scores"][name], ref["scores"][name]) for name in judges} if ref else {},
     }
     # Alarms on the samples: the policy's score-length correlation, and reference -> policy as a 2-row history
     # (diversity collapse, more empty or truncated responses).
@@ -418,8 +437,8 @@ def headline(report: dict) -> dict[str, float]:
     "win_rate/<judge>" and "rm_accuracy/<judge>". (No "eval/" prefix: the table printed them already, so the CLI's
     closing line does not repeat them.)"""
     out = {"kl": report["kl"]["mean"]} if report["kl"] is not None else {}
-    out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items()})
-    out.update({f"win_rate/{name}": w for name, w in report["win_rate"].items()})
+    out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items() if r["mean"] is not None})
+    out.update({f"win_rate/{name}": w for name, w in report["win_rate"].items() if w is not None})
     out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
     if report.get("alignment_tax"):
         out["alignment_tax/delta_nats"] = report["alignment_tax"]["delta_nats"]

@@ -62,3 +62,9 @@ async def awaited(completions, **kwargs):
 def by_step(completions, trainer_state, **kwargs):
     STEPS.append(trainer_state.global_step)
     return [0.0] * len(completions)
+
+
+def vowels_or_none(completions, **kwargs):
+    """The number of vowels; None (does not apply) for a completion without any."""
+    counts = [sum(ch in "aeiou" for ch in c) for c in completions]
+    return [float(n) if n else None for n in counts]

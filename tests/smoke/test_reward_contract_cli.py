@@ -233,3 +233,28 @@ def test_rft_passes_trainer_state_and_logs_each_source(tmp_path):
         assert r["rewards/by_step/mean"] == 0.0 and r["rewards/by_step/std"] == 0.0
         assert r["rewards/completions_only/mean"] > 0
         assert abs(r["rft/mean_score_all"] - 0.5 * r["rewards/completions_only/mean"]) < 1e-5, r
+
+
+def test_eval_judges_may_return_none_for_rows_they_do_not_apply_to(tmp_path):
+    """None means "does not apply", as in training: the judge's figures are over the rows it scored, the win rate
+    over the pairs both sides scored, and a sample it did not score shows null. trainer_state is a TrainerState
+    (step 0), so a TRL function that reads it runs in eval too."""
+    from tests.smoke import reward_fns
+
+    reward_fns.STEPS.clear()
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", "configs/eval_tiny.yaml", f"judges=['v={FNS}:vowels_or_none', 'step={FNS}:by_step']",
+                 "max_prompts=16", "num_examples=16", f"output_dir={out}"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert reward_fns.STEPS == [0, 0]  # the policy's samples, then the reference's
+    for side in ("policy", "reference"):
+        scores = [s[side]["scores"]["v"] for s in report["samples"]]
+        texts = [s[side]["response"] for s in report["samples"]]
+        assert [x is None for x in scores] == [not any(ch in "aeiou" for ch in t) for t in texts]
+        scored = [x for x in scores if x is not None]
+        assert 0 < len(scored) < len(scores), scores  # the tiny model's samples: some with a vowel, some without
+        assert report[side]["reward"]["v"]["mean"] == pytest.approx(sum(scored) / len(scored))
+        assert report[side]["reward"]["v"]["n"] == len(scored)
+    pairs = [(s["policy"]["scores"]["v"], s["reference"]["scores"]["v"]) for s in report["samples"]]
+    both = [(a, b) for a, b in pairs if a is not None and b is not None]
+    assert report["win_rate"]["v"] == pytest.approx(sum((a > b) + 0.5 * (a == b) for a, b in both) / len(both))
