@@ -27,7 +27,7 @@ from rlhfkit.config.fields import merge
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, cache_dir
 from rlhfkit.objects import Objects
-from rlhfkit.stages import STAGES, build_stage_config, trainer_of
+from rlhfkit.stages import STAGES, _load, build_stage_config, trainer_of
 
 # peft LoraConfig fields rlhfkit maps onto `model.lora` (the rest must keep peft's defaults: refused otherwise).
 _LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
@@ -60,6 +60,10 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
     """
     if stage not in STAGES:
         raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
+    if reward_funcs is not None and "reward" not in {f.name for f in dataclasses.fields(_load(STAGES[stage][0]))}:
+        takes = [s for s in STAGES if "reward" in {f.name for f in dataclasses.fields(_load(STAGES[s][0]))} and s != "eval"]
+        raise UserError(f"reward_funcs: the {stage} stage learns from its data and takes no reward sources (stages "
+                        f"that do: {', '.join(takes)})")
     data = merge(merge(_config_dict(stage, config), _arguments(model, train_dataset, eval_dataset, reward_funcs,
                                                                reward_weights, peft_config, output_dir)),
                  parse_overrides(_override_list(overrides)))

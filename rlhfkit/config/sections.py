@@ -93,6 +93,9 @@ class DataConfig:
     """Training stages read `train` (required there) and `eval`; `rlhfkit eval` reads its held-out prompts from
     `eval` (required there) with `eval_split`, `max_prompt_length`, `max_length` and `truncation`."""
 
+    KEY_HINTS = {"split": "a hub dataset's splits are data.train_split (default 'train') and data.eval_split "
+                          "(default 'test')"}  # a class attribute, not a field
+
     train: str = ""  # a local .jsonl/.json/.csv/.parquet file or a hub dataset name
     eval: str | None = None  # same forms as `train`; None = hold out `eval_fraction` of train (or no eval)
     train_split: str = "train"  # split used when `train` is a hub dataset

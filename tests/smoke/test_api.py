@@ -274,3 +274,20 @@ def test_ppo_refuses_a_critic_from_a_reward_model_directory_of_another_tokenizer
                  "max_steps=1", f"output_dir={tmp_path / 'cli'}", "logging.progress_bar=false"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhfkit: error:")]
     assert code == 2 and len(errors) == 1 and "('rm_other'), whose tokenizer is not the policy's ('tiny')" in errors[0]
+
+
+def test_reward_funcs_on_a_stage_without_reward_sources_is_one_clear_line(tmp_path):
+    with pytest.raises(UserError) as err:
+        rlhfkit.train("dpo", model="tiny", train_dataset="data/tiny/pref_train.jsonl", reward_funcs=[vowels],
+                      output_dir=str(tmp_path / "dpo"))
+    assert str(err.value).startswith("reward_funcs: the dpo stage learns from its data and takes no reward sources "
+                                     "(stages that do:"), err.value
+
+
+def test_data_split_points_at_the_split_keys(tmp_path):
+    """TRL's scripts say dataset_train_split; rlhfkit's keys are data.train_split and data.eval_split."""
+    with pytest.raises(UserError) as err:
+        rlhfkit.train("sft", model="tiny", train_dataset="data/tiny/sft_train.jsonl", overrides={"data.split": "validation"},
+                      output_dir=str(tmp_path / "sft"))
+    assert str(err.value) == ("unknown config key 'data.split': a hub dataset's splits are data.train_split (default "
+                              "'train') and data.eval_split (default 'test')")
