@@ -64,9 +64,22 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
         takes = [s for s in STAGES if "reward" in {f.name for f in dataclasses.fields(_load(STAGES[s][0]))} and s != "eval"]
         raise UserError(f"reward_funcs: the {stage} stage learns from its data and takes no reward sources (stages "
                         f"that do: {', '.join(takes)})")
+    given: dict[str, str] = {}  # the cached file of a dataset object -> the argument that passed it
     data = merge(merge(_config_dict(stage, config), _arguments(model, train_dataset, eval_dataset, reward_funcs,
-                                                               reward_weights, peft_config, output_dir)),
+                                                               reward_weights, peft_config, output_dir, given)),
                  parse_overrides(_override_list(overrides)))
+    try:
+        return _train(stage, data, model, tokenizer, reward_funcs, reward_weights, callbacks)
+    except UserError as exc:  # errors name a dataset object's records by the argument, not its cached file
+        message = str(exc)
+        for path, argument in given.items():
+            message = message.replace(path, argument)
+        if message == str(exc):
+            raise
+        raise type(exc)(message) from None
+
+
+def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weights, callbacks) -> TrainResult:
     if stage == "eval" and any(x is not None and not isinstance(x, str) for x in (model, tokenizer)) or \
             stage == "eval" and (callbacks or any(not isinstance(f, str) for f in _as_list(reward_funcs))):
         raise UserError("rlhfkit.train('eval', ...) takes names (model, reward_funcs as 'module:function' or "
@@ -120,16 +133,19 @@ def _as_list(value) -> list:
 # The arguments as config keys ----------------------------------------------------------------------------------
 
 
-def _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config, output_dir) -> dict:
+def _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config, output_dir,
+               given: dict[str, str]) -> dict:
+    """The arguments as config keys; `given` gets each dataset object's cached file -> its argument's name."""
     data: dict = {}
+    for key, argument, dataset in (("train", "train_dataset", train_dataset), ("eval", "eval_dataset", eval_dataset)):
+        if dataset is not None:
+            data.setdefault("data", {})[key] = path = _dataset_path(dataset, argument)
+            if not isinstance(dataset, (str, os.PathLike)):
+                given[path] = argument
     if model is not None:
         data["model"] = {"name_or_path": model if isinstance(model, str) else _model_name(model)}
         if not isinstance(model, str):
             data["model"]["gguf_file"] = None
-    if train_dataset is not None:
-        data.setdefault("data", {})["train"] = _dataset_path(train_dataset, "train_dataset")
-    if eval_dataset is not None:
-        data.setdefault("data", {})["eval"] = _dataset_path(eval_dataset, "eval_dataset")
     if reward_funcs is not None:
         data["reward"] = _reward_keys(_as_list(reward_funcs), reward_weights)
     elif reward_weights is not None:

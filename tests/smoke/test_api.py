@@ -291,3 +291,12 @@ def test_data_split_points_at_the_split_keys(tmp_path):
                       output_dir=str(tmp_path / "sft"))
     assert str(err.value) == ("unknown config key 'data.split': a hub dataset's splits are data.train_split (default "
                               "'train') and data.eval_split (default 'test')")
+
+
+def test_a_bad_record_in_a_dataset_object_is_named_by_its_argument(tmp_path):
+    """The records of a Dataset go through a cached file, but the error names what the caller passed."""
+    bad = datasets.Dataset.from_list([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": None}])
+    with pytest.raises(UserError) as err:
+        rlhfkit.train("sft", model="tiny", train_dataset=bad, output_dir=str(tmp_path / "sft"))
+    assert str(err.value) == ("train_dataset record 1: field 'completion' must be a string or a list of {role, content} "
+                              "messages, got null")
