@@ -11,9 +11,9 @@ called once per rollout batch, for all B rows at once, with keywords only, as TR
   `[{"role": "assistant", "content": text}]`, as TRL gives it.
 - completion_ids: each row's response token ids (the policy's), up to and including EOS.
 - every other field of the prompt records (e.g. `solution`, test cases), as a list over the rows (None for a row
-  whose record lacks it).
-- trainer_state: a `transformers.TrainerState` (`global_step` = optimizer steps done, `max_steps`) in training, for
-  rewards that change with progress; None in `rlhfkit eval`.
+  whose record lacks it); as in TRL, a record's own `completion` and `completion_ids` fields are not passed.
+- trainer_state: a `transformers.TrainerState` (`global_step` = optimizer steps done, `max_steps`) in training and in
+  the evaluations during training, for rewards that change with progress; in `rlhfkit eval` a fresh one (step 0).
 
 Unlike TRL, a function is given only the keywords it accepts (it names them, or takes `**kwargs`), so rlhfkit's
 older `fn(prompts, completions)` functions keep working. An `async def` function is awaited. TRL also passes
@@ -50,7 +50,7 @@ class RewardInputs:
     completions: list  # (B,) strings, or [{"role": "assistant", "content": text}]
     completion_ids: list[list[int]]  # (B,) each row's response ids, EOS included
     columns: dict[str, list] = field(default_factory=dict)  # every other record field -> (B,) values
-    trainer_state: Any = None  # transformers.TrainerState in training, None in eval
+    trainer_state: Any = None  # transformers.TrainerState (None when a caller has none)
 
     def keywords(self) -> dict[str, Any]:
         return {**self.columns, "prompts": self.prompts, "completions": self.completions,

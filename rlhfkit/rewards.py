@@ -248,7 +248,8 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
         columns = {}
     else:
         prompts = [e["prompt"] for e in examples]
-        names = list(dict.fromkeys(k for e in examples for k in e["columns"]))  # first-seen order
+        # First-seen order; TRL leaves a record's own completion and completion_ids out (the sampled ones are passed).
+        names = list(dict.fromkeys(k for e in examples for k in e["columns"] if k not in ("completion", "completion_ids")))
         columns = {k: [e["columns"].get(k) for e in examples] for k in names}
     completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
     return RewardInputs(prompts, completions, completion_ids, columns, trainer_state)

@@ -243,6 +243,19 @@ def test_dataset_columns_reach_the_function(tok, module, tmp_path):
     assert call["kwargs"] == {"hint": [None, "even"], "trainer_state": None}
 
 
+def test_a_completion_column_is_not_passed_as_trl_leaves_it_out(tok, module, tmp_path):
+    """TRL passes every column but prompt, completion and completion_ids: a record's reference completion does not
+    reach the function as `completion=`, and `completion_ids` are always the sampled ids."""
+    name = module(RECORDER)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "3+4=", "answer": "7", "completion": "7", "completion_ids": [1]}\n')
+    examples, _ = build_datasets("prompt", DataConfig(train=str(tmp_path / "p.jsonl"), max_length=64), tok, seed=0)
+    ro = rollout(tok, ["3+4="], ["8"])
+    source(f"{name}:reward")(ro, examples)
+    (call,) = sys.modules[name].CALLS
+    assert call["kwargs"] == {"trainer_state": None} and call["answer"] == ["7"]
+    assert call["completion_ids"] == [tok("8")["input_ids"] + [tok.eos_token_id]]
+
+
 class LengthScorer:
     """A stub reward model on the policy's tokens: each row's response length; records its batch sizes."""
 
