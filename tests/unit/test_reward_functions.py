@@ -368,7 +368,6 @@ def test_trl_think_format_reward_on_conversational_data(tok):
 
 
 def test_trl_accuracy_reward_returns_none_for_an_unparseable_solution(tok):
-    pytest.importorskip("math_verify")
     ro = rollout(tok, ["q"], ["\\boxed{2}", "\\boxed{3}"], k=2)
     rows = rows_of(ro, [{"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "$2$"}}])
     assert rewards("trl.rewards:accuracy_reward")(ro, rows).total.tolist() == [1.0, 0.0]
