@@ -368,9 +368,14 @@ def test_trl_think_format_reward_on_conversational_data(tok):
 
 
 def test_trl_accuracy_reward_returns_none_for_an_unparseable_solution(tok):
-    ro = rollout(tok, ["q"], ["\\boxed{2}", "\\boxed{3}"], k=2)
-    rows = rows_of(ro, [{"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "$2$"}}])
-    assert rewards("trl.rewards:accuracy_reward")(ro, rows).total.tolist() == [1.0, 0.0]
+    ro = rollout(tok, ["q", "r"], ["\\boxed{2}", "\\boxed{3}", "\\boxed{2}", "\\boxed{3}"], k=2)
+    rows = rows_of(ro, [{"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "$2$"}},
+                        {"prompt": [{"role": "user", "content": "r"}], "columns": {"solution": "hello"}}])
+    scores = rewards("trl.rewards:accuracy_reward")(ro, rows)
+    assert scores.total.tolist() == [1.0, 0.0, 0.0, 0.0]  # rows 2-3: no source applies, scored 0
+    assert scores.unscored.tolist() == [False, False, True, True]
+    assert scores.per_source["accuracy_reward"][:2].tolist() == [1.0, 0.0]
+    assert scores.per_source["accuracy_reward"][2:].isnan().all()
 
 
 def test_none_is_dropped_from_the_weighted_sum_and_an_unscored_row_scores_zero_with_one_warning(tok, shapes, caplog):
