@@ -67,7 +67,8 @@ def make_experience(t, step: int) -> Made:
     if not run.on_every_process(ro is not None):
         return Made(None, Fault.ROLLOUT, stats)
     rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
-    scored = t.reward(ro, rows, trainer_state(step, t.total_steps))  # 2. score, once for the whole rollout batch
+    state = trainer_state(step, t.total_steps)
+    scored = t.reward(ro, rows, state)  # 2. score, once for the whole rollout batch
     scores = scored.total  # (B,) the weighted sum over the reward sources
     stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
     # 3. No-grad forwards without dropout, on the unwrapped modules (no DDP collectives): with unchanged weights
@@ -90,7 +91,7 @@ def make_experience(t, step: int) -> Made:
     values = cat(lambda c: t.values_of(critic, c)) if critic is not None else None
     finite = run.on_every_process(all(torch.isfinite(x).all() for x in (scores, old_logprobs, ref_logprobs) if x is not None))
     exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
-    stats.update(rollout_stats(t, exp, rows))
+    stats.update(rollout_stats(t, exp, rows, state))
     figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source != "sampler") \
         if old_logprobs is not None else PolicyFigures({}, None)
     stats.update(figures.stats)
@@ -124,13 +125,14 @@ def shape_and_estimate(t, ro: Rollout, scores, old_logprobs, ref_logprobs, value
                             drop_zero_variance_groups=cfg.algo.dynamic_filtering))
 
 
-def rollout_stats(t, exp: Experience, rows: list[dict]) -> dict[str, float]:
-    """What the rollout measured, over every process's rows (README: the online metric table)."""
+def rollout_stats(t, exp: Experience, rows: list[dict], state=None) -> dict[str, float]:
+    """What the rollout measured, over every process's rows (README: the online metric table); `state`: the
+    `trainer_state` the gold judge gets."""
     from accelerate.utils import gather_object
 
     run, ro, mask = t.run, exp.rollout, exp.rollout.response_mask.float()
     per_row = {"scores": exp.scores, "length": mask.sum(1), "eos": ro.has_eos.float()}  # (B,) each
-    gold = t.reward.gold(ro, rows)
+    gold = t.reward.gold(ro, rows, state)
     if gold is not None:
         per_row["gold"] = gold.to(mask.device)
     g = {k: run.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each

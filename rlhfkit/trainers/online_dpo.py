@@ -97,7 +97,8 @@ class OnlineDPOTrainer(OnlineModels):
         if not run.on_every_process(ro is not None):
             return None, stats
         rows = [e for e in examples for _ in range(2)]
-        scored = self.reward(ro, rows, trainer_state(step, self.total_steps))
+        state = trainer_state(step, self.total_steps)
+        scored = self.reward(ro, rows, state)
         stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
         shaped = penalize_missing_eos(scored.total, ro.has_eos, cfg.reward.missing_eos_penalty)
         policy, mb = run.unwrap(self.model), 2 * cfg.optim.per_device_batch_size
@@ -105,7 +106,7 @@ class OnlineDPOTrainer(OnlineModels):
         ref = torch.cat([pad_to(self.ref.rollout_logprobs(policy, ro.select(slice(i, i + mb)).trimmed(), cfg.generation.temperature),
                                 ro.response_ids.shape[1]) for i in range(0, ro.response_ids.shape[0], mb)])
         sampled = Sampled(ro, scored.total, ref, rank_pairs(shaped))
-        stats.update(rollout_stats(self, sampled, rows))
+        stats.update(rollout_stats(self, sampled, rows, state))
         if not run.on_every_process(bool(torch.isfinite(shaped).all() and torch.isfinite(ref).all())):
             return None, stats
         return sampled, stats

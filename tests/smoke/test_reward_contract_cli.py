@@ -258,3 +258,17 @@ def test_eval_judges_may_return_none_for_rows_they_do_not_apply_to(tmp_path):
     pairs = [(s["policy"]["scores"]["v"], s["reference"]["scores"]["v"]) for s in report["samples"]]
     both = [(a, b) for a, b in pairs if a is not None and b is not None]
     assert report["win_rate"]["v"] == pytest.approx(sum((a > b) + 0.5 * (a == b) for a, b in both) / len(both))
+
+
+@pytest.mark.parametrize("stage,config", [("grpo", "configs/grpo_arithmetic.yaml"), ("online_dpo", "configs/online_dpo_tiny.yaml")])
+def test_a_gold_judge_gets_the_trainer_state_in_training(stage, config, tmp_path):
+    """The gold judge is a reward function under the same contract: it gets the training's state at each step."""
+    from tests.smoke import reward_fns
+
+    reward_fns.STEPS.clear()
+    out = tmp_path / "run"
+    assert main([stage, "--config", config, "max_steps=2", f"reward.gold_function={FNS}:by_step", f"output_dir={out}",
+                 "logging.progress_bar=false"]) == 0
+    assert reward_fns.STEPS == [0, 1]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["objective/gold"] for r in rows if "objective/gold" in r] == [0.0, 0.0]
