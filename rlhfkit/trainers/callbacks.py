@@ -1,7 +1,8 @@
 """transformers' `TrainerCallback`s in an rlhfkit run: `Run(cfg, name, callbacks=[...])` calls them at its events.
 
 Each callback receives, as under transformers' `Trainer`, `args`, `state` (a `TrainerState`: `global_step`,
-`max_steps`, `epoch`, `log_history`, `best_metric` kept true) and `control` (a `TrainerControl`), plus `model`,
+`max_steps`, `log_history`, `best_metric` kept true, and `epoch`, global_step / steps per epoch, in every stage but
+rft, whose iterations are not epochs: None there) and `control` (a `TrainerControl`), plus `model`,
 `optimizer` and `lr_scheduler` once the run has them. `args` is a `RunArgs`: the run's resolved config (`config`,
 `stage`) and, under their `TrainingArguments` names, the fields that have a true counterpart in it.
 
@@ -21,11 +22,14 @@ from transformers.trainer_utils import IntervalStrategy
 from rlhfkit.errors import UserError, first_line
 
 def stage_of(cfg) -> str:
-    """The stage that runs `cfg` (sft, rm, dpo, orpo, kto, rft, or the online family: ppo, rloo, grpo, reinforce_pp)."""
+    """The stage (`rlhfkit <stage>`) that runs `cfg`: the one whose config class it is (sft, rm, dpo, orpo, kto, rft,
+    online_dpo), or for the online family's shared class its algorithm's family (ppo, rloo, grpo, reinforce_pp)."""
     from rlhfkit.algorithms import ALGORITHMS
+    from rlhfkit.stages import STAGES
 
-    name = type(cfg).__name__.removesuffix("Config").lower()
-    return ALGORITHMS[cfg.algo.algorithm].family if name == "online" else name
+    if type(cfg).__name__ == "OnlineConfig":
+        return ALGORITHMS[cfg.algo.algorithm].family
+    return next(stage for stage, (ref, _, _) in STAGES.items() if ref.rpartition(":")[2] == type(cfg).__name__)
 
 
 # Offline stages evaluate a loss on their eval set: EarlyStoppingCallback watches it (see `RunArgs`).
@@ -45,7 +49,7 @@ class RunArgs:
     """
 
     config: Any  # the resolved config (the frozen dataclass config.yaml is written from)
-    stage: str  # the stage that runs it: sft, rm, dpo, orpo, kto, ppo, rloo, grpo, reinforce_pp, rft
+    stage: str  # the stage that runs it: sft, rm, dpo, orpo, kto, ppo, rloo, grpo, reinforce_pp, online_dpo, rft
     output_dir: str  # output_dir
     run_name: str  # logging.run_name, else output_dir's name
     learning_rate: float  # optim.lr
@@ -58,13 +62,31 @@ class RunArgs:
     eval_steps: int  # logging.eval_steps (0: evaluate at the end only)
     seed: int  # seed
     report_to: list[str]  # logging.report_to
+    logging_dir: str  # output_dir (metrics.jsonl, and the trackers' local files)
+    per_device_eval_batch_size: int  # optim.per_device_batch_size (evaluation uses the training's)
+    warmup_steps: int  # optim.warmup_steps
+    warmup_ratio: float  # optim.warmup_ratio
+    weight_decay: float  # optim.weight_decay
+    lr_scheduler_type: str  # optim.scheduler: constant, linear or cosine
+    max_grad_norm: float | None  # optim.max_grad_norm (None: no clipping)
+    adam_beta1: float  # optim.adam_betas[0]
+    adam_beta2: float  # optim.adam_betas[1]
+    adam_epsilon: float  # optim.adam_eps
+    bf16: bool  # the mixed precision the run resolved (mixed_precision; auto: bf16 where supported)
+    fp16: bool
+    save_total_limit: int  # logging.save_total_limit
+    gradient_checkpointing: bool  # model.gradient_checkpointing
+    push_to_hub: bool  # logging.push_to_hub
+    hub_model_id: str | None  # logging.hub_model_id
+    hub_strategy: str  # logging.hub_strategy
     eval_strategy: IntervalStrategy
     metric_for_best_model: str | None
     greater_is_better: bool | None
     load_best_model_at_end: bool = False
 
     @classmethod
-    def of(cls, cfg, stage: str) -> RunArgs:
+    def of(cls, cfg, stage: str, mixed_precision: str = "no") -> RunArgs:
+        """`mixed_precision`: what the run resolved `cfg.mixed_precision` to ("no", "bf16" or "fp16")."""
         log, o = cfg.logging, cfg.optim
         evaluates = bool(cfg.data.eval or cfg.data.eval_fraction) and log.eval_steps > 0
         watched = evaluates and stage in LOSS_EVALUATED
@@ -73,6 +95,13 @@ class RunArgs:
                    per_device_train_batch_size=o.per_device_batch_size, gradient_accumulation_steps=o.grad_accum_steps,
                    max_steps=cfg.max_steps, num_train_epochs=cfg.num_epochs, logging_steps=log.logging_steps,
                    save_steps=log.save_steps, eval_steps=log.eval_steps, seed=cfg.seed, report_to=list(log.report_to),
+                   logging_dir=cfg.output_dir, per_device_eval_batch_size=o.per_device_batch_size,
+                   warmup_steps=o.warmup_steps, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
+                   lr_scheduler_type=o.scheduler, max_grad_norm=o.max_grad_norm, adam_beta1=o.adam_betas[0],
+                   adam_beta2=o.adam_betas[1], adam_epsilon=o.adam_eps, bf16=mixed_precision == "bf16",
+                   fp16=mixed_precision == "fp16", save_total_limit=log.save_total_limit,
+                   gradient_checkpointing=cfg.model.gradient_checkpointing, push_to_hub=log.push_to_hub,
+                   hub_model_id=log.hub_model_id, hub_strategy=log.hub_strategy,
                    eval_strategy=IntervalStrategy.STEPS if evaluates else IntervalStrategy.NO,
                    metric_for_best_model="eval_loss" if watched else None, greater_is_better=False if watched else None)
 
@@ -89,17 +118,20 @@ class Callbacks:
             if not isinstance(cb, TrainerCallback):
                 raise UserError(f"callbacks[{i}]: expected a transformers TrainerCallback, got {type(cb).__name__}")
             self.callbacks.append(cb)
-        self.state, self.control, self.args = TrainerState(), TrainerControl(), None
+        self.state, self.control, self.args, self.steps_per_epoch = TrainerState(), TrainerControl(), None, None
         self.objects: dict[str, Any] = {}  # model, optimizer, lr_scheduler: passed to every call once known
 
     def __bool__(self) -> bool:
         return bool(self.callbacks)
 
-    def begin(self, args: RunArgs, start_step: int, total_steps: int, accelerator, log_history: list[dict]) -> None:
-        """The loop starts at `start_step` of `total_steps` (`log_history`: the rows a resumed run logged): on_train_begin."""
+    def begin(self, args: RunArgs, start_step: int, total_steps: int, accelerator, log_history: list[dict],
+              steps_per_epoch: int | None = None) -> None:
+        """The loop starts at `start_step` of `total_steps` (`log_history`: the rows a resumed run logged): on_train_begin.
+        With `steps_per_epoch`, `state.epoch` is transformers' fractional epoch, global_step / steps_per_epoch."""
         s = self.state
-        self.args = args
+        self.args, self.steps_per_epoch = args, steps_per_epoch
         s.global_step, s.max_steps, s.log_history = start_step, total_steps, log_history
+        s.epoch = start_step / steps_per_epoch if steps_per_epoch else None
         s.logging_steps, s.eval_steps, s.save_steps = args.logging_steps, args.eval_steps, args.save_steps
         s.train_batch_size, s.num_train_epochs = args.per_device_train_batch_size, args.num_train_epochs
         s.is_world_process_zero, s.is_local_process_zero = accelerator.is_main_process, accelerator.is_local_main_process
@@ -107,6 +139,8 @@ class Callbacks:
 
     def step_end(self, step: int) -> None:
         self.state.global_step = step
+        if self.steps_per_epoch:
+            self.state.epoch = step / self.steps_per_epoch
         self.call("on_step_end")
 
     def requests(self, sum_over_processes) -> tuple[bool, bool]:

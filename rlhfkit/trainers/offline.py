@@ -205,7 +205,7 @@ class OfflineTrainer:
         """Train to `total_steps`; returns the last logged training and eval metrics."""
         with self.run as run:
             self.setup()
-            run.begin(self.start_step, self.total_steps)
+            run.begin(self.start_step, self.total_steps, self.steps_per_epoch)
             log, last, t0 = self.cfg.logging, {}, time.time()
             for step in range(self.start_step, self.total_steps):
                 metrics = self.train_step(step)

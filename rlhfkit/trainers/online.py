@@ -203,7 +203,7 @@ class OnlineTrainer(OnlineModels):
         a = self.cfg.algo
         with self.run as run:
             self.setup()
-            run.begin(self.start_step, self.total_steps)
+            run.begin(self.start_step, self.total_steps, self.steps_per_epoch)
             self.history, self.raised = self.logged_rows(), set()  # the run's rows so far, for the alarms
             for step in range(self.start_step, self.total_steps):
                 lr, kl_coef, t0 = self.optim.lr, self.kl_ctl.value, time.perf_counter()

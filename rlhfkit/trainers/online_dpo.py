@@ -163,7 +163,7 @@ class OnlineDPOTrainer(OnlineModels):
         a = self.cfg.algo
         with self.run as run:
             self.setup()
-            run.begin(self.start_step, self.total_steps)
+            run.begin(self.start_step, self.total_steps, self.steps_per_epoch)
             self.history, self.raised = self.logged_rows(), set()
             for step in range(self.start_step, self.total_steps):
                 lr, t0 = self.optim.lr, time.perf_counter()

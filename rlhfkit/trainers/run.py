@@ -212,13 +212,14 @@ class Run:
         set_rng_state(state["rng"])
 
     # Events -------------------------------------------------------------------------------------------------------
-    def begin(self, start_step: int, total_steps: int) -> None:
-        """Create the run directory (main process), open the sinks and the progress bar, call on_train_begin."""
+    def begin(self, start_step: int, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        """Create the run directory (main process), open the sinks and the progress bar, call on_train_begin
+        (`steps_per_epoch`: what the callbacks' `state.epoch` counts in; None: no epochs)."""
         acc, cfg = self.accelerator, self.cfg
         if acc.is_main_process:
             self.run_dir.prepare(start_step if self.resume_from else None)
         acc.wait_for_everyone()
-        args = RunArgs.of(cfg, self.stage)
+        args = RunArgs.of(cfg, self.stage, self.mixed_precision)
         if acc.is_main_process:
             self.sinks = open_sinks(cfg, self.stage, args.run_name)
         from tqdm.auto import tqdm
@@ -226,7 +227,7 @@ class Run:
         self.bar = tqdm(total=total_steps, initial=start_step, desc=self.name, dynamic_ncols=True,
                         disable=not (cfg.logging.progress_bar and acc.is_main_process))
         history = self.run_dir.logged_rows() if self.resume_from and self.callbacks else []
-        self.callbacks.begin(args, start_step, total_steps, acc, history)
+        self.callbacks.begin(args, start_step, total_steps, acc, history, steps_per_epoch)
 
     def step_end(self, step: int, postfix: dict[str, float]) -> None:
         """Optimizer step `step` (1-based) is done."""

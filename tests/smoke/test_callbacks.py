@@ -31,6 +31,7 @@ class Recorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         self.events.append(("step_end", state.global_step))
+        self.epochs = getattr(self, "epochs", []) + [state.epoch]
         if state.global_step == self.stop_at:
             control.should_training_stop = True
 
@@ -146,3 +147,28 @@ def test_early_stopping_is_refused_where_no_eval_loss_is_watched(tmp_path):
 def test_a_callback_must_be_a_trainer_callback(tmp_path):
     with pytest.raises(UserError, match=r"^callbacks\[0\]: expected a transformers TrainerCallback, got int$"):
         run_stage("sft", "configs/sft_tiny.yaml", SFT + [f"output_dir={tmp_path / 'run'}"], callbacks=[3])
+
+
+def test_args_map_every_training_argument_with_a_true_counterpart_and_state_epoch_follows_the_steps(tmp_path):
+    out = str(tmp_path / "run")
+    rec = Recorder()
+    run_stage("sft", "configs/sft_tiny.yaml", SFT + [f"output_dir={out}", "optim.weight_decay=0.01", "optim.max_grad_norm=0.5",
+                                                     "logging.save_total_limit=3", "model.gradient_checkpointing=true",
+                                                     "optim.warmup_steps=1", "optim.adam_betas=[0.8, 0.95]"],
+              callbacks=[rec])
+    a = rec.args
+    assert (a.warmup_steps, a.warmup_ratio, a.weight_decay, a.lr_scheduler_type, a.max_grad_norm) == (1, 0.0, 0.01, "cosine", 0.5)
+    assert (a.adam_beta1, a.adam_beta2, a.adam_epsilon) == (0.8, 0.95, 1e-8)
+    assert (a.bf16, a.fp16) == (False, False)  # mixed_precision auto on a CPU: none
+    assert (a.save_total_limit, a.gradient_checkpointing, a.push_to_hub, a.hub_model_id) == (3, True, False, None)
+    assert (a.logging_dir, a.per_device_eval_batch_size) == (out, 16)
+    # 256 records in batches of 16: 16 steps per epoch, so step k ends at epoch k/16 (transformers' fractional epoch).
+    assert rec.epochs == [k / 16 for k in range(1, 7)]
+
+
+def test_online_dpo_is_named_online_dpo(tmp_path):
+    rec = Recorder()
+    run_stage("online_dpo", "configs/online_dpo_tiny.yaml", GRPO + ["max_steps=1", f"output_dir={tmp_path / 'run'}"],
+              callbacks=[rec])
+    assert rec.args.stage == "online_dpo"
+    assert rec.epochs == [1 / 32]  # 256 prompts in rollout batches of 8
