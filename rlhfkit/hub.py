@@ -15,7 +15,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from rlhfkit.errors import UserError
+from rlhfkit.errors import UserError, first_line
 
 # The method each stage (and each online algorithm) trains with, as the card names it.
 METHODS = {
@@ -32,6 +32,8 @@ METHODS = {
     "dapo": "DAPO (Yu et al. 2025, arXiv 2503.14476)",
     "reinforce_pp": "REINFORCE++ (Hu 2025, arXiv 2501.03262)",
     "reinforce_pp_baseline": "REINFORCE++ with a group baseline (Hu 2025, arXiv 2501.03262)",
+    "online_dpo": ("online DPO: two fresh samples per prompt ranked by the reward sources, the DPO loss on the pair "
+                   "(Guo et al. 2024, arXiv 2402.04792)"),
 }
 ONLINE_STAGES = ("ppo", "rloo", "grpo", "reinforce_pp")
 
@@ -115,18 +117,29 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
     `eval/` are listed as the evaluation). A reward model (config.json names a `...ForSequenceClassification`) gets
     `score_reading` in its card and, as `rlhfkit_score`, in its config.json.
     """
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        model_config = json.load(f)
-    reward_model = any(a.endswith("ForSequenceClassification") for a in model_config.get("architectures") or [])
+    config_path = os.path.join(model_dir, "config.json")
+    model_config: dict = {}
+    if os.path.isfile(config_path):  # absent when only a LoRA adapter was saved (model.lora.merge_on_save=false)
+        with open(config_path, encoding="utf-8") as f:
+            model_config = json.load(f)
+    adapter: dict = {}
+    if os.path.isfile(os.path.join(model_dir, "adapter_config.json")):
+        with open(os.path.join(model_dir, "adapter_config.json"), encoding="utf-8") as f:
+            adapter = json.load(f)
+    reward_model = (any(a.endswith("ForSequenceClassification") for a in model_config.get("architectures") or [])
+                    or adapter.get("task_type") == "SEQ_CLS")
     algorithm = _value(cfg, "algo.algorithm") if stage in ONLINE_STAGES else None
     method = algorithm or stage
-    pooling = model_config.get("rlhfkit_pooling") or "last"
-    reading = score_reading(pooling, model_config.get("pad_token_id") == model_config.get("eos_token_id"))
-    lora_adapter = os.path.isfile(os.path.join(model_dir, "adapter_config.json"))
+    pooling = model_config.get("rlhfkit_pooling") or _value(cfg, "algo.pooling") or "last"
+    pad_is_eos = model_config.get("pad_token_id") == model_config.get("eos_token_id") if model_config else False
+    reading = score_reading(pooling, pad_is_eos)
+    lora_adapter = bool(adapter)
     tags = ["rlhfkit", stage] + ([algorithm] if algorithm and algorithm != stage else [])
     if lora_adapter:
         tags += ["peft", "lora"]
-    if not reward_model or pooling == "last":  # a plain transformers model TRL reads as it was trained
+    # A plain transformers model that TRL reads as it was trained: not a reward model whose score transformers' own
+    # forward reads elsewhere (mean pooling; or pad = eos, when its texts end with the eos it was trained on).
+    if not reward_model or (pooling == "last" and model_config and not pad_is_eos):
         tags.append("trl-compatible")
     datasets = [d for d in (_value(cfg, "data.train"), _value(cfg, "data.eval")) if _is_hub_name(d)]
     data = ModelCardData(base_model=_base_model(cfg.get("model", {})), library_name="rlhfkit", tags=tags,
@@ -154,9 +167,9 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
     path = os.path.join(model_dir, "README.md")
     card.save(path)
-    if reward_model:
+    if reward_model and model_config:
         model_config["rlhfkit_score"] = reading
-        with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        with open(config_path, "w", encoding="utf-8") as f:
             json.dump(model_config, f, indent=2, sort_keys=True)
             f.write("\n")
     return path
@@ -257,10 +270,41 @@ def publish(cfg: Any, stage: str, metrics: dict[str, float]) -> None:
 
     write_model_card(cfg.output_dir, stage, dataclasses.asdict(cfg), metrics)
     if cfg.logging.push_to_hub:
-        push_final_model(cfg.output_dir, cfg.logging.hub_model_id, api=hub_api())
+        repo = cfg.logging.hub_model_id
+        try:
+            push_final_model(cfg.output_dir, repo, api=hub_api())
+        except UserError:
+            raise
+        except Exception as exc:  # the network, the hub, the token: the model is saved, say how to send it
+            raise UserError(f"logging.push_to_hub: the upload of {cfg.output_dir} to '{repo}' failed "
+                            f"({first_line(exc, with_type=True)}); the trained model is saved there: upload it with "
+                            f"`hf upload {repo} {cfg.output_dir}`") from exc
+
+
+def create_hub_repo(push_to_hub: bool, hub_model_id: str | None) -> None:
+    """At start (main process), as transformers' Trainer does: create the repo a run will push to, so that a token
+    without write access, or a repo id the hub refuses, fails in one line before any training."""
+    if not push_to_hub:
+        return
+    try:
+        hub_api().create_repo(hub_model_id, repo_type="model", exist_ok=True)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"config key 'logging.hub_model_id': cannot create the repo '{hub_model_id}' "
+                        f"({first_line(exc, with_type=True)})") from exc
 
 
 def publish_checkpoint(cfg: Any, checkpoint_dir: str) -> None:
     """A checkpoint is complete (main process): pushed as `logging.hub_strategy` says, when `logging.push_to_hub`."""
     if cfg.logging.push_to_hub:
-        push_checkpoint(checkpoint_dir, cfg.logging.hub_model_id, cfg.logging.hub_strategy, api=hub_api())
+        try:
+            push_checkpoint(checkpoint_dir, cfg.logging.hub_model_id, cfg.logging.hub_strategy, api=hub_api())
+        except UserError:
+            raise
+        except Exception as exc:  # as transformers' Trainer: a failed checkpoint push does not stop the training
+            import logging
+
+            logging.getLogger("rlhfkit").warning(
+                "logging.hub_strategy: pushing %s to '%s' failed (%s); training goes on, the checkpoint stays local",
+                os.path.basename(checkpoint_dir), cfg.logging.hub_model_id, first_line(exc, with_type=True))

@@ -20,7 +20,7 @@ import torch
 from rlhfkit.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from rlhfkit.config import TrainConfig
 from rlhfkit.io import TMP_PREFIX
-from rlhfkit.hub import check_hub, publish, publish_checkpoint
+from rlhfkit.hub import check_hub, create_hub_repo, publish, publish_checkpoint
 from rlhfkit.launch import distributed_state, log_launch, start_run
 from rlhfkit.precision import check_attn_implementation, frozen_model_dtype, resolve_mixed_precision, supports_bf16
 from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspeed, fsdp_classes, load_deepspeed_state,
@@ -59,6 +59,8 @@ class Run:
             check_trackers(cfg.logging.report_to)
             check_hub(cfg.logging.push_to_hub, cfg.logging.hub_model_id, cfg.logging.hub_strategy)
             check_attn_implementation(cfg.model.attn_implementation)
+            if state.is_main_process:  # last: the only check that reaches the network
+                create_hub_repo(cfg.logging.push_to_hub, cfg.logging.hub_model_id)
         except BaseException:
             self.lock.release()
             raise

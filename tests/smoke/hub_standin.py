@@ -21,3 +21,17 @@ class StandInApi:
         self._record({"call": "upload_folder", "repo_id": repo_id, "folder": os.path.basename(folder_path),
                       "path_in_repo": path_in_repo, "files": list(filter_repo_objects(files, ignore_patterns=ignore_patterns)),
                       "delete_patterns": delete_patterns, "commit_message": kw["commit_message"]})
+
+
+class UploadFails(StandInApi):
+    """The repo is created, every upload fails as a dropped connection would."""
+
+    def upload_folder(self, **kwargs):
+        raise ConnectionError("connection reset by peer")
+
+
+class NoWriteAccess(StandInApi):
+    """The token cannot create the repo (as a read-only token or someone else's namespace)."""
+
+    def create_repo(self, repo_id, **kwargs):
+        raise PermissionError(f"403 Forbidden: you cannot create {repo_id}")

@@ -90,3 +90,69 @@ def test_flash_attention_is_refused_before_any_model_loads_where_it_cannot_run(t
         "config key 'model.attn_implementation': flash_attention_2 needs a CUDA GPU and the flash-attn package (pip "
         "install flash-attn --no-build-isolation); use sdpa here")
     assert not out.exists()
+
+
+def _errors(capsys):
+    err = capsys.readouterr().err
+    return [line for line in err.splitlines() if line.startswith("rlhfkit: error:")], err
+
+
+def test_a_lora_run_saving_only_its_adapter_gets_an_rlhfkit_card(tmp_path):
+    from rlhfkit.cli import main
+
+    out = tmp_path / "sft"
+    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=1",
+                 "model.lora.enabled=true", "model.lora.merge_on_save=false"]) == 0
+    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    meta = ModelCard.load(out / "README.md").data.to_dict()
+    assert meta["library_name"] == "rlhfkit" and {"rlhfkit", "sft", "peft", "lora"} <= set(meta["tags"])
+
+
+def test_online_dpo_card_names_its_stage_and_method(tmp_path):
+    from rlhfkit.cli import main
+
+    out = tmp_path / "odpo"
+    assert main(["online_dpo", "--config", "configs/online_dpo_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=1"]) == 0
+    card = ModelCard.load(out / "README.md")
+    assert card.data.to_dict()["tags"][:2] == ["rlhfkit", "online_dpo"]
+    assert "(`rlhfkit online_dpo`): online DPO" in card.text
+
+
+def test_a_failed_upload_at_the_end_is_one_line_and_keeps_the_saved_model(tmp_path, monkeypatch, capsys):
+    from rlhfkit.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("RLHFKIT_HUB_API", "tests.smoke.hub_standin:UploadFails")
+    monkeypatch.setenv("HUB_STANDIN_LOG", str(tmp_path / "hub.jsonl"))
+    out = tmp_path / "sft"
+    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=2",
+                 "logging.save_steps=1", "logging.hub_strategy=checkpoint",
+                 "logging.push_to_hub=true", "logging.hub_model_id=me/tiny"])
+    errors, err = _errors(capsys)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    # The checkpoint's failed push was a warning: the run went on to its end.
+    assert (out / "checkpoint-1" / "trainer_state.pt").is_file()
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert errors[0] == (f"rlhfkit: error: logging.push_to_hub: the upload of {out} to 'me/tiny' failed (ConnectionError: "
+                         f"connection reset by peer); the trained model is saved there: upload it with "
+                         f"`hf upload me/tiny {out}`")
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+
+
+def test_a_repo_that_cannot_be_created_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """As transformers' Trainer creates the repo at its start: a token without write access fails in seconds."""
+    from rlhfkit.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("RLHFKIT_HUB_API", "tests.smoke.hub_standin:NoWriteAccess")
+    monkeypatch.setenv("HUB_STANDIN_LOG", str(tmp_path / "hub.jsonl"))
+    out = tmp_path / "sft"
+    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=1",
+                 "logging.push_to_hub=true", "logging.hub_model_id=me/tiny"])
+    errors, err = _errors(capsys)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0] == ("rlhfkit: error: config key 'logging.hub_model_id': cannot create the repo 'me/tiny' "
+                         "(PermissionError: 403 Forbidden: you cannot create me/tiny)")
+    assert not (out / "metrics.jsonl").exists()

@@ -122,10 +122,30 @@ def test_last_pooled_reward_model_scores_the_same_in_plain_transformers(tmp_path
         theirs = plain(input_ids=input_ids, attention_mask=attention).logits[:, 0]
         ours = sequence_scores(model, input_ids, attention)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    # rlhfkit trains on responses that end with eos, which is the pad token here: on such a text transformers' forward
+    # reads the token before it. The card says so, and does not claim TRL compatibility.
+    ended = torch.cat([input_ids[:1, : int(attention[0].sum())], torch.tensor([[tokenizer.eos_token_id]])], 1)
+    with torch.no_grad():
+        assert not torch.allclose(plain(input_ids=ended).logits[:, 0], sequence_scores(model, ended, torch.ones_like(ended)),
+                                  atol=1e-4)
     meta = ModelCard.load(os.path.join(out, "README.md")).data.to_dict()
-    assert "trl-compatible" in meta["tags"] and meta["pipeline_tag"] == "text-classification"
+    assert "trl-compatible" not in meta["tags"] and meta["pipeline_tag"] == "text-classification"
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["rlhfkit_score"] == score_reading("last", pad_is_eos=True)
+    assert "pad = eos here" in score_reading("last", pad_is_eos=True)
+
+
+def test_a_last_pooled_reward_model_with_its_own_pad_token_is_tagged_trl_compatible(tmp_path, tiny_dir):
+    model, tokenizer, out = _saved_reward_model(tmp_path, tiny_dir, "last", lora=False)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["pad_token_id"] = 0 if config["eos_token_id"] != 0 else 1  # a pad token that is not eos
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    rm_cfg = dataclasses.asdict(load_config(RMConfig, None, [f"model.name_or_path={tiny_dir}", "data.train=x.jsonl",
+                                                             "output_dir=o"]))
+    write_model_card(out, "rm", rm_cfg, {})
+    assert "trl-compatible" in ModelCard.load(os.path.join(out, "README.md")).data.to_dict()["tags"]
 
 
 def test_mean_pooled_reward_model_is_read_as_its_card_and_config_say(tmp_path, tiny_dir):
