@@ -258,10 +258,14 @@ def unwrap_model(model):
     return unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
 
 
+ADAPTER_DIR = "adapter"  # where a merged export keeps its LoRA adapter
+
+
 def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> None:
     """Save `model` (and `tokenizer`, when given) as a plain Hugging Face directory, atomically.
 
-    A peft model is merged into full weights unless `merge_lora` is False, in which case only the adapter is saved;
+    A peft model is merged into full weights, with the adapter alone beside them in `ADAPTER_DIR/` (what peft's
+    `PeftModel.from_pretrained(base, ...)` loads), unless `merge_lora` is False, in which case only the adapter is saved;
     the merge runs on a CPU copy (`cpu_copy`), so `model` stays trainable and its device holds no second copy; a 4-bit base is merged as `merged_full_precision` does. `out_dir` is
     replaced only once everything is written: a failure midway leaves an existing `out_dir` untouched. `model` must
     already be unwrapped from accelerate/DDP.
@@ -273,6 +277,8 @@ def save_model(model, tokenizer, out_dir: str, *, merge_lora: bool = True) -> No
             cpu_copy(model).merge_and_unload().save_pretrained(tmp)
         else:
             model.save_pretrained(tmp)
+        if isinstance(model, PeftModel) and merge_lora:  # the adapter too, small, for peft users and further training
+            model.save_pretrained(os.path.join(tmp, ADAPTER_DIR))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 

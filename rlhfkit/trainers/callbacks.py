@@ -24,12 +24,14 @@ from rlhfkit.errors import UserError, first_line
 def stage_of(cfg) -> str:
     """The stage (`rlhfkit <stage>`) that runs `cfg`: the one whose config class it is (sft, rm, dpo, orpo, kto, rft,
     online_dpo), or for the online family's shared class its algorithm's family (ppo, rloo, grpo, reinforce_pp)."""
+    import re
+
     from rlhfkit.algorithms import ALGORITHMS
-    from rlhfkit.stages import STAGES
 
     if type(cfg).__name__ == "OnlineConfig":
         return ALGORITHMS[cfg.algo.algorithm].family
-    return next(stage for stage, (ref, _, _) in STAGES.items() if ref.rpartition(":")[2] == type(cfg).__name__)
+    # SFTConfig -> sft, OnlineDPOConfig -> online_dpo (the `rlhfkit <stage>` names of rlhfkit.stages.STAGES)
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", type(cfg).__name__.removesuffix("Config")).lower()
 
 
 # Offline stages evaluate a loss on their eval set: EarlyStoppingCallback watches it (see `RunArgs`).

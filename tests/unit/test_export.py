@@ -94,3 +94,27 @@ def test_cpu_copy_keeps_meta_tensors_on_the_meta_device():
     assert copied.inv_freq.is_meta and copied.extra.is_meta
     assert copied.weight.device.type == "cpu" and torch.equal(copied.weight, module.weight)
     assert copied.weight is not module.weight
+
+
+@pytest.mark.parametrize("loader", [load_causal_lm, load_reward_model], ids=["policy", "reward_model"])
+def test_merged_export_keeps_the_adapter_beside_it_that_peft_reloads_onto_the_base(tmp_path, tiny_dir, loader):
+    """The final directory holds the merged model and, in adapter/, the adapter alone: the base plus that adapter,
+    loaded by peft, computes what the merged model computes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model, tokenizer = _trained(tiny_dir, loader)
+    out = str(tmp_path / "merged")
+    save_model(model, tokenizer, out)
+    assert os.path.isfile(os.path.join(out, "adapter", "adapter_config.json"))
+    auto = AutoModelForCausalLM if loader is load_causal_lm else AutoModelForSequenceClassification
+    merged = auto.from_pretrained(out)
+    torch.manual_seed(0)  # a reward model's new head: the adapter directory carries the trained one
+    base = auto.from_pretrained(tiny_dir, **({} if loader is load_causal_lm else {"num_labels": 1}))
+    base.config.pad_token_id = merged.config.pad_token_id
+    if len(tokenizer) > base.get_input_embeddings().num_embeddings:
+        base.resize_token_embeddings(len(tokenizer))
+    adapted = PeftModel.from_pretrained(base, os.path.join(out, "adapter"))
+    ids = tokenizer("the lamp was fine", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

@@ -249,3 +249,19 @@ def test_the_core_imports_with_the_engines_blocked():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"imported {len(core)}"
+
+
+def test_every_stage_config_names_its_stage():
+    """The callbacks' args.stage, the trackers' config and the model card name a run's stage from its config class."""
+    from rlhfkit.stages import STAGES, stage_config
+    from rlhfkit.trainers.callbacks import stage_of
+
+    online = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "rft")
+    for stage in STAGES:
+        if stage == "eval":
+            continue
+        overrides = ["model.name_or_path=tiny", "data.train=x.jsonl", "output_dir=o"]
+        overrides += ["reward.function=m:f"] if stage in online else []
+        overrides += [f"algo.algorithm={stage}"] if stage in ("rloo", "grpo", "reinforce_pp") else []
+        overrides += ["generation.num_samples=2"] if stage in ("rloo", "grpo", "online_dpo") else []
+        assert stage_of(stage_config(stage, None, overrides)) == stage, stage
