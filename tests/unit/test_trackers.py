@@ -292,3 +292,126 @@ def test_cli_refuses_an_uninstalled_tracker_and_an_offline_push_before_loading_a
     assert err[-1].endswith("config key 'logging.push_to_hub': the hub is offline (HF_HUB_OFFLINE is set); unset it or "
                             "pass logging.push_to_hub=false")
     assert not out.exists()  # refused before anything was written
+
+
+# Held-out completions beside the training samples; a resumed run continues its tracker runs --------------------------
+
+EVAL_ROWS = [{**row, "split": "eval"} for row in ROWS]
+
+
+def _wandb_history(run_dir: str) -> list[dict]:
+    records = _wandb_records(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0])
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def test_eval_samples_go_under_eval_samples_beside_the_training_samples_of_the_same_step(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    from rlhfkit.trackers import TensorBoardSink, WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for sink in (WandbSink("p", "r", CONFIG, str(tmp_path)), TensorBoardSink(str(tmp_path / "tb"), CONFIG)):
+        sink.log_samples(2, ROWS)
+        sink.log_samples(2, EVAL_ROWS)  # the held-out completions of the same step (rlhfkit.trainers.held_out)
+        sink.close()
+    import wandb
+
+    wandb.teardown()
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    (row,) = _wandb_history(run_dir)
+    tables = {}
+    for key in ("samples", "eval/samples"):
+        assert (row["_step"], row.get(f"{key}/_type"), row.get(f"{key}/nrows")) == (2, "table-file", 2), key
+        with open(os.path.join(run_dir, "files", row[f"{key}/path"])) as f:
+            tables[key] = json.load(f)
+    assert tables["samples"]["columns"] == ["prompt", "completion", "reward"]
+    assert tables["eval/samples"]["columns"] == ["prompt", "completion", "reward", "split"]
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = {tag: [(e.step, make_ndarray(e.tensor_proto)[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")]
+             for tag in ("samples", "eval/samples")}
+    assert [s for s, _ in texts["samples"]] == [2] and "| split |" not in texts["samples"][0][1]
+    assert [s for s, _ in texts["eval/samples"]] == [2] and "| split |" in texts["eval/samples"][0][1]
+
+
+def _offline_runs(out) -> list[str]:
+    """The W&B run id of each offline run directory (offline-run-<time>-<id>) under `out`/wandb, oldest first."""
+    return [os.path.basename(d).rsplit("-", 1)[1] for d in sorted(glob.glob(str(out / "wandb" / "offline-run-*")))]
+
+
+def _trackio_read(env: dict, project: str) -> dict:
+    script = textwrap.dedent(f"""
+        import json
+        import trackio
+        from trackio.sqlite_storage import SQLiteStorage
+        runs = list(trackio.Api().runs({project!r}))
+        print("RESULT" + json.dumps({{"names": [r.name for r in runs],
+                                     "logs": SQLiteStorage.get_logs({project!r}, "my-run")}}))
+    """)
+    read = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr
+    return json.loads(next(line for line in read.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+
+
+def _cli(env: dict, *args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "rlhfkit.cli", *GRPO, *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cli_eval_completions_reach_every_tracker_under_eval_samples(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
+    _cli(env, "max_steps=2", "data.eval=data/tiny/prompts_eval.jsonl", "logging.eval_steps=1", f"output_dir={out}",
+         "logging.report_to=[wandb,tensorboard,trackio]", "logging.project=rlhfkit-tests")
+    with open(out / "samples.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    splits = {(r["step"], r.get("split", "train")) for r in logged}
+    assert splits == {(step, split) for step in (1, 2) for split in ("train", "eval")}
+
+    (run_dir,) = glob.glob(str(out / "wandb" / "offline-run-*"))
+    history = _wandb_history(run_dir)
+    for key in ("samples", "eval/samples"):
+        assert [h["_step"] for h in history if f"{key}/_type" in h] == [1, 2], key
+    last = [h for h in history if h["_step"] == 2 and "eval/samples/path" in h][-1]
+    with open(os.path.join(run_dir, "files", last["eval/samples/path"])) as f:
+        table = json.load(f)
+    assert table["columns"][-1] == "split" and {row[-1] for row in table["data"]} == {"eval"}
+    assert len(table["data"]) == len([r for r in logged if r["step"] == 2 and r.get("split") == "eval"])
+
+    acc = EventAccumulator(str(out / "runs" / "my-run"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [t.step for t in acc.Tensors("samples/text_summary")] == [1, 2]
+    assert [t.step for t in acc.Tensors("eval/samples/text_summary")] == [1, 2]
+
+    logs = _trackio_read(env, "rlhfkit-tests")["logs"]
+    assert [row["step"] for row in logs if "samples" in row] == [1, 2]
+    assert [row["step"] for row in logs if "eval/samples" in row] == [1, 2]
+    assert {r["split"] for row in logs if "eval/samples" in row for r in row["eval/samples"]["_value"]} == {"eval"}
+
+
+def test_cli_resumed_run_continues_its_wandb_and_trackio_runs_and_an_overwrite_starts_new_ones(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
+    args = [f"output_dir={out}", "logging.report_to=[wandb,trackio]", "logging.project=rlhfkit-tests",
+            "logging.save_steps=2"]
+    _cli(env, *args, "max_steps=3")  # checkpoint-2, then the final model at step 3
+    (first,) = _offline_runs(out)
+    _cli(env, *args, "max_steps=4", "resume=true")  # from checkpoint-2: steps 3 and 4
+    assert _offline_runs(out) == [first, first]  # one W&B run, continued (offline-run-<time>-<id>, twice)
+    trackio = _trackio_read(env, "rlhfkit-tests")
+    assert trackio["names"] == ["my-run"]  # one trackio run, continued
+    assert sorted({row["step"] for row in trackio["logs"] if "objective/scores" in row}) == [1, 2, 3, 4]
+
+    _cli(env, *args, "max_steps=1", "overwrite=true")  # a new run in the same directory: a new W&B run
+    (fresh,) = _offline_runs(out)
+    assert fresh != first
+    assert _trackio_read(env, "rlhfkit-tests")["names"] == ["my-run", "my-run"]  # trackio: a new run of the same name
