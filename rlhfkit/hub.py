@@ -67,11 +67,13 @@ def score_reading(pooling: str, pad_is_eos: bool) -> str:
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt", ".gguf")
 
 
-def _is_hub_name(name: Any) -> bool:
-    """A hub repo id ("org/name"): not a local path or data file, not the tiny test model."""
+def _is_hub_name(name: Any, owner_optional: bool = False) -> bool:
+    """A hub repo id ("org/name", or with `owner_optional` a canonical dataset such as "imdb"): not a local path or
+    data file, not the tiny test model."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if not isinstance(name, str) or name.count("/") != 1 or os.path.exists(name) or name.lower().endswith(DATA_FILE_SUFFIXES):
+    if not isinstance(name, str) or name.count("/") not in ((0, 1) if owner_optional else (1,)) or os.path.exists(name) \
+            or name.lower().endswith(DATA_FILE_SUFFIXES):
         return False
     try:
         validate_repo_id(name)
@@ -141,7 +143,7 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
     # forward reads elsewhere (mean pooling; or pad = eos, when its texts end with the eos it was trained on).
     if not reward_model or (pooling == "last" and model_config and not pad_is_eos):
         tags.append("trl-compatible")
-    datasets = [d for d in (_value(cfg, "data.train"), _value(cfg, "data.eval")) if _is_hub_name(d)]
+    datasets = [d for d in (_value(cfg, "data.train"), _value(cfg, "data.eval")) if _is_hub_name(d, owner_optional=True)]
     data = ModelCardData(base_model=_base_model(cfg.get("model", {})), library_name="rlhfkit", tags=tags,
                          datasets=list(dict.fromkeys(datasets)) or None,
                          pipeline_tag="text-classification" if reward_model else "text-generation")

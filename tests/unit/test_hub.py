@@ -224,3 +224,13 @@ def test_push_is_refused_at_start_offline_or_without_a_repo(monkeypatch):
     with pytest.raises(UserError, match=r"^config key 'logging.hub_strategy': must be one of end, checkpoint, "
                                         r"all_checkpoints, got 'every_step'$"):
         check_hub(True, "me/model", "every_step")
+
+
+def test_card_names_canonical_hub_datasets_without_an_owner(tmp_path, tiny_dir):
+    """`imdb`, `squad`: hub datasets with no owner prefix are datasets too; a local directory or file is not."""
+    out = _model_dir(tmp_path, tiny_dir)
+    os.makedirs(tmp_path / "localdir", exist_ok=True)
+    cfg = _grpo_cfg(**{"data.train": "imdb", "data.eval": str(tmp_path / "localdir")})
+    assert ModelCard.load(write_model_card(out, "grpo", cfg, {})).data.to_dict()["datasets"] == ["imdb"]
+    cfg = _grpo_cfg(**{"data.train": "prompts.jsonl"})
+    assert "datasets" not in ModelCard.load(write_model_card(out, "grpo", cfg, {})).data.to_dict()
