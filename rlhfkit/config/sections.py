@@ -171,6 +171,11 @@ class LoggingConfig:
     # Which checkpoints are pushed too, under transformers' names: "end" none, "checkpoint" the latest in
     # last-checkpoint/, "all_checkpoints" each in its own checkpoint-N/.
     hub_strategy: Literal["end", "checkpoint", "all_checkpoints"] = "end"
+    # The evaluation figure callbacks follow (`args.metric_for_best_model`, `state.best_metric`: transformers'
+    # EarlyStoppingCallback), by its logged name with or without eval/ (e.g. objective/scores, eval/objective/gold);
+    # None: eval_loss on sft, rm, dpo, orpo and kto with an eval set, none elsewhere.
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None  # None: true unless the metric's name ends with "loss" (transformers' rule)
 
     def check(self):
         if self.push_to_hub and not self.hub_model_id:
@@ -287,6 +292,10 @@ class TrainConfig:
                 self.data.eval or self.data.eval_fraction or self.data.capability):
             yield "logging.eval_steps", ("has nothing to evaluate: give held-out prompts (data.eval or "
                                          "data.eval_fraction) and/or reference texts (data.capability)")
+        evaluates = self.data.eval or self.data.eval_fraction or (self.samples_supported and self.data.capability)
+        if self.logging.metric_for_best_model and not (evaluates and self.logging.eval_steps):
+            yield "logging.metric_for_best_model", ("needs evaluations during training: an eval set (data.eval or "
+                                                    "data.eval_fraction) and logging.eval_steps > 0")
         if not self.output_dir:
             yield "output_dir", "is required"
         if self.max_steps == 0 or self.max_steps < -1:

@@ -43,11 +43,13 @@ class RunArgs:
     """What a callback reads as `args`. The `TrainingArguments` fields below hold the run's true values; any other
     TrainingArguments field is absent (reading it raises AttributeError rather than returning a made-up value).
 
-    Early stopping (transformers' `EarlyStoppingCallback`): the offline stages (sft, rm, dpo, orpo, kto) with an eval
-    set and `logging.eval_steps` > 0 have `metric_for_best_model="eval_loss"` (lower is better) and
-    `eval_strategy="steps"`; `on_evaluate` receives the eval figures under transformers' names (`eval/loss` as
-    `eval_loss`). Elsewhere `metric_for_best_model` is None, and EarlyStoppingCallback refuses to start. rlhfkit
-    keeps the final model, not the best one: `load_best_model_at_end` is False.
+    Early stopping (transformers' `EarlyStoppingCallback`): with evaluations during training (an eval set and
+    `logging.eval_steps` > 0), `metric_for_best_model` is `logging.metric_for_best_model` under transformers' name
+    (eval/objective/scores -> "eval_objective/scores"), by default "eval_loss" on the offline stages (sft, rm, dpo,
+    orpo, kto); `greater_is_better` follows transformers' rule unless `logging.greater_is_better` says;
+    `on_evaluate` receives the eval figures under those names. Without one, `metric_for_best_model` is None and
+    EarlyStoppingCallback refuses to start. rlhfkit keeps the final model, not the best one:
+    `load_best_model_at_end` is False.
     """
 
     config: Any  # the resolved config (the frozen dataclass config.yaml is written from)
@@ -90,8 +92,14 @@ class RunArgs:
     def of(cls, cfg, stage: str, mixed_precision: str = "no") -> RunArgs:
         """`mixed_precision`: what the run resolved `cfg.mixed_precision` to ("no", "bf16" or "fp16")."""
         log, o = cfg.logging, cfg.optim
-        evaluates = bool(cfg.data.eval or cfg.data.eval_fraction) and log.eval_steps > 0
-        watched = evaluates and stage in LOSS_EVALUATED
+        evaluates = bool(cfg.data.eval or cfg.data.eval_fraction or getattr(cfg.data, "capability", None)) \
+            and log.eval_steps > 0
+        metric = log.metric_for_best_model
+        if metric:  # transformers' name of the figure on_evaluate passes: eval/x -> eval_x
+            metric = "eval_" + metric.removeprefix("eval/").removeprefix("eval_")
+        elif evaluates and stage in LOSS_EVALUATED:
+            metric = "eval_loss"
+        greater = log.greater_is_better if log.greater_is_better is not None or not metric else not metric.endswith("loss")
         return cls(config=cfg, stage=stage, output_dir=cfg.output_dir, learning_rate=o.lr,
                    run_name=log.run_name or os.path.basename(os.path.abspath(cfg.output_dir)),
                    per_device_train_batch_size=o.per_device_batch_size, gradient_accumulation_steps=o.grad_accum_steps,
@@ -105,7 +113,7 @@ class RunArgs:
                    gradient_checkpointing=cfg.model.gradient_checkpointing, push_to_hub=log.push_to_hub,
                    hub_model_id=log.hub_model_id, hub_strategy=log.hub_strategy,
                    eval_strategy=IntervalStrategy.STEPS if evaluates else IntervalStrategy.NO,
-                   metric_for_best_model="eval_loss" if watched else None, greater_is_better=False if watched else None)
+                   metric_for_best_model=metric, greater_is_better=greater)
 
 
 
@@ -179,8 +187,13 @@ class Callbacks:
         named = {"eval_" + k[len("eval/"):] if k.startswith("eval/") else k: v for k, v in metrics.items()}
         self.call("on_evaluate", metrics=named)
         key, s = self.args.metric_for_best_model if self.callbacks else None, self.state
-        if key is None or key not in named:
+        if key is None:
             return
+        if key not in named:  # EarlyStoppingCallback would only warn, and never stop
+            given = self.args.config.logging.metric_for_best_model or key
+            raise UserError(f"config key 'logging.metric_for_best_model': {given!r} is not among the figures of the "
+                            f"evaluation at step {s.global_step} (" + ", ".join(
+                                k.removeprefix("eval_") for k in named if k.startswith("eval_")) + ")")
         value = named[key]
         if s.best_metric is None or (value > s.best_metric if self.args.greater_is_better else value < s.best_metric):
             s.best_metric, s.best_global_step = value, s.global_step

@@ -172,3 +172,33 @@ def test_online_dpo_is_named_online_dpo(tmp_path):
               callbacks=[rec])
     assert rec.args.stage == "online_dpo"
     assert rec.epochs == [1 / 32]  # 256 prompts in rollout batches of 8
+
+
+GRPO_EVAL = GRPO + ["data.eval=data/tiny/prompts_eval.jsonl", "logging.eval_steps=1"]
+
+
+def test_early_stopping_on_an_online_stage_follows_the_metric_named_in_the_config(tmp_path):
+    out = str(tmp_path / "run")
+    early = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=100.0)
+    rec = Recorder()
+    run_stage("grpo", "configs/grpo_tiny.yaml", GRPO_EVAL + [f"output_dir={out}", "logging.metric_for_best_model=objective/scores"],
+              callbacks=[early, rec])
+    evals = [r for r in rows(out) if "eval/objective/scores" in r]
+    assert [r["step"] for r in evals] == [1, 2] and rows(out)[-1]["step"] == 2  # the second evaluation stopped it
+    assert rec.args.metric_for_best_model == "eval_objective/scores" and rec.args.greater_is_better is True
+    assert early.early_stopping_patience_counter == 1
+    finished_and_resumable(out, 2)
+
+
+def test_a_metric_for_best_model_the_evaluation_does_not_give_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"^config key 'logging.metric_for_best_model': 'objective/nope' is not among the "
+                                        r"figures of the evaluation at step 1 \(.*objective/scores.*\)$"):
+        run_stage("grpo", "configs/grpo_tiny.yaml", GRPO_EVAL + [f"output_dir={tmp_path / 'run'}",
+                                                                  "logging.metric_for_best_model=objective/nope"],
+                  callbacks=[EarlyStoppingCallback()])
+
+
+def test_a_metric_for_best_model_without_evaluations_is_refused_at_start(tmp_path):
+    with pytest.raises(UserError, match=r"^config key 'logging.metric_for_best_model' needs evaluations during training"):
+        run_stage("grpo", "configs/grpo_tiny.yaml", GRPO + [f"output_dir={tmp_path / 'run'}",
+                                                             "logging.metric_for_best_model=objective/scores"])
