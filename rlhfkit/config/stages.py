@@ -265,7 +265,8 @@ class RFTOptions:
 class RFTConfig(TrainConfig):
     """Best-of-n / rejection-sampling fine-tuning, iterated. `generation.num_samples` is n. `max_steps` and
     `num_epochs` size the SFT of *each iteration* (optimizer steps, or passes over the kept samples); with
-    `logging.save_steps` > 0 a resumable checkpoint is written after every iteration but the last. With `data.eval`
+    `logging.save_steps` > 0 a resumable checkpoint is written every `save_steps` SFT steps (it holds the iteration's
+    kept samples: a resume continues that iteration's fine-tuning) and after every iteration but the last. With `data.eval`
     and/or `data.capability` the policy is evaluated every `logging.eval_steps` SFT steps and at the end, against its
     starting weights as the reference (with full fine-tuning a frozen copy of them is kept for it)."""
 

@@ -28,7 +28,7 @@ from rlhfkit.config import RFTConfig
 from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
 from rlhfkit.evaluation.metrics import best_of_n_kl
 from rlhfkit.generation import generate, seeded
-from rlhfkit.io import atomic_write_text
+from rlhfkit.io import atomic_write_text, read_jsonl_rows
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import Reference, load_causal_lm, scored_logits
 from rlhfkit.objects import Objects
@@ -70,11 +70,10 @@ class RFTTrainer:
 
     def __init__(self, cfg: RFTConfig, objects: Objects | None = None):
         """`objects`: what the Python API was given (`rlhfkit.train`): model, tokenizer, reward sources and
-        TrainerCallbacks. A callback's stop ends the run after the current SFT step and its checkpoint request is met
-        at the end of the iteration: an RFT checkpoint resumes with the next iteration's sampling."""
+        TrainerCallbacks. A callback's stop ends the run after the current SFT step, and its checkpoint request is met
+        there, as `logging.save_steps` is: a checkpoint inside an iteration resumes at its next SFT step."""
         self.cfg, self.objects = cfg, objects or Objects()
         self.run = Run(cfg, "rft", self.objects.callbacks)  # the lock taken and output_dir checked, before anything loads
-        self.save_asked = False  # a callback asked for a checkpoint during this iteration's SFT
 
     def collate(self, examples) -> SFTBatch:
         return collate_sft(examples, self.tokenizer.pad_token_id)
@@ -111,8 +110,8 @@ class RFTTrainer:
                              copy_of=self.objects.model) if self.held_out.enabled else None
         self.held_out.check_reference(self.ref)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
-                              policy_name=cfg.model.name_or_path, given=self.objects.reward_funcs,
-                              given_weights=self.objects.reward_weights)
+                              policy_name=cfg.model.name_or_path, dtype=run.frozen_dtype,
+                              given=self.objects.reward_funcs, given_weights=self.objects.reward_weights)
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)
@@ -121,9 +120,14 @@ class RFTTrainer:
         self.model, optimizer = acc.prepare(policy, optimizer)
         self.optim = run.make_optim(optimizer, scheduler, [self.model])
         self.start_step = self.start_iteration = 0
+        self.resumed = None  # a checkpoint inside an iteration: its trainer state, which `resume_iteration` continues
+        self.metrics, self.evaluations, self.raised = {}, [], set()  # what `checkpoint` carries over
         if run.resume_from:
             state = run.resume([self.model], self.load_models, self.optim)
             self.start_step, self.start_iteration = int(state["step"]), int(state["iteration"])
+            self.metrics = json.loads(state.get("metrics", "{}"))
+            self.evaluations, self.raised = json.loads(state.get("evaluations", "[]")), set(state.get("alarms", []))
+            self.resumed = state if "sft_step" in state else None
             run.restore_rng(state)
 
     def load_models(self, checkpoint: str) -> None:
@@ -134,12 +138,17 @@ class RFTTrainer:
         save_model(models[0], self.tokenizer, directory, merge_lora=False)
 
     def trim_metrics(self) -> None:
-        """On resume: the next iteration's row was logged at the checkpoint's own step, which `RunDir.prepare` keeps."""
+        """On resume from an iteration's end: the next iteration's row and kept samples were logged at the checkpoint's
+        own step, which `RunDir.prepare` keeps, and the resumed run logs them again. (Inside an iteration, its own row
+        and samples stay: the resumed run does not sample it again.) Before `Run.begin`, so that the callbacks'
+        `state.log_history` holds the rows as they stay."""
         if self.run.resume_from and self.accelerator.is_main_process:
-            path = os.path.join(self.cfg.output_dir, "metrics.jsonl")
-            with open(path, encoding="utf-8") as f:
-                rows = [line for line in f if json.loads(line).get("rft/iteration", 0) <= self.start_iteration]
-            atomic_write_text(path, "".join(rows))
+            kept = self.start_iteration + (self.resumed is not None)  # the 1-based number of the last iteration kept
+            for name, key in (("metrics.jsonl", "rft/iteration"), ("samples.jsonl", "iteration")):
+                path = os.path.join(self.cfg.output_dir, name)
+                if os.path.isfile(path):
+                    rows = [r for r in read_jsonl_rows(path) if r.get(key, 0) <= kept]
+                    atomic_write_text(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
 
     def sft_steps(self, num_examples: int) -> int:
         """Optimizer steps of one iteration's SFT on `num_examples`: max_steps, or num_epochs passes over them.
@@ -242,33 +251,44 @@ class RFTTrainer:
     def fit(self) -> dict[str, float]:
         with self.run as run:
             self.setup()
-            run.begin(self.start_step, self.total_steps)
             self.trim_metrics()
-            cfg, step, last = self.cfg, self.start_step, {}
-            self.evaluations, self.raised, self.evaluated_at = [], set(), None
+            run.begin(self.start_step, self.total_steps)
+            cfg, step, last = self.cfg, self.start_step, self.metrics
+            self.evaluated_at = None
             for iteration in range(self.start_iteration, cfg.algo.iterations):
-                # 1-3. Sample n per prompt, keep the best.
-                self.train_set, stats = self.best_of_n(iteration, step)
-                run.log(step, stats)
-                run.log_samples(step, self.samples)
-                last.update(stats)
-                run.write(f"iteration {iteration + 1}: " + ", ".join(
-                    f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration"))
-                if not self.train_set:
-                    logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune "
-                                   "on", iteration + 1, cfg.algo.min_score)
+                if self.resumed is not None:  # resumed inside this iteration: its samples were kept before the stop
+                    first, window = self.resume_iteration()
+                elif self.sample_and_keep(iteration, step, last):
+                    first, window = 0, []
+                else:
                     continue
-                step = self.fine_tune(iteration, step, last)
-                if (cfg.logging.save_steps or self.save_asked) and iteration + 1 < cfg.algo.iterations:
-                    # resuming continues with the next iteration's sampling
-                    run.save_checkpoint(step, [self.model], self.save_models, self.optim, {"iteration": iteration + 1})
-                self.save_asked = False
+                step = self.fine_tune(iteration, step, last, first, window)
                 if run.stopping:
                     break
             if step != self.evaluated_at and self.held_out.due(step, last=True):  # the end, unless its last step just was
                 self.evaluate(step, last)
             run.finish(self.model, run.unwrap(self.model), self.tokenizer)
             return last
+
+    def sample_and_keep(self, iteration: int, step: int, last: dict) -> bool:
+        """1-3. Sample n per prompt, keep the best (`train_set`), log the iteration; whether anything was kept."""
+        self.train_set, stats = self.best_of_n(iteration, step)
+        self.run.log(step, stats)
+        self.run.log_samples(step, self.samples)
+        last.update(stats)
+        self.run.write(f"iteration {iteration + 1}: " + ", ".join(
+            f"{k.split('/')[-1]}={v:.4g}" for k, v in stats.items() if k != "rft/iteration"))
+        if not self.train_set:
+            logger.warning("iteration %d: no prompt's best sample reached algo.min_score=%s; nothing to fine-tune on",
+                           iteration + 1, self.cfg.algo.min_score)
+        return bool(self.train_set)
+
+    def resume_iteration(self) -> tuple[int, list[dict]]:
+        """The iteration a checkpoint interrupted: its kept examples back into `train_set`; returns the SFT step to
+        continue from (0-based, within the iteration) and the partial logging window."""
+        state, self.resumed = self.resumed, None
+        self.train_set = [{"input_ids": ids, "labels": labels} for ids, labels in zip(state["input_ids"], state["labels"])]
+        return int(state["sft_step"]), json.loads(state["log_window"])
 
     def evaluate(self, step: int, last: dict) -> None:
         """The held-out evaluation after SFT step `step` (`trainers.held_out`); its alignment-tax alarm."""
@@ -282,11 +302,12 @@ class RFTTrainer:
                 self.raised.add(alarm.name)
                 logger.warning("alarm %s at step %d: %s", alarm.name, step, alarm.message)
 
-    def fine_tune(self, iteration: int, step: int, last: dict) -> int:
-        """4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0); returns
-        the run's step count after it."""
-        n_steps, window, t0 = self.sft_steps(len(self.train_set)), [], time.time()
-        for k in range(n_steps):
+    def fine_tune(self, iteration: int, step: int, last: dict, first: int = 0, window: list[dict] | None = None) -> int:
+        """4. SFT on the kept samples (each iteration's data order seeded by its own step numbers from 0), from its
+        step `first` with the logging window `window` (a resume inside the iteration); returns the run's step count
+        after it."""
+        n_steps, window, t0 = self.sft_steps(len(self.train_set)), window or [], time.time()
+        for k in range(first, n_steps):
             window.append(train_step(self.run, self.optim, self.model, self.micro_batches(k), self.count,
                                      self.compute_loss, step + 1))
             step += 1
@@ -298,7 +319,28 @@ class RFTTrainer:
                 self.run.log(step, {**{key: last[key] for key in window[0]}, "rft/iteration": iteration + 1,
                                     "elapsed_s": time.time() - t0})
                 window = []
-            self.save_asked |= self.run.checkpoint_due(step, self.total_steps)
+            # checkpoint_due on every process alike (a collective), every step: it also sets `run.stopping`.
+            if self.run.checkpoint_due(step, self.total_steps) or (k == n_steps - 1 and self.cfg.logging.save_steps):
+                self.checkpoint(step, iteration, k + 1, n_steps, window, last)
             if self.run.stopping:
                 break
         return step
+
+    def checkpoint(self, step: int, iteration: int, done: int, n_steps: int, window: list[dict], last: dict) -> None:
+        """checkpoint-{step}, after SFT step `done` of the `n_steps` of `iteration`. At the iteration's end, resuming
+        starts with the next iteration's sampling; inside it, the checkpoint also holds the iteration's kept examples
+        (the samples cannot be drawn again: the policy has moved), its SFT step and the partial logging window, and
+        resuming goes on with the next SFT step as if the run had never stopped. None after the last iteration: the
+        run's final model follows. The last metrics and the evaluations (the alignment-tax alarm's history) travel
+        along, so a resumed run returns and alarms as the whole run would."""
+        if done == n_steps and iteration + 1 == self.cfg.algo.iterations:
+            return
+        extra = {"metrics": json.dumps(last), "evaluations": json.dumps(self.evaluations),
+                 "alarms": sorted(self.raised)}
+        if done == n_steps:
+            extra["iteration"] = iteration + 1
+        else:  # trainer_state.pt holds lists, not the examples' dicts (see rlhfkit.checkpoint)
+            extra.update(iteration=iteration, sft_step=done, log_window=json.dumps(window),
+                         input_ids=[e["input_ids"] for e in self.train_set],
+                         labels=[e["labels"] for e in self.train_set])
+        self.run.save_checkpoint(step, [self.model], self.save_models, self.optim, extra)

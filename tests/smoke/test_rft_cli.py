@@ -19,7 +19,8 @@ def read_jsonl(path):
 def run(tmp_path_factory):
     """One run of the tiny config, with a checkpoint after iteration 1 (for the resume test)."""
     out = tmp_path_factory.mktemp("rft") / "run"
-    assert main(["rft", "--config", CONFIG, f"output_dir={out}", "logging.progress_bar=false", "logging.save_steps=1"]) == 0
+    assert main(["rft", "--config", CONFIG, f"output_dir={out}", "logging.progress_bar=false", "logging.save_steps=1",
+                 "logging.save_total_limit=20"]) == 0
     return out
 
 
@@ -73,12 +74,17 @@ def test_dashboard_and_report_are_written(run):
     assert "rft/mean_score_best" in page and "iterations: 2" in page  # final metrics and the resolved config
 
 
-def test_resume_after_an_iteration_reproduces_the_run(run, tmp_path):
-    """Resuming from the checkpoint written after iteration 1 logs iteration 2 exactly as the whole run did."""
+@pytest.mark.parametrize("at", [8, 13], ids=["iteration_boundary", "mid_iteration"])
+def test_resume_reproduces_the_run(run, tmp_path, at):
+    """Resuming from checkpoint-8 (the end of iteration 1: 128 kept samples in batches of 16) logs iteration 2
+    exactly as the whole run did; from checkpoint-13, the rest of iteration 2's fine-tuning."""
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
+    for d in resumed.glob("checkpoint-*"):
+        if int(d.name.split("-")[1]) > at:
+            shutil.rmtree(d)
     assert main(["rft", "--config", CONFIG, f"output_dir={resumed}", "logging.progress_bar=false", "logging.save_steps=1",
-                 "resume=true"]) == 0
+                 "logging.save_total_limit=20", "resume=true"]) == 0
     strip = lambda rows: [{k: v for k, v in m.items() if k != "elapsed_s"} for m in rows]  # noqa: E731
     expected, got = strip(read_jsonl(run / "metrics.jsonl")), strip(read_jsonl(resumed / "metrics.jsonl"))
     assert [m["step"] for m in got] == [m["step"] for m in expected]
