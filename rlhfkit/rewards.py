@@ -330,7 +330,8 @@ def reads_ids_of(embeddings: int, tokenizer_size: int) -> bool:
 
 
 def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quantization: QuantizationConfig | None = None,
-                             batch_size: int | None = None, dtype: str = "float32") -> RewardModelSource:
+                             batch_size: int | None = None, dtype: str = "float32",
+                             attn_implementation: str | None = None) -> RewardModelSource:
     """The frozen reward model at `path` as a source scoring the policy's rollouts.
 
     A reward model saved without a tokenizer can only read the policy's token ids: it is refused (naming both) when
@@ -341,7 +342,8 @@ def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quan
 
     from rlhfkit.model_sources import from_pretrained, resolve_model_path
 
-    cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig())
+    cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig(),
+                      attn_implementation=attn_implementation)
     where = resolve_model_path(cfg)
     tokenizer = load_tokenizer(cfg) if _has_own_tokenizer(where) else None
     if tokenizer is None:
@@ -362,7 +364,8 @@ def _reward_function(entry, key: str) -> RewardFunction:
     return load_reward_function(entry, key)
 
 
-def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None, dtype: str = "float32"):
+def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None, dtype: str = "float32",
+                  attn_implementation: str | None = None):
     """One of the Python API's `reward_funcs` as a source (see `Rewards`)."""
     key = f"reward_funcs[{i}]"
     model, tokenizer = entry if isinstance(entry, tuple) else (entry, None)
@@ -377,7 +380,8 @@ def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size:
         name = os.path.basename(os.path.normpath(where)) if where else f"reward_model_{i}"
         return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size, given=model)
     if isinstance(model, str) and ":" not in model:
-        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype)
+        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype,
+                                        attn_implementation=attn_implementation)
     return _reward_function(model, key)
 
 
@@ -397,21 +401,23 @@ class Rewards:
     """
 
     def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy",
-                 dtype: str = "float32", given: Sequence = (), given_weights: Sequence[float] | None = None):
+                 dtype: str = "float32", given: Sequence = (), given_weights: Sequence[float] | None = None,
+                 attn_implementation: str | None = None):
         """`dtype`: the dtype the reward models load in (a run's `frozen_dtype`: its mixed precision). `given` (the
         Python API's `reward_funcs`): the sources in the caller's order, each a callable, a "module:function" name, a
         reward-model directory, a sequence-classification model object, or a (model object, its tokenizer) pair; they
-        replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each)."""
+        replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each). `attn_implementation`:
+        the run's `model.attn_implementation`, which the reward models loaded here use too (None: transformers')."""
         self.tokenizer = tokenizer
         self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
         if given:
-            self.sources = [_given_source(entry, i, tokenizer, policy_name, batch_size, dtype)
+            self.sources = [_given_source(entry, i, tokenizer, policy_name, batch_size, dtype, attn_implementation)
                             for i, entry in enumerate(given)]
             models = [s for s in self.sources if isinstance(s, RewardModelSource)]
         else:
             functions = [_reward_function(f, "reward.function") for f in as_list(cfg.function)]
-            models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size, dtype)
-                      for path in as_list(cfg.model)]
+            models = [load_reward_model_source(path, tokenizer, policy_name, cfg.quantization, batch_size, dtype,
+                                               attn_implementation) for path in as_list(cfg.model)]
             self.sources = ([EnsembleSource(models, cfg.ensemble)] if len(models) > 1 and cfg.ensemble != "none"
                             else models) + functions
         for source in models:

@@ -368,7 +368,8 @@ class Evaluator:
         r, cfg = self.cfg.reward, self.cfg
         members = {}
         for path in r.model:
-            source = load_reward_model_source(path, tokenizer, cfg.model.name_or_path, r.quantization, cfg.batch_size)
+            source = load_reward_model_source(path, tokenizer, cfg.model.name_or_path, r.quantization, cfg.batch_size,
+                                              attn_implementation=cfg.model.attn_implementation)
             source.scorer.model.to(device)
             base = "reward_model" if len(r.model) == 1 else f"reward_model/{os.path.basename(os.path.normpath(path))}"
             name = base if base not in members else f"{base}_{len(members)}"  # two directories of the same name

@@ -70,7 +70,8 @@ class OnlineDPOTrainer(OnlineModels):
         self.ref = Reference(cfg.model, a.ref_model, policy, self.tokenizer, acc.device, frozen, copy_of=self.objects.model)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size * 2,
                               policy_name=cfg.model.name_or_path, dtype=frozen, given=self.objects.reward_funcs,
-                              given_weights=self.objects.reward_weights)
+                              given_weights=self.objects.reward_weights,
+                              attn_implementation=cfg.model.attn_implementation)
         if a.disable_dropout:
             disable_dropout(policy)
         self.steps_per_epoch = max(1, math.ceil(len(self.train_set) / (a.rollout_batch_size * self.world)))

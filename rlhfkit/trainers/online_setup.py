@@ -91,7 +91,8 @@ class OnlineModels:
             if self.algo.needs_reference else None
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path, dtype=frozen, given=self.objects.reward_funcs,
-                              given_weights=self.objects.reward_weights)
+                              given_weights=self.objects.reward_weights,
+                              attn_implementation=cfg.model.attn_implementation)
         value = self.load_critic(policy) if self.algo.needs_value else None
         self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base
         if a.disable_dropout:

@@ -111,7 +111,8 @@ class RFTTrainer:
         self.held_out.check_reference(self.ref)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path, dtype=run.frozen_dtype,
-                              given=self.objects.reward_funcs, given_weights=self.objects.reward_weights)
+                              given=self.objects.reward_funcs, given_weights=self.objects.reward_weights,
+                              attn_implementation=cfg.model.attn_implementation)
         self.per_iteration = min(cfg.algo.prompts_per_iteration or len(self.prompts), len(self.prompts))
         # Every prompt kept is the most each iteration can train on: the schedule's length is an upper bound.
         self.total_steps = cfg.algo.iterations * self.sft_steps(self.per_iteration)

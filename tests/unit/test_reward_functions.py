@@ -591,3 +591,11 @@ def test_the_same_vocabulary_under_another_chat_template_is_retokenised(tok, tmp
             ids = torch.tensor([own(f"[user] Go\n[assistant] {c}\n", add_special_tokens=False)["input_ids"]])
             expected.append(model(input_ids=ids).logits[0, 0])
     torch.testing.assert_close(r(ro, rows_of(ro, chat)).total, torch.stack(expected), atol=1e-5, rtol=0)
+
+
+def test_reward_models_load_with_the_runs_attention_implementation(tmp_path):
+    """model.attn_implementation applies to the run's reward models too, not only to the policy."""
+    path = save_rm(tmp_path / "rm", other_tokenizer())
+    cfg = SimpleNamespace(function=None, gold_function=None, model=[path], ensemble="mean", weights=None, quantization=None)
+    r = Rewards(cfg, build_tiny_tokenizer(), "cpu", policy_name="tiny", attn_implementation="eager")
+    assert r.sources[0].scorer.model.config._attn_implementation == "eager"
