@@ -303,25 +303,48 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def merged_full_precision(model: PeftModel) -> PreTrainedModel:
-    """A peft model on a 4-bit base as one plain model in `model.dtype`: its active adapter merged into the
-    dequantized base weights, W = dequant(W_4bit) + ΔW. `model` is left as it is (the work is done on a copy).
+    """A peft model on a 4-bit base as one plain model in `model.dtype`, on the CPU: its active adapter merged into the
+    dequantized base weights, W = dequant(W_4bit) + ΔW. `model` is left as it is.
 
     The export computes what the trained model computed (the adapter learnt its update against the 4-bit weights),
     loads without bitsandbytes, and keeps the whole update: peft's merge into a 4-bit layer would quantize W + ΔW
-    again, rounding most of a small ΔW away.
+    again, rounding most of a small ΔW away. Each 4-bit weight is dequantized where it lies and moved to the CPU at
+    once, one layer at a time: the accelerator never holds more than one layer's full-precision weight (copying the
+    model first would put a second 4-bit model, then a full-precision one, on it).
     """
+    import bitsandbytes as bnb
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     name = model.active_adapter
-    adapter = get_peft_model_state_dict(model, adapter_name=name)  # LoRA weights (and a trained head) of `name`
-    base = copy.deepcopy(model).unload()  # the 4-bit base without any LoRA layer
+    adapter = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    base = model.get_base_model()  # the LoRA layers injected: a 4-bit weight is at <module>.base_layer.weight
     dtype = base.config.dtype
-    base = base.dequantize(dtype=dtype).to(dtype)  # prepare_model_for_kbit_training made norms fp32: one dtype again
+    clean = lambda key: key.replace(".base_layer", "").replace(".original_module", "")  # noqa: E731
+    state: dict[str, torch.Tensor] = {}
+    quantized = {n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    for n in quantized:
+        w = base.get_submodule(n).weight
+        state[clean(f"{n}.weight")] = bnb.functional.dequantize_4bit(w.data, w.quant_state).to("cpu", dtype)
+    for key, t in list(base.named_parameters()) + list(base.named_buffers()):
+        if "lora_" in key or ".modules_to_save." in key or key.rsplit(".", 1)[0] in quantized:
+            continue  # the adapter (set below), or a 4-bit weight done above
+        state[clean(key)] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True)
+    config = copy.deepcopy(base.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    full = type(base)._from_config(config, dtype=dtype)
+    persistent = set(full.state_dict())  # rotary inv_freq and the like are rebuilt, not loaded
+    missing, unexpected = full.load_state_dict({k: v for k, v in state.items() if k in persistent}, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"4-bit export: weights missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
+    full.tie_weights()
     with warnings.catch_warnings():  # as in _prepare
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        full = get_peft_model(base, copy.deepcopy(model.peft_config[name]))
-    set_peft_model_state_dict(full, adapter)
-    return full.merge_and_unload()
+        merged = get_peft_model(full, copy.deepcopy(model.peft_config[name]))
+    set_peft_model_state_dict(merged, adapter)
+    return merged.merge_and_unload()
 
 
 def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0, with_entropy: bool = False):
