@@ -91,7 +91,10 @@ class RunDir:
             save(os.path.join(tmp, "model"))
             refuse_nonfinite_weights(os.path.join(tmp, "model"), self.path, "the final model")
             for name in os.listdir(os.path.join(tmp, "model")):
-                os.replace(os.path.join(tmp, "model", name), os.path.join(self.path, name))
+                target = os.path.join(self.path, name)
+                if os.path.isdir(target) and not os.path.islink(target):  # a directory (adapter/) from an earlier end
+                    os.replace(target, os.path.join(tmp, f"old-{name}"))  # out of the way; removed with tmp
+                os.replace(os.path.join(tmp, "model", name), target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         commit_replacement(self.path)

@@ -156,3 +156,20 @@ def test_a_repo_that_cannot_be_created_is_refused_before_training(tmp_path, monk
     assert errors[0] == ("rlhfkit: error: config key 'logging.hub_model_id': cannot create the repo 'me/tiny' "
                          "(PermissionError: 403 Forbidden: you cannot create me/tiny)")
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_resumed_lora_run_replaces_the_adapter_beside_its_merged_model(tmp_path):
+    """The final directory's adapter/ is a directory: writing the final model again (a finished run resumed for more
+    steps) replaces it rather than failing on a non-empty destination."""
+    from safetensors.torch import load_file
+
+    from rlhfkit.cli import main
+
+    out = tmp_path / "sft"
+    args = ["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "model.lora.enabled=true",
+            "logging.save_steps=1", "data.eval=null"]
+    assert main(args + ["max_steps=2"]) == 0
+    first = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert main(args + ["max_steps=3", "resume=true"]) == 0
+    again = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert first.keys() == again.keys() and any(not (first[k] == again[k]).all() for k in first)  # step 3's adapter
