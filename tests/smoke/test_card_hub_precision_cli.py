@@ -118,19 +118,27 @@ def test_online_dpo_card_names_its_stage_and_method(tmp_path):
     assert "(`rlhfkit online_dpo`): online DPO" in card.text
 
 
-def test_a_failed_upload_at_the_end_is_one_line_and_keeps_the_saved_model(tmp_path, monkeypatch, capsys):
+def _pushing_sft(tmp_path, monkeypatch, capsys, standin: str, extra: list[str]):
+    """An sft run pushing to `me/tiny` through the stand-in `standin` (online, as far as the run can tell): its
+    output directory, exit status and error lines."""
     from rlhfkit.cli import main
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("RLHFKIT_HUB_API", "tests.smoke.hub_standin:UploadFails")
+    monkeypatch.setenv("RLHFKIT_HUB_API", f"tests.smoke.hub_standin:{standin}")
     monkeypatch.setenv("HUB_STANDIN_LOG", str(tmp_path / "hub.jsonl"))
     out = tmp_path / "sft"
-    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=2",
-                 "logging.save_steps=1", "logging.hub_strategy=checkpoint",
+    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, *extra,
                  "logging.push_to_hub=true", "logging.hub_model_id=me/tiny"])
     errors, err = _errors(capsys)
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert "Traceback" not in err, err
+    return out, code, errors
+
+
+def test_a_failed_upload_at_the_end_is_one_line_and_keeps_the_saved_model(tmp_path, monkeypatch, capsys):
+    out, code, errors = _pushing_sft(tmp_path, monkeypatch, capsys, "UploadFails",
+                                     ["max_steps=2", "logging.save_steps=1", "logging.hub_strategy=checkpoint"])
+    assert code == 2 and len(errors) == 1, errors
     # The checkpoint's failed push was a warning: the run went on to its end.
     assert (out / "checkpoint-1" / "trainer_state.pt").is_file()
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
@@ -142,17 +150,8 @@ def test_a_failed_upload_at_the_end_is_one_line_and_keeps_the_saved_model(tmp_pa
 
 def test_a_repo_that_cannot_be_created_is_refused_before_training(tmp_path, monkeypatch, capsys):
     """As transformers' Trainer creates the repo at its start: a token without write access fails in seconds."""
-    from rlhfkit.cli import main
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("RLHFKIT_HUB_API", "tests.smoke.hub_standin:NoWriteAccess")
-    monkeypatch.setenv("HUB_STANDIN_LOG", str(tmp_path / "hub.jsonl"))
-    out = tmp_path / "sft"
-    code = main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", *FAST, "max_steps=1",
-                 "logging.push_to_hub=true", "logging.hub_model_id=me/tiny"])
-    errors, err = _errors(capsys)
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    out, code, errors = _pushing_sft(tmp_path, monkeypatch, capsys, "NoWriteAccess", ["max_steps=1"])
+    assert code == 2 and len(errors) == 1, errors
     assert errors[0] == ("rlhfkit: error: config key 'logging.hub_model_id': cannot create the repo 'me/tiny' "
                          "(PermissionError: 403 Forbidden: you cannot create me/tiny)")
     assert not (out / "metrics.jsonl").exists()
