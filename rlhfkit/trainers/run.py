@@ -19,6 +19,7 @@ import torch
 
 from rlhfkit.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from rlhfkit.config import TrainConfig
+from rlhfkit.errors import first_line
 from rlhfkit.io import TMP_PREFIX
 from rlhfkit.hub import check_hub, create_hub_repo, publish, publish_checkpoint
 from rlhfkit.launch import distributed_state, log_launch, start_run
@@ -75,7 +76,17 @@ class Run:
         finally:
             if self.bar is not None:
                 self.bar.close()
+            self.close_sinks()  # a failed run's tracker runs end too: a resume in this process opens them again
             self.lock.release()  # last: the cleanup above still runs under the lock
+
+    def close_sinks(self) -> None:
+        """Close every sink once (a failure to close one is a warning: the run's own outcome stands)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own error
+                logger.warning("closing %s failed: %s", type(sink).__name__, first_line(exc, with_type=True))
 
     def make_accelerator(self):
         """accelerate with the run's mixed precision ("auto" resolved for this device); sets `accelerator`, `world`,
@@ -292,8 +303,7 @@ class Run:
         (README.md), the push to the hub (`logging.push_to_hub`), then on_train_end."""
         self.save_final(model, unwrapped, tokenizer)
         self.bar.close()
-        for sink in self.sinks:
-            sink.close()
+        self.close_sinks()
         if self.accelerator.is_main_process:
             from rlhfkit.evaluation.report import write_run_artifacts
 

@@ -415,3 +415,29 @@ def test_cli_resumed_run_continues_its_wandb_and_trackio_runs_and_an_overwrite_s
     (fresh,) = _offline_runs(out)
     assert fresh != first
     assert _trackio_read(env, "rlhfkit-tests")["names"] == ["my-run", "my-run"]  # trackio: a new run of the same name
+
+
+def test_a_run_that_fails_closes_its_trackers_so_a_resume_in_the_same_process_is_recorded(tmp_path, monkeypatch):
+    """A callback raises at step 3: the W&B run is finished with the error (not left open), and the resume in the same
+    Python process (a notebook's next cell) records steps 3 and 4 in the same W&B run."""
+    from transformers import TrainerCallback
+
+    from rlhfkit.stages import run_stage
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                raise RuntimeError("boom")
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    args = [a for a in GRPO[3:] if not a.startswith("max_steps")] + [
+        f"output_dir={out}", "logging.report_to=[wandb]", "logging.project=rlhfkit-tests", "logging.save_steps=2"]
+    with pytest.raises(UserError, match="callback Boom.on_step_end raised RuntimeError: boom"):
+        run_stage("grpo", "configs/grpo_tiny.yaml", args + ["max_steps=4"], callbacks=[Boom()])
+    run_stage("grpo", "configs/grpo_tiny.yaml", args + ["max_steps=4", "resume=true"])
+    first, second = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
+    assert first.rsplit("-", 1)[1] == second.rsplit("-", 1)[1]  # one W&B run, continued
+    steps = [sorted({row["_step"] for row in _wandb_history(d) if "objective/scores" in row}) for d in (first, second)]
+    assert steps == [[1, 2], [3, 4]]  # step 3 raised before it was logged
