@@ -27,6 +27,7 @@ from rlhfkit.config.fields import merge
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, cache_dir
 from rlhfkit.objects import Objects
+from rlhfkit.rewards import check_reward_pair
 from rlhfkit.stages import STAGES, _load, build_stage_config, trainer_of
 
 # peft LoraConfig fields rlhfkit maps onto `model.lora` (the rest must keep peft's defaults: refused otherwise).
@@ -60,6 +61,7 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
     """
     if stage not in STAGES:
         raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
+    _check_kinds(model, tokenizer, reward_funcs, reward_weights, callbacks, overrides)
     if reward_funcs is not None and "reward" not in {f.name for f in dataclasses.fields(_load(STAGES[stage][0]))}:
         takes = [s for s in STAGES if "reward" in {f.name for f in dataclasses.fields(_load(STAGES[s][0]))} and s != "eval"]
         raise UserError(f"reward_funcs: the {stage} stage learns from its data and takes no reward sources (stages "
@@ -77,6 +79,40 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
         if message == str(exc):
             raise
         raise type(exc)(message) from None
+
+
+def _is_tokenizer(x) -> bool:
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(x, PreTrainedTokenizerBase)
+
+
+def _check_kinds(model, tokenizer, reward_funcs, reward_weights, callbacks, overrides) -> None:
+    """Refuse, in one line naming the argument, an argument of the wrong kind, before anything is read or loaded."""
+    import torch
+
+    def kind(x) -> str:
+        return type(x).__name__
+
+    if model is not None and not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+        raise UserError(f"model: expected a transformers model object, a hub name or a directory, got {kind(model)}")
+    if tokenizer is not None and not _is_tokenizer(tokenizer):
+        raise UserError(f"tokenizer: expected a transformers tokenizer object (omit it to load the model's own), got "
+                        f"{kind(tokenizer)}")
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        raise UserError(f"callbacks: expected a list of transformers TrainerCallbacks, got {kind(callbacks)}")
+    if overrides is not None and not (isinstance(overrides, dict) or isinstance(overrides, (list, tuple))
+                                      and all(isinstance(o, str) for o in overrides)):
+        raise UserError("overrides: expected a dict {'key.sub': value} or a list of 'key.sub=value' strings, got "
+                        f"{kind(overrides)}")
+    if reward_weights is not None and not (isinstance(reward_weights, (list, tuple)) and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in reward_weights)):
+        raise UserError(f"reward_weights: expected a list of numbers, got {kind(reward_weights)}")
+    if isinstance(reward_funcs, tuple):
+        check_reward_pair(reward_funcs, "reward_funcs")
+    for i, entry in enumerate(reward_funcs if isinstance(reward_funcs, list) else []):
+        if isinstance(entry, tuple):
+            check_reward_pair(entry, f"reward_funcs[{i}]")
 
 
 def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weights, callbacks) -> TrainResult:

@@ -331,7 +331,7 @@ def reads_ids_of(embeddings: int, tokenizer_size: int) -> bool:
 
 def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quantization: QuantizationConfig | None = None,
                              batch_size: int | None = None, dtype: str = "float32",
-                             attn_implementation: str | None = None) -> RewardModelSource:
+                             attn_implementation: str | None = None, tokenizer=None) -> RewardModelSource:
     """The frozen reward model at `path` as a source scoring the policy's rollouts.
 
     A reward model saved without a tokenizer can only read the policy's token ids: it is refused (naming both) when
@@ -345,7 +345,8 @@ def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quan
     cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig(),
                       attn_implementation=attn_implementation)
     where = resolve_model_path(cfg)
-    tokenizer = load_tokenizer(cfg) if _has_own_tokenizer(where) else None
+    if tokenizer is None:  # `tokenizer`: one given with the directory (the Python API's (directory, tokenizer) pair)
+        tokenizer = load_tokenizer(cfg) if _has_own_tokenizer(where) else None
     if tokenizer is None:
         size, policy_size = from_pretrained(AutoConfig, where).vocab_size, len(policy_tokenizer)
         if not reads_ids_of(size, policy_size):
@@ -364,11 +365,44 @@ def _reward_function(entry, key: str) -> RewardFunction:
     return load_reward_function(entry, key)
 
 
+def check_reward_pair(entry: tuple, key: str) -> None:
+    """A tuple among `reward_funcs` is one (reward model, its tokenizer) pair: the model an object or a directory, the
+    tokenizer a transformers tokenizer. Anything else (two functions in a tuple) is refused rather than half-read."""
+    from transformers import PreTrainedTokenizerBase
+
+    second = entry[1] if len(entry) > 1 else None
+    if len(entry) != 2 or not isinstance(second, PreTrainedTokenizerBase):
+        what = getattr(second, "__name__", type(second).__name__) if len(entry) > 1 else "nothing"
+        raise UserError(f"{key}: a tuple is one (reward model, its tokenizer) pair, and {what} is not a tokenizer: pass "
+                        "several reward sources as a list")
+    if not isinstance(entry[0], (torch.nn.Module, str, os.PathLike)) or isinstance(entry[0], str) and ":" in entry[0]:
+        raise UserError(f"{key}: a (reward model, its tokenizer) pair takes a sequence-classification model object or a "
+                        f"reward-model directory first, got {entry[0]!r}")
+
+
+def _padded(tokenizer, key: str):
+    """`tokenizer`, or a copy of it that pads with its eos token when it has no pad token (as TRL does for a reward
+    model's tokenizer; Llama's and Mistral's have none). The caller's object is left as it is."""
+    if tokenizer is None or tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise UserError(f"{key}: the reward model's tokenizer has neither a pad token nor an eos token to pad with: "
+                        "set tokenizer.pad_token")
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size: int | None, dtype: str = "float32",
                   attn_implementation: str | None = None):
     """One of the Python API's `reward_funcs` as a source (see `Rewards`)."""
     key = f"reward_funcs[{i}]"
+    if isinstance(entry, tuple):
+        check_reward_pair(entry, key)
     model, tokenizer = entry if isinstance(entry, tuple) else (entry, None)
+    tokenizer = _padded(tokenizer, key)
     if isinstance(model, torch.nn.Module):
         if tokenizer is None and not reads_ids_of(model.get_input_embeddings().num_embeddings, len(policy_tokenizer)):
             raise UserError(f"{key}: a reward model whose vocabulary ({model.get_input_embeddings().num_embeddings} "
@@ -379,9 +413,9 @@ def _given_source(entry, i: int, policy_tokenizer, policy_name: str, batch_size:
         where = getattr(model, "name_or_path", "") or ""
         name = os.path.basename(os.path.normpath(where)) if where else f"reward_model_{i}"
         return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size, given=model)
-    if isinstance(model, str) and ":" not in model:
-        return load_reward_model_source(model, policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype,
-                                        attn_implementation=attn_implementation)
+    if isinstance(model, (str, os.PathLike)) and ":" not in os.fspath(model):
+        return load_reward_model_source(os.fspath(model), policy_tokenizer, policy_name, batch_size=batch_size, dtype=dtype,
+                                        attn_implementation=attn_implementation, tokenizer=tokenizer)
     return _reward_function(model, key)
 
 

@@ -300,3 +300,51 @@ def test_a_bad_record_in_a_dataset_object_is_named_by_its_argument(tmp_path):
         rlhfkit.train("sft", model="tiny", train_dataset=bad, output_dir=str(tmp_path / "sft"))
     assert str(err.value) == ("train_dataset record 1: field 'completion' must be a string or a list of {role, content} "
                               "messages, got null")
+
+
+# Arguments of the wrong kind: one line naming the argument, before anything loads ---------------------------------
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tokenizer": "tiny"}, "tokenizer: expected a transformers tokenizer object (omit it to load the model's own), got str"),
+    ({"callbacks": object()}, "callbacks: expected a list of transformers TrainerCallbacks, got object"),
+    ({"overrides": "max_steps=1"}, "overrides: expected a dict {'key.sub': value} or a list of 'key.sub=value' strings, got str"),
+    ({"overrides": 5}, "overrides: expected a dict {'key.sub': value} or a list of 'key.sub=value' strings, got int"),
+    ({"model": 123}, "model: expected a transformers model object, a hub name or a directory, got int"),
+    ({"reward_funcs": [vowels], "reward_weights": "ab"}, "reward_weights: expected a list of numbers, got str"),
+    ({"reward_funcs": (format_reward, vowels)},
+     "reward_funcs: a tuple is one (reward model, its tokenizer) pair, and vowels is not a tokenizer: pass several "
+     "reward sources as a list"),
+])
+def test_arguments_of_the_wrong_kind_are_one_line(tmp_path, kwargs, message):
+    with pytest.raises(UserError) as err:
+        rlhfkit.train("grpo", **{"model": "tiny", "config": "configs/grpo_tiny.yaml", "output_dir": str(tmp_path / "x"),
+                                 **kwargs})
+    assert str(err.value) == message
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_reward_model_pair_whose_tokenizer_has_no_pad_token_pads_with_eos(tmp_path):
+    """As TRL does for a reward model's tokenizer (Llama's and Mistral's have no pad token); the caller's tokenizer
+    object is left as it was."""
+    from tests.unit.test_reward_functions import other_tokenizer, rm_object
+
+    tok = other_tokenizer()
+    tok.eos_token = "~"
+    tok.pad_token = None
+    rm = rm_object(len(tok))
+    rlhfkit.train("grpo", model="tiny", reward_funcs=[(rm, tok)], config="configs/grpo_tiny.yaml", overrides=GRPO,
+                  output_dir=str(tmp_path / "grpo"))
+    assert tok.pad_token is None
+    assert len(rows(tmp_path / "grpo" / "metrics.jsonl")) == 2
+
+
+def test_a_directory_paired_with_a_tokenizer_reads_with_that_tokenizer(tmp_path, rm_dir):
+    """(directory, tokenizer): TRL's reward_processing_classes for a model it loads; the tokenizer is not dropped."""
+    from tests.unit.test_reward_functions import other_tokenizer, save_rm
+
+    other = other_tokenizer()
+    bare = save_rm(tmp_path / "bare_rm", None, vocab_size=len(other))  # saved without a tokenizer, another vocabulary
+    rlhfkit.train("grpo", model="tiny", reward_funcs=[(bare, other)], config="configs/grpo_tiny.yaml", overrides=GRPO,
+                  output_dir=str(tmp_path / "grpo"))
+    assert "rewards/bare_rm/mean" in rows(tmp_path / "grpo" / "metrics.jsonl")[-1]
