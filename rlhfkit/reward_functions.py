@@ -16,8 +16,10 @@ called once per rollout batch, for all B rows at once, with keywords only, as TR
   the evaluations during training, for rewards that change with progress; in `rlhfkit eval` a fresh one (step 0).
 
 Unlike TRL, a function is given only the keywords it accepts (it names them, or takes `**kwargs`), so rlhfkit's
-older `fn(prompts, completions)` functions keep working. An `async def` function is awaited. TRL also passes
-`log_extra` and `log_metric`; rlhfkit does not (a function that requires them is refused at its first call).
+older `fn(prompts, completions)` functions keep working. An `async def` function is awaited. As TRL 1.16, it also
+offers `log_extra(column, values)` and `log_metric(name, value)` (`RewardLogs`): a metric is logged under its name at the step
+(eval/<name> in an evaluation during training), an extra column joins the rows of samples.jsonl and the trackers'
+completions table; `rlhfkit eval` puts them in eval.json (each side's "logged", each sample's "extra").
 
 None means "does not apply to this row" (TRL: NaN, dropped by `nansum`). Unlike TRL, a NaN the function returns
 itself is not dropped: it passes through to the total, where the trainer counts the step as non-finite.
@@ -42,6 +44,33 @@ logger = logging.getLogger("rlhfkit")
 CONTRACT_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
+class RewardLogs:
+    """What reward functions log through TRL's two hooks, kept until the trainer takes them (`take`) after a step's
+    scoring: `log_metric(name, value)` appends a scalar (the step logs the mean of its values, over every process, under
+    `name`), `log_extra(column, values)` one value per row of the call (a column of the completions table)."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values) -> None:
+        self.extras.setdefault(str(column), []).extend(list(values))
+
+    def take(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        """(metric name -> values, column -> values per row) logged since the last take; both emptied."""
+        taken = self.metrics, self.extras
+        self.metrics, self.extras = {}, {}
+        return taken
+
+
+def extra_columns(extras: dict[str, list], i: int) -> dict:
+    """Row `i`'s values of the `log_extra` columns (those that have one for it)."""
+    return {column: values[i] for column, values in extras.items() if i < len(values)}
+
+
 @dataclass(frozen=True)
 class RewardInputs:
     """What every reward function of one call sees, row i of each list being rollout row i (B rows)."""
@@ -51,10 +80,12 @@ class RewardInputs:
     completion_ids: list[list[int]]  # (B,) each row's response ids, EOS included
     columns: dict[str, list] = field(default_factory=dict)  # every other record field -> (B,) values
     trainer_state: Any = None  # transformers.TrainerState (None when a caller has none)
+    logs: RewardLogs | None = None  # where `log_metric` and `log_extra` write (None: the hooks are not offered)
 
     def keywords(self) -> dict[str, Any]:
+        hooks = {"log_metric": self.logs.log_metric, "log_extra": self.logs.log_extra} if self.logs is not None else {}
         return {**self.columns, "prompts": self.prompts, "completions": self.completions,
-                "completion_ids": self.completion_ids, "trainer_state": self.trainer_state}
+                "completion_ids": self.completion_ids, "trainer_state": self.trainer_state, **hooks}
 
 
 def completion_text(completion) -> str:

@@ -28,7 +28,8 @@ from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
 from rlhfkit.reward_functions import (
-    RewardFunction, RewardInputs, is_conversational, load_reward_function, unique_names, warn_unscored_once, weighted_sum,
+    RewardFunction, RewardInputs, RewardLogs, is_conversational, load_reward_function, unique_names, warn_unscored_once,
+    weighted_sum,
 )
 from rlhfkit.sharding import place_frozen
 
@@ -230,7 +231,8 @@ class Scores:
     unscored: Tensor  # (B,) bool: the rows every source returned None for
 
 
-def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, trainer_state=None) -> RewardInputs:
+def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, trainer_state=None,
+                  logs: RewardLogs | None = None) -> RewardInputs:
     """What the reward sources see of `rollout` (B rows), under TRL's contract (`rlhfkit.reward_functions`).
 
     `examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`: "prompt", "columns"), repeated for
@@ -252,7 +254,7 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
         names = list(dict.fromkeys(k for e in examples for k in e["columns"] if k not in ("completion", "completion_ids")))
         columns = {k: [e["columns"].get(k) for e in examples] for k in names}
     completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
-    return RewardInputs(prompts, completions, completion_ids, columns, trainer_state)
+    return RewardInputs(prompts, completions, completion_ids, columns, trainer_state, logs)
 
 
 class RewardModelSource:
@@ -463,11 +465,12 @@ class Rewards:
                             f"({', '.join(self.names)}): give one per source")
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self._warned = [False]
+        self.logs = RewardLogs()  # what the functions log through log_metric / log_extra, until the trainer takes it
 
     def __call__(self, rollout, examples: list[dict] | None = None, trainer_state=None) -> Scores:
         """The `Scores` of a `Rollout`'s rows, on its device; `examples[i]` is row i's prompt example (`data`'s prompt
         kind: "prompt", "columns"), repeated for each sample of a prompt by the caller."""
-        inputs = reward_inputs(self.tokenizer, rollout, examples, trainer_state)
+        inputs = reward_inputs(self.tokenizer, rollout, examples, trainer_state, self.logs)
         device = rollout.response_ids.device
         values, applies = [], []
         for source in self.sources:
@@ -496,5 +499,5 @@ class Rewards:
         or None without one."""
         if self.gold_function is None:
             return None
-        raw = self.gold_function(reward_inputs(self.tokenizer, rollout, examples, trainer_state))
+        raw = self.gold_function(reward_inputs(self.tokenizer, rollout, examples, trainer_state, self.logs))
         return torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=rollout.response_ids.device)

@@ -17,7 +17,7 @@ from rlhfkit.evaluation.alarms import ALIGNMENT_TAX_KEY, DISTINCT_KEY, TOP_SHARE
 from rlhfkit.evaluation.capability import measure_alignment_tax
 from rlhfkit.evaluation.evaluate import concat_rollouts, describe, sample, summarize
 from rlhfkit.evaluation.metrics import mean_std
-from rlhfkit.reward_functions import source_stats
+from rlhfkit.reward_functions import extra_columns, source_stats
 
 
 @torch.no_grad()
@@ -37,13 +37,15 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
 
     Figures: `eval/objective/scores` (the weighted total), `eval/rewards/<source>/mean|std`, `eval/objective/gold`,
     `eval/objective/kl` (mean sequence KL to the reference, nats), `eval/response/length_avg`, `eos_rate`,
-    `empty_rate`, `distinct_2`, `words_avg` and `top_share` (with 2 prompts or more).
+    `empty_rate`, `distinct_2`, `words_avg` and `top_share` (with 2 prompts or more), and `eval/<name>` for what the
+    reward functions logged with `log_metric` (their `log_extra` columns join the sample rows).
     """
     parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False)
     ro = concat_rollouts(parts, tokenizer.pad_token_id)
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
     scored = rewards(ro, rows, trainer_state)
     gold = rewards.gold(ro, rows, trainer_state)
+    logged, extras = rewards.logs.take()  # log_metric / log_extra: every process scored every sample, alike
     s = describe(ro, tokenizer)
     summary = summarize({**s, "scores": {}})
     figures = {"objective/scores": float(scored.total.float().mean()), **source_stats(scored.per_source),
@@ -56,8 +58,9 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
         figures["objective/gold"] = float(gold.float().mean())
     if kls:
         figures["objective/kl"] = mean_std(kls)["mean"]
+    figures.update({name: sum(values) / len(values) for name, values in logged.items() if values})
     samples = [{"prompt": s["prompts"][i], "response": s["texts"][i], "score": float(scored.total[i]),
-                "kl": kls[i] if kls else None} for i in range(min(num_rows, len(s["texts"])))]
+                "kl": kls[i] if kls else None, **extra_columns(extras, i)} for i in range(min(num_rows, len(s["texts"])))]
     return {f"eval/{k}": v for k, v in figures.items()}, samples
 
 

@@ -43,7 +43,7 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
-from rlhfkit.reward_functions import RewardFunction, load_reward_function
+from rlhfkit.reward_functions import RewardFunction, RewardLogs, extra_columns, load_reward_function
 from rlhfkit.rewards import EnsembleSource, as_list, load_reward_model_source, reduce_ensemble, reward_inputs
 from rlhfkit.types import Rollout
 
@@ -61,10 +61,20 @@ def python_judge(fn: Callable, tokenizer) -> Judge:
     returns None for is one it does not apply to (TRL's convention): its score stays None, and the figures leave it
     out. The function gets `trainer_state` as a fresh `transformers.TrainerState` (global_step 0): there is no
     training here, and a TRL function that reads it must still run."""
-    from rlhfkit.reward_functions import trainer_state
-
     reward = fn if isinstance(fn, RewardFunction) else RewardFunction(fn, f"judge {getattr(fn, '__name__', fn)!r}")
-    return lambda rollout, examples: list(reward(reward_inputs(tokenizer, rollout, examples, trainer_state(0, 0))))
+    return PythonJudge(reward, tokenizer)
+
+
+class PythonJudge:
+    """`python_judge`'s judge; what the function logs with `log_metric` / `log_extra` waits in `logs`."""
+
+    def __init__(self, reward: RewardFunction, tokenizer):
+        self.reward, self.tokenizer, self.logs = reward, tokenizer, RewardLogs()
+
+    def __call__(self, rollout: Rollout, examples: list[dict] | None = None) -> list:
+        from rlhfkit.reward_functions import trainer_state
+
+        return list(self.reward(reward_inputs(self.tokenizer, rollout, examples, trainer_state(0, 0), self.logs)))
 
 
 class RewardModelJudge:
@@ -136,7 +146,17 @@ def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples
     """One model's responses (its rollouts, in prompt order): `describe` and the judges' scores, each judge called
     once on all of them."""
     ro = concat_rollouts(parts, tokenizer.pad_token_id)
-    return {**describe(ro, tokenizer), "scores": _judge_all(judges, ro, examples)}
+    scores = _judge_all(judges, ro, examples)
+    logged: dict[str, list[float]] = {}
+    extras: dict[str, list] = {}
+    for judge in judges.values():  # what the Python judges logged with log_metric / log_extra on these samples
+        if isinstance(judge, PythonJudge):
+            metrics, columns = judge.logs.take()
+            for name, values in metrics.items():
+                logged.setdefault(name, []).extend(values)
+            extras.update(columns)
+    return {**describe(ro, tokenizer), "scores": scores,
+            "logged": {name: sum(v) / len(v) for name, v in logged.items() if v}, "extras": extras}
 
 
 def judged(scores: list) -> dict:
@@ -162,6 +182,7 @@ def summarize(s: dict) -> dict:
         "words_avg": diversity[WORDS_KEY], "top_share": diversity.get(TOP_SHARE_KEY),
         "eos_rate": eos_rate(s["has_eos"]), "truncation_rate": truncation_rate(s["has_eos"]),
         "empty_rate": empty_rate(s["texts"]), "reward": {name: judged(v) for name, v in s["scores"].items()},
+        "logged": s.get("logged", {}),
     }
 
 
@@ -185,7 +206,8 @@ def evaluate(
 
     Returns the eval.json figures: "num_prompts", "num_samples", "policy" and "reference" ({"length": {mean, std},
     "distinct_1", "distinct_2", "words_avg", "top_share" (`alarms.diversity_figures`), "eos_rate", "truncation_rate",
-    "empty_rate", "reward": {judge: {mean, std, n}}}; reference
+    "empty_rate", "reward": {judge: {mean, std, n}}, "logged": {name: mean of what Python judges logged with
+    `log_metric`}}; reference
     None without one), "kl" ({mean, std} of the per-sequence KL(policy || reference) in nats on policy samples, or
     None), "win_rate" ({judge: P(policy beats reference)}), "alarms" ([{name, message, source}]), "samples".
     """
@@ -266,7 +288,7 @@ def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float]
 def _example(pol: dict, ref: dict | None, kls: list[float], j: int) -> dict:
     def side(s: dict) -> dict:
         return {"response": s["texts"][j], "scores": {n: v[j] for n, v in s["scores"].items()},
-                "length": s["lengths"][j], "eos": s["has_eos"][j]}
+                "length": s["lengths"][j], "eos": s["has_eos"][j], "extra": extra_columns(s.get("extras", {}), j)}
 
     out = {"prompt": pol["prompts"][j], "policy": side(pol), "reference": side(ref) if ref else None}
     if kls:

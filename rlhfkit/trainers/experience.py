@@ -92,6 +92,8 @@ def make_experience(t, step: int) -> Made:
     finite = run.on_every_process(all(torch.isfinite(x).all() for x in (scores, old_logprobs, ref_logprobs) if x is not None))
     exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
     stats.update(rollout_stats(t, exp, rows, state))
+    logged, t.sample_extras = t.reward.logs.take()  # log_metric / log_extra: the step's metrics, samples' columns
+    stats.update(run.mean_over_processes(logged))
     figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source != "sampler") \
         if old_logprobs is not None else PolicyFigures({}, None)
     stats.update(figures.stats)

@@ -108,6 +108,8 @@ class OnlineDPOTrainer(OnlineModels):
                                 ro.response_ids.shape[1]) for i in range(0, ro.response_ids.shape[0], mb)])
         sampled = Sampled(ro, scored.total, ref, rank_pairs(shaped))
         stats.update(rollout_stats(self, sampled, rows, state))
+        logged, self.sample_extras = self.reward.logs.take()  # log_metric / log_extra
+        stats.update(run.mean_over_processes(logged))
         if not run.on_every_process(bool(torch.isfinite(shaped).all() and torch.isfinite(ref).all())):
             return None, stats
         return sampled, stats

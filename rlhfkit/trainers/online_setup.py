@@ -24,6 +24,7 @@ from rlhfkit.kl import AdaptiveKLController, FixedKLController
 from rlhfkit.models import (PolicyAndCritic, Reference, SharedBaseCritic, disable_dropout, load_causal_lm, load_reward_model,
                             rollout_logprobs)
 from rlhfkit.objects import Objects
+from rlhfkit.reward_functions import extra_columns
 from rlhfkit.rewards import Rewards, RunningMoments
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.held_out import HeldOutEval, capability_set
@@ -282,7 +283,9 @@ class OnlineModels:
 
     def sample_rows(self, exp: Experience, kl, n: int = 4) -> list[dict]:
         ro, tok = exp.rollout, self.tokenizer
+        extras = getattr(self, "sample_extras", {})  # the step's log_extra columns (`experience.make_experience`)
         return [{"prompt": tok.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=True),
                  "response": tok.decode(ro.response_ids[i][ro.response_mask[i].bool()], skip_special_tokens=True),
-                 "score": float(exp.scores[i]), "kl": float(kl[i]) if kl is not None else None}
+                 "score": float(exp.scores[i]), "kl": float(kl[i]) if kl is not None else None,
+                 **extra_columns(extras, i)}
                 for i in range(min(n, ro.response_ids.shape[0]))]

@@ -32,7 +32,7 @@ from rlhfkit.io import atomic_write_text, read_jsonl_rows
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import Reference, load_causal_lm, scored_logits
 from rlhfkit.objects import Objects
-from rlhfkit.reward_functions import source_stats, trainer_state
+from rlhfkit.reward_functions import extra_columns, source_stats, trainer_state
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.checkpoint import load_model_weights
@@ -195,6 +195,7 @@ class RFTTrainer:
         starts = list(range(0, len(chosen), a.sampling_batch_size))
         kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
         per_source: dict[str, list[float]] = {name: [] for name in self.reward.names}  # every sample's, NaN: None
+        logged: dict[str, list[float]] = {}  # what the functions logged with log_metric, over the iteration
         state = trainer_state(step, self.total_steps)
         mine = list(range(acc.process_index, len(starts), self.world))
         if self.run.sharded(self.model):
@@ -209,6 +210,7 @@ class RFTTrainer:
             scored = self.reward(ro, rows, state)
             scores = penalize_missing_eos(scored.total, ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
             if b is None:
+                self.reward.logs.take()  # a filler batch's logs repeat batch 0's
                 continue
             for name, values in scored.per_source.items():
                 per_source[name] += values.tolist()
@@ -218,6 +220,9 @@ class RFTTrainer:
                 logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
             gold_scores = self.reward.gold(ro, rows, state)
             gold = float(gold_scores.sum()) if gold_scores is not None else 0.0
+            batch_logged, extras = self.reward.logs.take()  # log_metric / log_extra of this batch's calls
+            for name, values in batch_logged.items():
+                logged.setdefault(name, []).extend(values)
             sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
                                   float(top.isfinite().sum()), 0.0, gold], device=sums.device)
             for i in best.tolist():
@@ -228,14 +233,16 @@ class RFTTrainer:
                 response = ro.response_ids[i][ro.response_mask[i].bool()].tolist()
                 kept.append((b, {"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response,
                                  "prompt": tok.decode(prompt, skip_special_tokens=True),
-                                 "completion": tok.decode(response, skip_special_tokens=True), "score": s}))
+                                 "completion": tok.decode(response, skip_special_tokens=True), "score": s,
+                                 "extra": extra_columns(extras, i)}))
         sums[4] = len(kept)
         sums = acc.reduce(sums, reduction="sum")
         kept = [e for _, e in sorted(gather_object(kept), key=lambda be: be[0])]  # batch order (a stable sort)
         gathered = gather_object([per_source])  # one dict per process
         sources = source_stats({name: torch.tensor([v for d in gathered for v in d[name]], dtype=torch.float32)
                                 for name in per_source})
-        self.samples = [{"iteration": iteration + 1, **{k: e[k] for k in ("prompt", "completion", "score")}} for e in kept[:4]]
+        self.samples = [{"iteration": iteration + 1, **{k: e[k] for k in ("prompt", "completion", "score")}, **e["extra"]}
+                        for e in kept[:4]]
         if acc.is_main_process:
             rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
             atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
@@ -243,7 +250,7 @@ class RFTTrainer:
                  "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
                  "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
                  "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1),
-                 **sources}
+                 **sources, **self.run.mean_over_processes(logged)}
         if self.reward.gold_function is not None:
             stats["objective/gold"] = float(sums[5]) / (self.per_iteration * cfg.generation.num_samples)  # all samples
         return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats

@@ -152,6 +152,20 @@ class Run:
     def sum_over_processes(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, "sum") if self.world > 1 else x
 
+    def mean_over_processes(self, values: dict[str, list[float]]) -> dict[str, float]:
+        """name -> the mean of every process's values under it (a name some process lacks counts none there), as TRL
+        averages what reward functions log with `log_metric`. Collective: every process calls it."""
+        names = sorted(values)
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted(set(gather_object(names)))
+        if not names:
+            return {}
+        sums = torch.tensor([[sum(values.get(n, [])), len(values.get(n, []))] for n in names], dtype=torch.float64)
+        sums = self.sum_over_processes(sums.to(self.accelerator.device)).cpu()
+        return {n: float(total / count) for n, (total, count) in zip(names, sums.tolist()) if count}
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
         return self.accelerator.gather(x) if self.world > 1 else x

@@ -10,6 +10,7 @@ STEPS: list[int] = []  # trainer_state.global_step at each call of `by_step`
 def record(prompts, completions, **kwargs):
     """Records what it was given (of trainer_state, its global_step); scores 0."""
     state = kwargs.pop("trainer_state", None)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("log_metric", "log_extra")}  # TRL's logging hooks
     CALLS.append({"prompts": list(prompts), "n": len(completions), "kwargs": {k: list(v) for k, v in kwargs.items()},
                   "global_step": getattr(state, "global_step", None)})
     return [0.0] * len(completions)
@@ -68,3 +69,11 @@ def vowels_or_none(completions, **kwargs):
     """The number of vowels; None (does not apply) for a completion without any."""
     counts = [sum(ch in "aeiou" for ch in c) for c in completions]
     return [float(n) if n else None for n in counts]
+
+
+def logs_things(completions, log_metric, log_extra, **kwargs):
+    """TRL 1.16's logging hooks: a scalar metric per call and a column for the completions table."""
+    has_a = ["a" in c for c in completions]
+    log_metric("share_with_a", sum(has_a) / len(has_a))
+    log_extra("has_a", has_a)
+    return [float(x) for x in has_a]

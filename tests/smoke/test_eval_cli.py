@@ -39,7 +39,7 @@ def test_policy_against_itself(rm_dir, tmp_path, capsys):
     for side in ("policy", "reference"):
         figures = report[side]
         assert set(figures) == {"length", "distinct_1", "distinct_2", "words_avg", "top_share", "eos_rate", "truncation_rate",
-                                "empty_rate", "reward"}
+                                "empty_rate", "reward", "logged"}
         assert set(figures["reward"]) == judges
         assert 0 < figures["length"]["mean"] <= 16 and 0 <= figures["distinct_2"] <= 1
         # 64 prompts; random 16-character responses never repeat across prompts

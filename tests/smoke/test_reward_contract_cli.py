@@ -272,3 +272,43 @@ def test_a_gold_judge_gets_the_trainer_state_in_training(stage, config, tmp_path
     assert reward_fns.STEPS == [0, 1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["objective/gold"] for r in rows if "objective/gold" in r] == [0.0, 0.0]
+
+
+# TRL 1.16's logging hooks: log_metric(name, value) and log_extra(column, values) --------------------------------
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_log_metric_and_log_extra_reach_the_metrics_and_the_samples_in_training_and_evaluation(tmp_path):
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", f"reward.function={FNS}:logs_things",
+                 "data.eval=data/tiny/prompts_eval.jsonl", "logging.eval_steps=2", f"output_dir={out}",
+                 "logging.progress_bar=false", "algo.sample_log_steps=1"]) == 0
+    rows = [r for r in _jsonl(out / "metrics.jsonl") if "objective/scores" in r]
+    assert len(rows) == 2  # the logged metric, averaged over the step's calls: here the function's own mean
+    assert all(r["share_with_a"] == pytest.approx(r["rewards/logs_things/mean"]) for r in rows)
+    (evaluated,) = [r for r in _jsonl(out / "metrics.jsonl") if "eval/objective/scores" in r]
+    assert evaluated["eval/share_with_a"] == pytest.approx(evaluated["eval/rewards/logs_things/mean"])
+    samples = _jsonl(out / "samples.jsonl")
+    assert {s.get("split") for s in samples} == {None, "eval"}
+    assert all(s["has_a"] == ("a" in s["response"]) for s in samples)
+
+
+def test_log_metric_and_log_extra_in_rft_and_eval(tmp_path):
+    out = tmp_path / "rft"
+    assert main(["rft", "--config", "configs/rft_tiny.yaml", f"reward.function={FNS}:logs_things", "algo.iterations=1",
+                 "algo.prompts_per_iteration=8", "generation.max_new_tokens=4", "max_steps=1", f"output_dir={out}",
+                 "logging.progress_bar=false"]) == 0
+    (row,) = [r for r in _jsonl(out / "metrics.jsonl") if "rft/iteration" in r and "rft/kept" in r]
+    assert row["share_with_a"] == pytest.approx(row["rewards/logs_things/mean"])
+    assert all(s["has_a"] == ("a" in s["completion"]) for s in _jsonl(out / "samples.jsonl"))
+
+    ev = tmp_path / "eval"
+    assert main(["eval", "--config", "configs/eval_tiny.yaml", f"judges=['a={FNS}:logs_things']", "max_prompts=8",
+                 "num_examples=8", f"output_dir={ev}"]) == 0
+    report = json.loads((ev / "eval.json").read_text())
+    for side in ("policy", "reference"):
+        assert report[side]["logged"]["share_with_a"] == pytest.approx(report[side]["reward"]["a"]["mean"])
+        assert all(s[side]["extra"]["has_a"] == ("a" in s[side]["response"]) for s in report["samples"])

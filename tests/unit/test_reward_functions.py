@@ -86,8 +86,9 @@ def source(function=None, gold_function=None):
 RECORDER = """
 CALLS = []
 def reward(prompts, completions, answer, completion_ids, **kwargs):
+    hooks = sorted(k for k in ("log_metric", "log_extra") if callable(kwargs.pop(k, None)))  # TRL 1.16's logging hooks
     CALLS.append({"prompts": prompts, "completions": completions, "answer": answer, "completion_ids": completion_ids,
-                  "kwargs": kwargs})
+                  "kwargs": kwargs, "hooks": hooks})
     return [float(len(c)) for c in completions]
 """
 
@@ -108,6 +109,7 @@ def test_one_call_with_original_prompts_completions_and_every_column(tok, module
     assert call["completions"] == ["7", "x", [{"role": "assistant", "content": "10"}], [{"role": "assistant", "content": "ten"}]]
     assert call["answer"] == ["7", "7", "10", "10"]
     assert call["kwargs"] == {"level": [1, 1, None, None], "trainer_state": None}  # a column some records lack: None
+    assert call["hooks"] == ["log_extra", "log_metric"]
     assert call["completion_ids"] == [tok("7")["input_ids"] + [tok.eos_token_id], tok("x")["input_ids"] + [tok.eos_token_id],
                                       tok("10")["input_ids"] + [tok.eos_token_id], tok("ten")["input_ids"] + [tok.eos_token_id]]
     assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 1.0, 1.0, 1.0]  # len() of a one-message list is 1
@@ -336,7 +338,8 @@ def test_everything_a_kwargs_function_receives(tok, shapes):
     state = TrainerState(global_step=3, max_steps=10)
     rewards(f"{shapes}:everything")(ro, rows_of(ro, [{"prompt": "q", "columns": {"solution": "a", "id": 7}}]), state)
     (call,) = sys.modules[shapes].CALLS
-    assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "solution", "id"}
+    assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "solution", "id", "log_metric",
+                         "log_extra"}
     assert call["prompts"] == ["q", "q"] and call["completions"] == ["ab", "c"] and call["solution"] == ["a", "a"]
     assert call["id"] == [7, 7] and call["trainer_state"] is state
     assert call["completion_ids"] == [tok("ab")["input_ids"] + [tok.eos_token_id], tok("c")["input_ids"] + [tok.eos_token_id]]
