@@ -58,12 +58,13 @@ def weights(out):
 COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/length_avg", "loss/policy_avg",
             "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "objective/kl_coef", "episodes",
             "loss/ptx_avg", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-            "logps/rejected", "objective/tie_rate")
+            "logps/rejected", "objective/tie_rate", "share_with_a", "rewards/logs_things/mean")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, micro, extra", [
-    ("grpo", 8, ["algo.num_minibatches=1"]),  # 4 samples per prompt
+    # 4 samples per prompt; the reward logs a metric through TRL's log_metric (the mean over calls and processes)
+    ("grpo", 8, ["algo.num_minibatches=1", "reward.function=tests.smoke.reward_fns:logs_things"]),
     ("ppo", 4, ["algo.num_minibatches=1", "model.lora.enabled=true", "model.lora.r=4", "algo.ppo_epochs=2",
                 "kl.controller=adaptive"]),
     ("grpo", 8, ["algo.num_minibatches=1", "data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # PPO-ptx
@@ -80,6 +81,7 @@ def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     single, double = rows(one), rows(two)
     assert [r["step"] for r in double] == [1, 2, 3]  # logged once, by the main process
     assert ("loss/ptx_avg" in single[0]) == any("ptx" in e for e in extra)
+    assert ("share_with_a" in double[0]) == any("logs_things" in e for e in extra)
     for r1, r2 in zip(single, double):
         for key in COMPARED:
             if key in r1:
