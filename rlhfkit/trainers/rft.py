@@ -20,25 +20,18 @@ import math
 import os
 import time
 
-import numpy as np
-import torch
 
-from rlhfkit.advantages import penalize_missing_eos
+from rlhfkit.checkpoint import load_model_weights
 from rlhfkit.config import RFTConfig
-from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_prompts, collate_sft
-from rlhfkit.evaluation.metrics import best_of_n_kl
-from rlhfkit.generation import generate, seeded
+from rlhfkit.data import IGNORE_INDEX, build_datasets, collate_sft
+from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
 from rlhfkit.io import atomic_write_text, read_jsonl_rows
 from rlhfkit.losses.sft import sft_loss
-from rlhfkit.models import Reference, load_causal_lm, scored_logits
+from rlhfkit.models import Reference, load_causal_lm, save_model, scored_logits
 from rlhfkit.objects import Objects
-from rlhfkit.reward_functions import extra_columns, source_stats, trainer_state
 from rlhfkit.rewards import Rewards
-from rlhfkit.sharding import gathered_weights
-from rlhfkit.checkpoint import load_model_weights
-from rlhfkit.models import save_model
 from rlhfkit.sharding import loaded_weights
-from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
+from rlhfkit.trainers.best_of_n import best_of_n
 from rlhfkit.trainers.held_out import HeldOutEval, capability_set
 from rlhfkit.trainers.offline import micro_batch_positions, train_step
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
@@ -46,20 +39,6 @@ from rlhfkit.trainers.run import Run
 from rlhfkit.types import SFTBatch
 
 logger = logging.getLogger("rlhfkit")
-
-
-def select_best(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Index of the best-scoring sample of each group: scores (B,), group_ids (B,) in 0..G-1 -> (G,) long.
-
-    Ties go to the lowest index; a NaN score counts as -inf, so it is chosen only when its whole group is NaN.
-    Every group id in 0..G-1 must occur.
-    """
-    scores = torch.where(torch.isnan(scores), -math.inf, scores.float())  # (B,)
-    num_groups = int(group_ids.max()) + 1
-    best = torch.full((num_groups,), -math.inf, device=scores.device).scatter_reduce(0, group_ids, scores, "amax")  # (G,)
-    index = torch.arange(len(scores), device=scores.device)  # (B,)
-    candidates = torch.where(scores == best[group_ids], index, len(scores))  # (B,) non-best samples out of range
-    return torch.full((num_groups,), len(scores), device=scores.device).scatter_reduce(0, group_ids, candidates, "amin")
 
 
 class RFTTrainer:
@@ -163,98 +142,6 @@ class RFTTrainer:
         order, positions = micro_batch_positions(self.run, k, len(self.train_set), self.steps_per_epoch)
         return [self.collate([self.train_set[order[p]] for p in mine]) for mine in positions]
 
-    # 1-3. Sample, score, keep the best ------------------------------------------------------------------------
-    def sampling_seed(self, iteration: int, batch: int) -> int:
-        """The seed of sampling batch `batch` of iteration `iteration`: whichever process draws it, and whatever was
-        drawn before, its responses are the same (so the world size and a resume change nothing)."""
-        return int(np.random.SeedSequence([self.cfg.seed, iteration, batch]).generate_state(1)[0])
-
-    def sample_batch(self, policy, chosen: list[int], starts: list[int], iteration: int, b: int):
-        """(prompt records, Rollout) of sampling batch `b` of `iteration`, under its own seed."""
-        cfg, tok = self.cfg, self.tokenizer
-        examples = [self.prompts[i] for i in chosen[starts[b] : starts[b] + cfg.algo.sampling_batch_size]]
-        with seeded(self.sampling_seed(iteration, b)):
-            ro = generate(policy, collate_prompts(examples, tok.pad_token_id).to(self.accelerator.device), cfg.generation,
-                          tok.eos_token_id, tok.pad_token_id)
-        return examples, ro
-
-    @torch.no_grad()
-    def best_of_n(self, iteration: int, step: int) -> tuple[list[dict], dict[str, float]]:
-        """The SFT examples of every process (the same list on each, in prompt order) and the iteration's metrics
-        (with each reward source's `rewards/<name>/mean|std` over every sample); writes the kept rows to
-        rft_iter{iteration + 1}.jsonl. The reward functions get `trainer_state` at `step` (SFT steps done).
-
-        The iteration's prompts are cut into sampling batches of `algo.sampling_batch_size`; process r samples and
-        scores batches r, r + world, ... (each under its own seed, `sampling_seed`), and the kept samples are gathered
-        back into batch order: any world size keeps the same samples as one process.
-        """
-        from accelerate.utils import gather_object
-
-        cfg, a, acc, tok = self.cfg, self.cfg.algo, self.accelerator, self.tokenizer
-        chosen = self.run.permutation(len(self.prompts), iteration)[: self.per_iteration].tolist()  # a fresh subset each iteration
-        starts = list(range(0, len(chosen), a.sampling_batch_size))
-        kept, sums = [], torch.zeros(6, device=acc.device)  # sums: scores, their count, best scores, prompts, kept, gold
-        per_source: dict[str, list[float]] = {name: [] for name in self.reward.names}  # every sample's, NaN: None
-        logged: dict[str, list[float]] = {}  # what the functions logged with log_metric, over the iteration
-        state = trainer_state(step, self.total_steps)
-        mine = list(range(acc.process_index, len(starts), self.world))
-        if self.run.sharded(self.model):
-            # A frozen reward model in a ZeRO-3 engine runs collective forwards: every process scores as many batches,
-            # a process with fewer scoring filler batches (batch 0 again, dropped).
-            mine += [None] * (math.ceil(len(starts) / self.world) - len(mine))
-        # FSDP / ZeRO-3: the policy's weights gathered once for all of this process's batches (collective).
-        with gathered_weights(acc, self.model, self.run.unwrap(self.model)) as policy:
-            batches = [(b, self.sample_batch(policy, chosen, starts, iteration, b if b is not None else 0)) for b in mine]
-        for b, (examples, ro) in batches:
-            rows = [examples[g] for g in ro.group_ids.tolist()]  # each row's prompt record
-            scored = self.reward(ro, rows, state)
-            scores = penalize_missing_eos(scored.total, ro.has_eos, cfg.reward.missing_eos_penalty)  # (B,)
-            if b is None:
-                self.reward.logs.take()  # a filler batch's logs repeat batch 0's
-                continue
-            for name, values in scored.per_source.items():
-                per_source[name] += values.tolist()
-            best = select_best(scores, ro.group_ids)  # (G,)
-            finite, top = torch.isfinite(scores), scores[best]  # (B,), (G,)
-            if not finite.all():
-                logger.warning("iteration %d: %d non-finite scores ignored", iteration + 1, int((~finite).sum()))
-            gold_scores = self.reward.gold(ro, rows, state)
-            gold = float(gold_scores.sum()) if gold_scores is not None else 0.0
-            batch_logged, extras = self.reward.logs.take()  # log_metric / log_extra of this batch's calls
-            for name, values in batch_logged.items():
-                logged.setdefault(name, []).extend(values)
-            sums += torch.tensor([float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
-                                  float(top.isfinite().sum()), 0.0, gold], device=sums.device)
-            for i in best.tolist():
-                s = float(scores[i])
-                if not math.isfinite(s) or (a.min_score is not None and s < a.min_score):
-                    continue
-                prompt = ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()
-                response = ro.response_ids[i][ro.response_mask[i].bool()].tolist()
-                kept.append((b, {"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response,
-                                 "prompt": tok.decode(prompt, skip_special_tokens=True),
-                                 "completion": tok.decode(response, skip_special_tokens=True), "score": s,
-                                 "extra": extra_columns(extras, i)}))
-        sums[4] = len(kept)
-        sums = acc.reduce(sums, reduction="sum")
-        kept = [e for _, e in sorted(gather_object(kept), key=lambda be: be[0])]  # batch order (a stable sort)
-        gathered = gather_object([per_source])  # one dict per process
-        sources = source_stats({name: torch.tensor([v for d in gathered for v in d[name]], dtype=torch.float32)
-                                for name in per_source})
-        self.samples = [{"iteration": iteration + 1, **{k: e[k] for k in ("prompt", "completion", "score")}, **e["extra"]}
-                        for e in kept[:4]]
-        if acc.is_main_process:
-            rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
-            atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
-        stats = {"rft/iteration": iteration + 1, "rft/mean_score_all": float(sums[0] / sums[1].clamp(min=1)),
-                 "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
-                 "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
-                 "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1),
-                 **sources, **self.run.mean_over_processes(logged)}
-        if self.reward.gold_function is not None:
-            stats["objective/gold"] = float(sums[5]) / (self.per_iteration * cfg.generation.num_samples)  # all samples
-        return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats
-
     # 4. Fine-tune, log, checkpoint ----------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         with self.run as run:
@@ -280,7 +167,7 @@ class RFTTrainer:
 
     def sample_and_keep(self, iteration: int, step: int, last: dict) -> bool:
         """1-3. Sample n per prompt, keep the best (`train_set`), log the iteration; whether anything was kept."""
-        self.train_set, stats = self.best_of_n(iteration, step)
+        self.train_set, stats, self.samples = best_of_n(self, iteration, step)
         self.run.log(step, stats)
         self.run.log_samples(step, self.samples)
         last.update(stats)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhfkit.evaluation.metrics import best_of_n_kl
-from rlhfkit.trainers.rft import select_best
+from rlhfkit.trainers.best_of_n import select_best
 
 
 def test_best_of_n_kl_hand_values():

@@ -71,6 +71,7 @@ LAYERS = [
     "rlhfkit.trainers.run",
     "rlhfkit.trainers.held_out",  # the sampling stages' evaluation during training
     "rlhfkit.trainers.experience",
+    "rlhfkit.trainers.best_of_n",  # rft's sampling and selection, as experience is the online loops'
     "rlhfkit.trainers.ptx",  # PPO-ptx: the SFT term every online loop mixes into its updates
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
     "rlhfkit.trainers.online_setup",
