@@ -28,7 +28,7 @@ from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, cache_dir
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import check_reward_pair
-from rlhfkit.stages import STAGES, _load, build_stage_config, trainer_of
+from rlhfkit.stages import STAGES, build_stage_config, config_class, trainer_of
 
 # peft LoraConfig fields rlhfkit maps onto `model.lora` (the rest must keep peft's defaults: refused otherwise).
 _LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
@@ -62,8 +62,8 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
     if stage not in STAGES:
         raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
     _check_kinds(model, tokenizer, reward_funcs, reward_weights, callbacks, overrides)
-    if reward_funcs is not None and "reward" not in {f.name for f in dataclasses.fields(_load(STAGES[stage][0]))}:
-        takes = [s for s in STAGES if "reward" in {f.name for f in dataclasses.fields(_load(STAGES[s][0]))} and s != "eval"]
+    if reward_funcs is not None and "reward" not in {f.name for f in dataclasses.fields(config_class(stage))}:
+        takes = [s for s in STAGES if s != "eval" and "reward" in {f.name for f in dataclasses.fields(config_class(s))}]
         raise UserError(f"reward_funcs: the {stage} stage learns from its data and takes no reward sources (stages "
                         f"that do: {', '.join(takes)})")
     given: dict[str, str] = {}  # the cached file of a dataset object -> the argument that passed it

@@ -187,8 +187,9 @@ def _flat(cfg: dict, prefix: str = "") -> dict[str, Any]:
 # 2. The push ---------------------------------------------------------------------------------------------------
 
 
-def check_hub(push_to_hub: bool, hub_model_id: str | None, hub_strategy: str = "end") -> None:
-    """Refuse at start, in one line, a push that cannot happen: no repo id, an unknown strategy, or offline mode."""
+def check_hub(push_to_hub: bool, hub_model_id: str | None, hub_strategy: str = "end", create: bool = False) -> None:
+    """Refuse at start, in one line, a push that cannot happen: no repo id, an unknown strategy, or offline mode; with
+    `create` (the main process), then create the repo (`create_hub_repo`)."""
     if not push_to_hub:
         return
     from huggingface_hub import constants
@@ -200,6 +201,8 @@ def check_hub(push_to_hub: bool, hub_model_id: str | None, hub_strategy: str = "
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         raise UserError("config key 'logging.push_to_hub': the hub is offline (HF_HUB_OFFLINE is set); unset it or "
                         "pass logging.push_to_hub=false")
+    if create:
+        create_hub_repo(push_to_hub, hub_model_id)
 
 
 def checkpoint_path_in_repo(hub_strategy: str, checkpoint_dir: str) -> str | None:

@@ -33,6 +33,11 @@ def _load(ref: str):
     return getattr(importlib.import_module(module), name)
 
 
+def config_class(stage: str) -> type:
+    """The config dataclass of `rlhfkit <stage>`."""
+    return _load(STAGES[stage][0])
+
+
 def stage_config(stage: str, config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """The validated config of `rlhfkit <stage>`: the YAML file `config` (None: the defaults), then the
     `key.sub=value` overrides."""
@@ -54,7 +59,7 @@ def build_stage_config(stage: str, data: dict) -> Any:
         raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
     family = family_members(stage)  # the online commands: the algorithms registered under this family
     defaults = {"algo": {"algorithm": family[0]}} if family else {}
-    cfg = load_config(_load(STAGES[stage][0]), defaults=merge(defaults, data))
+    cfg = load_config(config_class(stage), defaults=merge(defaults, data))
     if family and cfg.algo.algorithm not in family:
         raise UserError(f"config key 'algo.algorithm': `rlhfkit {stage}` runs one of {', '.join(family)}, got {cfg.algo.algorithm!r}")
     return cfg

@@ -24,6 +24,7 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text
 from rlhfkit.reward_functions import extra_columns, source_stats, trainer_state
 from rlhfkit.sharding import gathered_weights
+from rlhfkit.trainers.experience import logged_means
 
 logger = logging.getLogger("rlhfkit")
 
@@ -138,7 +139,7 @@ def best_of_n(t, iteration: int, step: int) -> tuple[list[dict], dict[str, float
              "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
              "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
              "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1),
-             **sources, **run.mean_over_processes(tally.logged)}
+             **sources, **logged_means(run, tally.logged)}
     if t.reward.gold_function is not None:
         stats["objective/gold"] = float(sums[5]) / (t.per_iteration * cfg.generation.num_samples)  # all samples
     return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats, samples

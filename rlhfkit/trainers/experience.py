@@ -93,13 +93,28 @@ def make_experience(t, step: int) -> Made:
     exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
     stats.update(rollout_stats(t, exp, rows, state))
     logged, t.sample_extras = t.reward.logs.take()  # log_metric / log_extra: the step's metrics, samples' columns
-    stats.update(run.mean_over_processes(logged))
+    stats.update(logged_means(run, logged))
     figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source != "sampler") \
         if old_logprobs is not None else PolicyFigures({}, None)
     stats.update(figures.stats)
     if not run.on_every_process(finite and bool(torch.isfinite(exp.advantages).all())):
         return Made(None, Fault.ROLLOUT, stats)
     return Made(exp, None, stats, figures.kl)
+
+
+def logged_means(run, values: dict[str, list[float]]) -> dict[str, float]:
+    """name -> the mean of every process's values under it (a name some process lacks counts none there), as TRL
+    averages what reward functions log with `log_metric`. Collective: every process calls it."""
+    names = sorted(values)
+    if run.world > 1:
+        from accelerate.utils import gather_object
+
+        names = sorted(set(gather_object(names)))
+    if not names:
+        return {}
+    sums = torch.tensor([[sum(values.get(n, [])), len(values.get(n, []))] for n in names], dtype=torch.float64)
+    sums = run.sum_over_processes(sums.to(run.accelerator.device)).cpu()
+    return {n: float(total / count) for n, (total, count) in zip(names, sums.tolist()) if count}
 
 
 def shape_and_estimate(t, ro: Rollout, scores, old_logprobs, ref_logprobs, values, finite: bool) -> Experience:

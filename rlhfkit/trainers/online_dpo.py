@@ -33,7 +33,7 @@ from rlhfkit.objects import Objects
 from rlhfkit.models import Reference, disable_dropout, load_causal_lm, rollout_logprobs
 from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards, RunningMoments
-from rlhfkit.trainers.experience import pad_to, rollout_stats
+from rlhfkit.trainers.experience import logged_means, pad_to, rollout_stats
 from rlhfkit.trainers.online_setup import OnlineModels
 from rlhfkit.trainers.optim import Fault, build_optimizer, build_scheduler, optimizer_step
 from rlhfkit.trainers.run import Run
@@ -109,7 +109,7 @@ class OnlineDPOTrainer(OnlineModels):
         sampled = Sampled(ro, scored.total, ref, rank_pairs(shaped))
         stats.update(rollout_stats(self, sampled, rows, state))
         logged, self.sample_extras = self.reward.logs.take()  # log_metric / log_extra
-        stats.update(run.mean_over_processes(logged))
+        stats.update(logged_means(run, logged))
         if not run.on_every_process(bool(torch.isfinite(shaped).all() and torch.isfinite(ref).all())):
             return None, stats
         return sampled, stats

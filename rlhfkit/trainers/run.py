@@ -19,9 +19,8 @@ import torch
 
 from rlhfkit.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from rlhfkit.config import TrainConfig
-from rlhfkit.errors import first_line
 from rlhfkit.io import TMP_PREFIX
-from rlhfkit.hub import check_hub, create_hub_repo, publish, publish_checkpoint
+from rlhfkit.hub import check_hub, publish, publish_checkpoint
 from rlhfkit.launch import distributed_state, log_launch, start_run
 from rlhfkit.precision import check_attn_implementation, frozen_model_dtype, resolve_mixed_precision, supports_bf16
 from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspeed, fsdp_classes, load_deepspeed_state,
@@ -30,15 +29,15 @@ from rlhfkit.trackers import check_trackers
 from rlhfkit.trainers.callbacks import Callbacks, RunArgs, stage_of
 from rlhfkit.trainers.optim import Optim
 from rlhfkit.trainers.rundir import RunDir, commit_replacement
-from rlhfkit.trainers.sinks import MetricSink, open_sinks, to_float
+from rlhfkit.trainers.sinks import MetricSink, close_sinks, open_sinks, to_float
 
 logger = logging.getLogger("rlhfkit")
 
 
 class Run:
     """One training run in `cfg.output_dir`. Creating it takes the directory's lock and checks the directory and the
-    settings that need no model (trackers, hub push, attention implementation) before any model loads, writing
-    nothing: `resume_from` is the checkpoint to resume from, if any. `callbacks`: transformers `TrainerCallback`s
+    settings that need no model (trackers, attention implementation, hub push: last, the main process creates the repo
+    it will push to) before any model loads, writing nothing else: `resume_from` is the checkpoint to resume from, if any. `callbacks`: transformers `TrainerCallback`s
     (instances or classes)."""
 
     def __init__(self, cfg: TrainConfig, name: str, callbacks: Sequence[Any] = ()):
@@ -58,10 +57,8 @@ class Run:
             state.wait_for_everyone()
             self.resume_from = self.run_dir.check()
             check_trackers(cfg.logging.report_to)
-            check_hub(cfg.logging.push_to_hub, cfg.logging.hub_model_id, cfg.logging.hub_strategy)
             check_attn_implementation(cfg.model.attn_implementation)
-            if state.is_main_process:  # last: the only check that reaches the network
-                create_hub_repo(cfg.logging.push_to_hub, cfg.logging.hub_model_id)
+            check_hub(cfg.logging.push_to_hub, cfg.logging.hub_model_id, cfg.logging.hub_strategy, state.is_main_process)
         except BaseException:
             self.lock.release()
             raise
@@ -76,17 +73,8 @@ class Run:
         finally:
             if self.bar is not None:
                 self.bar.close()
-            self.close_sinks()  # a failed run's tracker runs end too: a resume in this process opens them again
+            self.sinks = close_sinks(self.sinks)  # a failed run's tracker runs end too: a resume here reopens them
             self.lock.release()  # last: the cleanup above still runs under the lock
-
-    def close_sinks(self) -> None:
-        """Close every sink once (a failure to close one is a warning: the run's own outcome stands)."""
-        sinks, self.sinks = self.sinks, []
-        for sink in sinks:
-            try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own error
-                logger.warning("closing %s failed: %s", type(sink).__name__, first_line(exc, with_type=True))
 
     def make_accelerator(self):
         """accelerate with the run's mixed precision ("auto" resolved for this device); sets `accelerator`, `world`,
@@ -151,20 +139,6 @@ class Run:
 
     def sum_over_processes(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, "sum") if self.world > 1 else x
-
-    def mean_over_processes(self, values: dict[str, list[float]]) -> dict[str, float]:
-        """name -> the mean of every process's values under it (a name some process lacks counts none there), as TRL
-        averages what reward functions log with `log_metric`. Collective: every process calls it."""
-        names = sorted(values)
-        if self.world > 1:
-            from accelerate.utils import gather_object
-
-            names = sorted(set(gather_object(names)))
-        if not names:
-            return {}
-        sums = torch.tensor([[sum(values.get(n, [])), len(values.get(n, []))] for n in names], dtype=torch.float64)
-        sums = self.sum_over_processes(sums.to(self.accelerator.device)).cpu()
-        return {n: float(total / count) for n, (total, count) in zip(names, sums.tolist()) if count}
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
@@ -317,7 +291,7 @@ class Run:
         (README.md), the push to the hub (`logging.push_to_hub`), then on_train_end."""
         self.save_final(model, unwrapped, tokenizer)
         self.bar.close()
-        self.close_sinks()
+        self.sinks = close_sinks(self.sinks)
         if self.accelerator.is_main_process:
             from rlhfkit.evaluation.report import write_run_artifacts
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Protocol
@@ -57,6 +58,20 @@ def open_sinks(cfg, stage: str, run_name: str) -> list[MetricSink]:
     return [JsonlSink(cfg.output_dir)] + build_sinks(cfg.logging.report_to, run_config(cfg, stage), is_main=True,
                                                      project=cfg.logging.project, run_name=run_name,
                                                      output_dir=cfg.output_dir)
+
+
+def close_sinks(sinks: list[MetricSink]) -> list[MetricSink]:
+    """Close every sink (a failure to close one is a warning: the run's own outcome stands); returns the empty list
+    the run keeps, so that each sink is closed once."""
+    from rlhfkit.errors import first_line
+
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own error
+            logging.getLogger("rlhfkit").warning("closing %s failed: %s", type(sink).__name__,
+                                                 first_line(exc, with_type=True))
+    return []
 
 
 def to_float(v: Any) -> float:
