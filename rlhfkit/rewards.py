@@ -272,8 +272,8 @@ class RewardModelSource:
         self.scorer, self.name, self.batch_size, self.given = scorer, name, batch_size, given
         own = scorer.tokenizer
         self.own_vocabulary = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
-        self.retokenize = own is not None and (own.get_vocab() != policy_tokenizer.get_vocab()
-                                               or getattr(own, "chat_template", None) != getattr(policy_tokenizer, "chat_template", None))
+        self.retokenize = own is not None and (self.own_vocabulary or getattr(own, "chat_template", None)
+                                               != getattr(policy_tokenizer, "chat_template", None))
 
     @torch.no_grad()
     def __call__(self, rollout, inputs: RewardInputs) -> Tensor:

@@ -33,7 +33,7 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
         params, batch_size, seed, state: as `evaluate.sample`.
         num_rows: samples returned for samples.jsonl (the first ones, in prompt order).
         trainer_state: what the reward functions and the gold judge get as `trainer_state` (the training's, as TRL
-            passes its own state when it evaluates; None in `rlhfkit eval`).
+            passes its own state when it evaluates; None: no state).
 
     Figures: `eval/objective/scores` (the weighted total), `eval/rewards/<source>/mean|std`, `eval/objective/gold`,
     `eval/objective/kl` (mean sequence KL to the reference, nats), `eval/response/length_avg`, `eos_rate`,
