@@ -218,7 +218,8 @@ def stack_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
                    response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
                    response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
                    group_ids=group_ids, has_eos=torch.cat([p.has_eos for p in parts]),
-                   sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]))
+                   sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]),
+                   action_mask=torch.cat([right(p.action_mask, 0) for p in parts]))
 
 
 @torch.no_grad()
@@ -256,4 +257,5 @@ def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id
         group_ids=group_ids,
         has_eos=has_eos,
         sampler_logprobs=sampler_logprobs * response_mask,
+        action_mask=response_mask,  # single-turn: every response token is the policy's
     )

@@ -81,11 +81,13 @@ class RewardInputs:
     columns: dict[str, list] = field(default_factory=dict)  # every other record field -> (B,) values
     trainer_state: Any = None  # transformers.TrainerState (None when a caller has none)
     logs: RewardLogs | None = None  # where `log_metric` and `log_extra` write (None: the hooks are not offered)
+    environments: list | None = None  # (B,) each episode's environment (`environment_factory`); None: not passed
 
     def keywords(self) -> dict[str, Any]:
         hooks = {"log_metric": self.logs.log_metric, "log_extra": self.logs.log_extra} if self.logs is not None else {}
+        envs = {"environments": self.environments} if self.environments is not None else {}
         return {**self.columns, "prompts": self.prompts, "completions": self.completions,
-                "completion_ids": self.completion_ids, "trainer_state": self.trainer_state, **hooks}
+                "completion_ids": self.completion_ids, "trainer_state": self.trainer_state, **hooks, **envs}
 
 
 def completion_text(completion) -> str:
@@ -93,11 +95,6 @@ def completion_text(completion) -> str:
     if isinstance(completion, str):
         return completion
     return "".join(str(m.get("content") or "") for m in completion)
-
-
-def is_conversational(prompt) -> bool:
-    """Whether a prompt is a list of {role, content} messages (TRL's conversational format)."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
 class RewardFunction:

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 
 from rlhfkit.config import ModelConfig, QuantizationConfig
+from rlhfkit.data.formats import is_conversational
 from rlhfkit.errors import UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
 from rlhfkit.reward_functions import (
-    RewardFunction, RewardInputs, RewardLogs, is_conversational, load_reward_function, unique_names, warn_unscored_once,
+    RewardFunction, RewardInputs, RewardLogs, load_reward_function, unique_names, warn_unscored_once,
     weighted_sum,
 )
 from rlhfkit.sharding import place_frozen
@@ -243,7 +244,6 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
     if examples is not None and len(examples) != n:
         raise ValueError(f"{len(examples)} examples for a rollout of {n} rows: repeat each prompt's example per sample")
     completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.response_ids, rollout.response_mask)]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if examples is None:
         prompts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
                    for row, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
@@ -253,8 +253,13 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
         # First-seen order; TRL leaves a record's own completion and completion_ids out (the sampled ones are passed).
         names = list(dict.fromkeys(k for e in examples for k in e["columns"] if k not in ("completion", "completion_ids")))
         columns = {k: [e["columns"].get(k) for e in examples] for k in names}
-    completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
-    return RewardInputs(prompts, completions, completion_ids, columns, trainer_state, logs)
+    if rollout.completions is not None:  # decoded once, by the rollout component
+        completions = list(rollout.completions)
+    else:
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+    environments = list(rollout.environments) if rollout.environments is not None else None
+    return RewardInputs(prompts, completions, completion_ids, columns, trainer_state, logs, environments)
 
 
 class RewardModelSource:

@@ -11,9 +11,20 @@ This module imports only torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+
+class Rows(tuple):
+    """Per-row Python values of a batch (texts, message lists, environment objects): `select` picks their rows as it
+    picks a tensor's, `to` leaves them as they are."""
+
+
+def _rows(value: Rows, rows) -> Rows:
+    if isinstance(rows, slice):
+        return Rows(value[rows])
+    return Rows(value[i] for i in rows.tolist())
 
 
 class _TensorBatch:
@@ -32,7 +43,8 @@ class _TensorBatch:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             kwargs[f.name] = value[rows] if isinstance(value, torch.Tensor) else (
-                value.select(rows) if isinstance(value, _TensorBatch) else value)
+                value.select(rows) if isinstance(value, _TensorBatch) else _rows(value, rows) if isinstance(value, Rows)
+                else value)
         return type(self)(**kwargs)
 
 
@@ -123,30 +135,53 @@ class PromptBatch(_TensorBatch):
 
 
 @dataclass(frozen=True)
+class ToolCounts(_TensorBatch):
+    """What a multi-turn rollout with tools did in each episode (`rollout.tool_loop`); (B,) long each."""
+
+    calls: torch.Tensor  # (B,) well-formed tool calls, executed
+    failures: torch.Tensor  # (B,) executed calls whose tool raised, timed out or returned what cannot be printed
+    timeouts: torch.Tensor  # (B,) of the failures, those that ran past tools.timeout_s
+    malformed: torch.Tensor  # (B,) calls that did not parse, named no known tool or did not fit its schema: not run
+    turns: torch.Tensor  # (B,) assistant turns in the episode
+    per_tool: torch.Tensor  # (B, K) executed calls of each tool, in the order of `tool_names`
+    tool_names: tuple[str, ...] = ()  # the K registered tools (the same on every row)
+
+
+@dataclass(frozen=True)
 class Rollout(_TensorBatch):
     """Sampled responses to left-padded prompts, one row per sample (prompt i's k samples are adjacent).
 
     Sequence layout: [left padding, prompt | response, right padding]; the full sequence is
     `torch.cat([prompt_ids, response_ids], 1)` with mask `torch.cat([prompt_mask, response_mask], 1)`.
+
+    The response is the whole completion: in a multi-turn episode with tools, the policy's turns and, between them,
+    the tool results and headers the chat template renders. `response_mask` marks its real tokens (what attention
+    reads); `action_mask` the tokens the policy chose, the only ones that take a log-prob in any loss, KL, entropy,
+    value loss or length figure. Single-turn, the two are equal.
     """
 
     # what was sampled
     prompt_ids: torch.Tensor  # (B, P) left-padded
     prompt_mask: torch.Tensor  # (B, P) long
-    response_ids: torch.Tensor  # (B, R) right-padded with pad_token_id after the first EOS
-    response_mask: torch.Tensor  # (B, R) long: tokens up to and including the first EOS
+    response_ids: torch.Tensor  # (B, R) right-padded with pad_token_id after the completion's last token
+    response_mask: torch.Tensor  # (B, R) long: the completion's real tokens (single-turn: up to and including EOS)
     group_ids: torch.Tensor  # (B,) long: index of the prompt in the rollout batch
-    has_eos: torch.Tensor  # (B,) bool: the response ended with EOS (not cut at max_new_tokens)
+    has_eos: torch.Tensor  # (B,) bool: the completion ended with EOS (not cut at a length limit)
     # log-probs of the sampled tokens as the sampler saw them (for the sampler/trainer gap metric only)
-    sampler_logprobs: torch.Tensor  # (B, R) fp32, 0 on padding
+    sampler_logprobs: torch.Tensor  # (B, R) fp32, 0 outside the action tokens
+    action_mask: torch.Tensor  # (B, R) long: 1 on the tokens the policy chose (a subset of response_mask)
+    # The text, decoded once by the rollout component (None where a caller made the rollout without one):
+    texts: Rows | None = None  # (B,) each completion's text, special tokens skipped
+    completions: Rows | None = None  # (B,) what reward functions get: the text, or a message list (TRL's contract)
+    environments: Rows | None = None  # (B,) each episode's environment object (`environment_factory`), or None
+    tools: ToolCounts | None = None  # what the episodes' tool calls did; None without tools
 
     def trimmed(self) -> "Rollout":
         """The same rows with the response columns cut to the longest response among them (at least 1): a micro-batch
         costs its own length, not the rollout's. Padding columns carry no information (mask 0, log-prob 0)."""
         width = max(int(self.response_mask.sum(1).max()), 1)
-        return Rollout(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask, response_ids=self.response_ids[:, :width],
-                       response_mask=self.response_mask[:, :width], group_ids=self.group_ids, has_eos=self.has_eos,
-                       sampler_logprobs=self.sampler_logprobs[:, :width])
+        return replace(self, response_ids=self.response_ids[:, :width], response_mask=self.response_mask[:, :width],
+                       sampler_logprobs=self.sampler_logprobs[:, :width], action_mask=self.action_mask[:, :width])
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P + R)

@@ -216,3 +216,7 @@ def hh_messages(transcript: str) -> list[dict]:
         messages.append({"role": "user" if speaker == "Human" else "assistant", "content": content.strip()})
     return messages
 
+
+def is_conversational(prompt) -> bool:
+    """Whether a prompt is a list of {role, content} messages (TRL's conversational format)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]

@@ -133,6 +133,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         group_ids=torch.cat([r.group_ids + o for r, o in zip(parts, offsets)]),
         has_eos=torch.cat([r.has_eos for r in parts]),
         sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0) for r in parts]),
+        action_mask=torch.cat([pad(r.action_mask, R, 0) for r in parts]),
     )
 
 

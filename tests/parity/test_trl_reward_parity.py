@@ -75,6 +75,7 @@ def rollout(tok, prompts, responses):
         group_ids=torch.arange(len(set(prompts))).repeat_interleave(len(prompts) // len(set(prompts))),
         has_eos=torch.ones(len(r_ids), dtype=torch.bool),
         sampler_logprobs=torch.zeros(len(r_ids), R),
+        action_mask=torch.tensor([[1] * len(x) + [0] * (R - len(x)) for x in r_ids]),
     )
 
 

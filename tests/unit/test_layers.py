@@ -46,6 +46,7 @@ LAYERS = [
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
     "rlhfkit.models",
     "rlhfkit.attention",  # padding-free attention, registered with transformers' attention interface
+    "rlhfkit.tools",  # tools and environments: schemas, dispatch by exact name, argument checks, timeouts; no model code
     "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
     "rlhfkit.data.formats",
     "rlhfkit.data.render",
@@ -53,6 +54,7 @@ LAYERS = [
     "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
+    "rlhfkit.rollout",  # the rollout component: prompts in, a Rollout out (single-turn, tool loop)
     "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
     "rlhfkit.rewards",
     "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks

@@ -55,7 +55,7 @@ def test_experience_and_rollout_are_frozen_and_select_and_trim_make_copies():
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
     ro = Rollout(prompt_ids=torch.ones(3, 2, dtype=torch.long), prompt_mask=torch.ones(3, 2, dtype=torch.long),
                  response_ids=torch.arange(12).view(3, 4), response_mask=mask, group_ids=torch.tensor([0, 0, 1]),
-                 has_eos=torch.tensor([True, True, False]), sampler_logprobs=-mask.float())
+                 has_eos=torch.tensor([True, True, False]), sampler_logprobs=-mask.float(), action_mask=mask)
     per_token = torch.arange(12, dtype=torch.float32).view(3, 4)
     exp = Experience(rollout=ro, old_logprobs=None, ref_logprobs=per_token, values=None, scores=torch.tensor([1.0, 2.0, 3.0]),
                      shaped_scores=torch.tensor([0.0, 0.5, 1.0]), kl=None, advantages=per_token, returns=per_token,

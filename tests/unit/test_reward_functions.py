@@ -44,6 +44,7 @@ def rollout(tok, prompts: list[str], responses: list[str], k: int = 1) -> Rollou
         group_ids=torch.arange(len(prompts)).repeat_interleave(k),
         has_eos=torch.ones(len(r_ids), dtype=torch.bool),
         sampler_logprobs=torch.zeros(len(r_ids), R),
+        action_mask=torch.tensor([[1] * len(x) + [0] * (R - len(x)) for x in r_ids]),
     )
 
 
