@@ -139,3 +139,15 @@ def best_of_n_kl(n: int) -> float:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     return math.log(n) - (n - 1) / n
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval (Wilson 1927; Brown, Cai & DasGupta 2001, eq. 4) of a proportion `successes / n`,
+    at the normal quantile `z` (1.96: 95%). Unlike p ± z·√(p(1-p)/n) it stays inside [0, 1] and is not empty at
+    p = 0 or 1. A tie counted as half a success is allowed (`successes` need not be whole). n = 0 gives (0, 1)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

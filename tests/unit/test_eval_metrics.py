@@ -93,3 +93,14 @@ def test_metrics_and_alarms_import_without_transformers():
             "sys.meta_path.insert(0, Block())\n"
             "import rlhfkit.evaluation.metrics, rlhfkit.evaluation.alarms\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_wilson_interval_against_hand_computed_values():
+    from rlhfkit.evaluation.metrics import wilson_interval
+
+    # 8 of 10, z = 1.96: centre (0.8 + 0.19208) / 1.38416 = 0.716770, half 1.96·√(0.016 + 0.009604) / 1.38416 = 0.226580
+    lo, hi = wilson_interval(8, 10, z=1.96)
+    assert lo == pytest.approx(0.490162, abs=1e-5) and hi == pytest.approx(0.943318, abs=1e-5)
+    lo, hi = wilson_interval(0, 20, z=1.96)  # never empty at p = 0
+    assert lo == 0.0 and hi == pytest.approx(3.8416 / 23.8416, abs=1e-6)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
