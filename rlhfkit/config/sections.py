@@ -141,9 +141,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: NonNeg = 1e-5  # peak learning rate (AdamW)
-    weight_decay: NonNeg = 0.0
-    adam_betas: Annotated[list[Fraction], Len(2, 2)] = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: Positive = 1e-8
+    weight_decay: NonNeg = 0.0  # AdamW's decoupled weight decay
+    adam_betas: Annotated[list[Fraction], Len(2, 2)] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's (β1, β2)
+    adam_eps: Positive = 1e-8  # AdamW's ε, added to the denominator
     scheduler: Literal["constant", "linear", "cosine"] = "linear"  # decay after warmup
     warmup_steps: NonNegInt = 0  # linear warmup steps; overrides warmup_ratio when > 0
     warmup_ratio: Fraction = 0.0  # warmup as a fraction of the total optimizer steps
@@ -188,8 +188,8 @@ class GenerationConfig:
 
     max_new_tokens: PosInt = 64  # response length cap; a response cut here has no EOS (see reward.missing_eos_penalty)
     temperature: Positive = 1.0  # applied identically to sampling and to old, new and reference log-probs
-    top_k: Annotated[int, Ge(0), doc("0 = off")] = 0
-    top_p: Annotated[float, Interval(gt=0, le=1), doc("1.0 = off")] = 1.0
+    top_k: Annotated[int, Ge(0), doc("0 = off")] = 0  # sample among the k most likely tokens only
+    top_p: Annotated[float, Interval(gt=0, le=1), doc("1.0 = off")] = 1.0  # nucleus: the most likely tokens up to this total probability
     num_samples: PosInt = 1  # responses per prompt: the group size k of RLOO/GRPO (>= 2 there)
     # "rlhfkit": our decode loop over transformers' KV cache (samples the trained density only; the model's own
     # generation_config plays no part); "hf": transformers' `generate`, the reference it is tested against.
