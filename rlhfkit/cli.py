@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from importlib.metadata import version
 
 from rlhfkit.errors import UserError
 from rlhfkit.stages import STAGES, stage_config
@@ -18,11 +19,14 @@ from rlhfkit.stages import STAGES, stage_config
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhfkit", description="Align language models with human preferences.")
+    parser.add_argument("--version", action="version", version=f"rlhfkit {version('rlhfkit')}")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, (_, _, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=f"rlhfkit {name}: {help_text}")
         p.add_argument("--config", help="YAML config file (see configs/)")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("--help-config", action="store_true",
+                       help="print every config key of this stage (type, default, range, meaning) and exit")
         p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied after the file")
     p = sub.add_parser("dashboard", help="draw a run's dashboard.png and write its report.html",
                        description="rlhfkit dashboard: draw a finished (or running) run's dashboard.png and report.html")
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite,
                      full=args.full)
+        elif args.help_config:
+            from rlhfkit.config.reference import help_text
+
+            print(help_text(args.stage), end="")
         else:
             run_command(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:

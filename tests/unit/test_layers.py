@@ -79,6 +79,7 @@ LAYERS = [
     "rlhfkit.trainers.online_setup",
     "rlhfkit.trainers",
     "rlhfkit.stages",  # every stage by name, and `run_stage`
+    "rlhfkit.config.reference",  # the config reference generated from the declarations (docs, --help-config)
     "rlhfkit.api",  # `rlhfkit.train`: the Python entry point; the CLI is a shell over it
     "rlhfkit.tasks",
     "rlhfkit.tasks.demo",
