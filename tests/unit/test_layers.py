@@ -44,6 +44,7 @@ LAYERS = [
     "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
     "rlhfkit.checkpoint",  # the on-disk checkpoint: save, find, validate, load, RNG state
     "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
+    "rlhfkit.templates",  # bundled chat templates with their response templates; the model.chat_template setting
     "rlhfkit.models",
     "rlhfkit.attention",  # padding-free attention, registered with transformers' attention interface
     "rlhfkit.tools",  # tools and environments: schemas, dispatch by exact name, argument checks, timeouts; no model code
