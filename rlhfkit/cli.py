@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the demo in a non-empty --output-dir (refused without this or --from-stage)")
+    from rlhfkit.label.command import add_label_parser  # the arguments live with the command
+
+    add_label_parser(sub)
     return parser
 
 
@@ -115,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite,
                      full=args.full)
+        elif args.stage == "label":
+            from rlhfkit.label.command import options_from, run_label
+
+            run_label(options_from(args))
         elif args.help_config:
             from rlhfkit.config.reference import help_text
 

@@ -65,6 +65,7 @@ LAYERS = [
     "rlhfkit.evaluation.capability",  # the alignment tax: NLL of reference texts under policy and reference
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
+    "rlhfkit.evaluation.red_team",  # red-teaming: harmful and refusal rates, safety judges, human flags
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
     "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
     "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
@@ -84,6 +85,13 @@ LAYERS = [
     "rlhfkit.api",  # `rlhfkit.train`: the Python entry point; the CLI is a shell over it
     "rlhfkit.tasks",
     "rlhfkit.tasks.demo",
+    "rlhfkit.label",  # `rlhfkit label`: candidates, the SQLite store, figures, export, the ASGI app, the command
+    "rlhfkit.label.candidates",
+    "rlhfkit.label.store",
+    "rlhfkit.label.figures",
+    "rlhfkit.label.export",
+    "rlhfkit.label.app",
+    "rlhfkit.label.command",
     "rlhfkit.cli",
 ]
 

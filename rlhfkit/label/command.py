@@ -1,0 +1,290 @@
+"""`rlhfkit label`: make the candidates once, then serve the page; or, given --export, --export-flags, --figures or
+--result, read the database (also while a server writes to it) and write files.
+
+Bad configuration is a `UserError` (one line, exit 2) before any model loads where it can be: an address other than
+the loopback without a way to reach it safely, a port in use, a database that cannot be written or was made for
+other candidates, a prompts or candidates file without prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import tempfile
+from dataclasses import dataclass
+
+from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_write_text
+from rlhfkit.label.candidates import SamplingSpec, fingerprint, file_digest, make_pairs, read_candidates, sample_groups
+from rlhfkit.label.export import flag_rows, preference_rows, write_jsonl
+from rlhfkit.label.figures import agreement, human_win_rate, per_annotator, plot_figures, reward_disagrees
+from rlhfkit.label.store import Store
+
+logger = logging.getLogger("rlhfkit")
+
+
+@dataclass(frozen=True)
+class LabelOptions:
+    """`rlhfkit label`'s command line (see `rlhfkit label --help`)."""
+
+    db: str
+    candidates: str | None = None
+    model: str | None = None
+    compare: str | None = None
+    prompts: str | None = None
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    num_samples: int | None = None
+    seed: int = 0
+    batch_size: int = 8
+    max_prompts: int | None = None
+    overlap: float = 0.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+    export: str | None = None
+    export_flags: str | None = None
+    figures: str | None = None
+    result: str | None = None
+    reward_model: str | None = None
+
+    @property
+    def reads(self) -> bool:
+        return any((self.export, self.export_flags, self.figures, self.result))
+
+
+def run_label(opts: LabelOptions) -> None:
+    if opts.reads:
+        return read_outputs(opts)
+    if not 0.0 <= opts.overlap <= 1.0:
+        raise UserError(f"--overlap must be a share in [0, 1], got {opts.overlap}")
+    token = access_token(opts.host, opts.token)
+    check_port_free(opts.host, opts.port)
+    store = Store(opts.db)
+    prepare(store, opts)
+    serve(store, opts.host, opts.port, token)
+
+
+# 1. Candidates ---------------------------------------------------------------------------------------------------
+
+
+def generation_config(opts: LabelOptions):
+    """The sampling settings: the `generation` section of --config (a stage's YAML), then generation.* overrides,
+    then -k; any other override is refused."""
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.config.fields import load_config, read_yaml
+
+    wrong = [o for o in opts.overrides if not o.startswith("generation.")]
+    if wrong:
+        raise UserError(f"override '{wrong[0]}': rlhfkit label takes only generation.* overrides")
+    section = read_yaml(opts.config).get("generation", {}) if opts.config else {}
+    overrides = [o.removeprefix("generation.") for o in opts.overrides]
+    k = opts.num_samples if opts.num_samples is not None else (1 if opts.compare else 2)
+    cfg = load_config(GenerationConfig, None, overrides + [f"num_samples={k}"], defaults=section)
+    if opts.compare is None and cfg.num_samples < 2:
+        raise UserError(f"-k {cfg.num_samples}: collecting preferences needs at least 2 responses per prompt")
+    return cfg
+
+
+def prepare(store: Store, opts: LabelOptions) -> None:
+    """Stores the items once: from --candidates, or sampled from --model (and --compare); a restart with the same
+    inputs reuses them without sampling again."""
+    if (opts.candidates is None) == (opts.model is None):
+        raise UserError("give the candidates: --candidates FILE, or --model MODEL --prompts FILE (with --compare "
+                        "MODEL for a blind comparison)")
+    if opts.candidates is not None:
+        if opts.compare or opts.prompts:
+            raise UserError("--candidates takes ready-made responses: --model, --compare and --prompts do not apply")
+        spec = {"candidates": file_digest(opts.candidates) if os.path.isfile(opts.candidates) else opts.candidates}
+        source, mode = f"candidates file {opts.candidates}", "collect"
+    else:
+        if not opts.prompts:
+            raise UserError("--model needs --prompts FILE (the prompts to sample responses to)")
+        sampling = SamplingSpec(opts.model, opts.prompts, generation_config(opts), opts.compare, opts.seed,
+                                opts.batch_size, opts.max_prompts)
+        spec = sampling.as_dict()
+        source = f"{opts.model} vs {opts.compare}" if opts.compare else f"{opts.model} on {opts.prompts}"
+        mode = "compare" if opts.compare else "collect"
+    spec = {**spec, "overlap": opts.overlap, "seed": opts.seed}
+    if store.check_made_for(fingerprint(spec), source):
+        logger.info("%s: %d items already stored; resuming", store.path, store.progress().total)
+        return
+    groups = read_candidates(opts.candidates) if opts.candidates else sample_groups(sampling)
+    store.create(make_pairs(groups, opts.overlap, opts.seed), fingerprint(spec), source, mode)
+
+
+# 2. Serving ------------------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def access_token(host: str, token: str | None) -> str | None:
+    """The token every request must carry: --token, or a fresh random one when the server listens beyond this
+    machine (any address but the loopback); none on the loopback unless given."""
+    if token is not None and len(token) < 16:
+        raise UserError("--token must be at least 16 characters (or leave it out for a random one)")
+    if token is None and not is_loopback(host):
+        return secrets.token_urlsafe(24)
+    return token
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): the port is in use or the "
+                            "address is not this machine's; pass --port") from None
+
+
+def serve(store: Store, host: str, port: int, token: str | None) -> None:
+    try:
+        import uvicorn
+
+        from rlhfkit.label.app import make_app
+    except ImportError as exc:
+        raise UserError(f"rlhfkit label's server needs starlette and uvicorn ({exc}): pip install 'rlhfkit[label]'") from None
+
+    p = store.progress()
+    address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "")
+    print(f"rlhfkit label: {p.done}/{p.total} judgements made; open {address}", flush=True)
+    uvicorn.Server(uvicorn.Config(make_app(store, token), host=host, port=port, log_level="warning")).run()
+
+
+# 3. Reading the database -----------------------------------------------------------------------------------------
+
+
+def read_outputs(opts: LabelOptions) -> None:
+    if not os.path.isfile(opts.db):
+        raise UserError(f"database '{opts.db}' does not exist")
+    store = Store(opts.db)
+    judgements = store.judgements()
+    if opts.export:
+        print(f"{write_jsonl(preference_rows(judgements), opts.export)}: {len(preference_rows(judgements))} preference pairs")
+    if opts.export_flags:
+        print(f"{write_jsonl(flag_rows(judgements), opts.export_flags)}: {len(flag_rows(judgements))} harmful flags")
+    if opts.figures:
+        os.makedirs(opts.figures, exist_ok=True)
+        rows = preference_rows(judgements)
+        accuracy = None
+        if opts.reward_model and rows:
+            chosen, rejected = reward_scores(opts.reward_model, rows)
+            accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(rows)
+        counts, agree = per_annotator(judgements), agreement(judgements)
+        figures = {"per_annotator": counts, "agreement": dataclasses.asdict(agree), "reward_model": opts.reward_model,
+                   "reward_model_accuracy": accuracy, "pairs": len(rows)}
+        atomic_write_text(os.path.join(opts.figures, "label_figures.json"), json.dumps(figures, indent=2) + "\n")
+        print(plot_figures(counts, agree, os.path.join(opts.figures, "label_figures.png"), accuracy))
+    if opts.result:
+        if store.meta("mode") != "compare":
+            raise UserError(f"--result needs a compare-mode database (--compare); '{opts.db}' collects preferences")
+        print(write_result(judgements, opts.result, opts.reward_model))
+
+
+def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
+    """human_eval.json in `out_dir` (beside `rlhfkit eval`'s eval.json): the human win rate, its interval and tie
+    rate; the judges' win rates from eval.json when it is there; the reward model's mean score of both models' responses
+    on the same pairs and its own win rate, with the alarm when it prefers what people do not."""
+    try:
+        human = human_win_rate(judgements)
+    except ValueError as exc:
+        raise UserError(f"--result: {exc}") from None
+    result = {**dataclasses.asdict(human), "skips": sum(j.choice == "skip" for j in judgements)}
+    eval_json = os.path.join(out_dir, "eval.json")
+    if os.path.isfile(eval_json):
+        with open(eval_json, encoding="utf-8") as f:
+            result["judge_win_rate"] = json.load(f).get("win_rate", {})
+    rm_rate = None
+    if reward_model:
+        judged = {j.item: j.pair for j in judgements}  # each pair once, model's response first
+        rows = [{"prompt": p.prompt, "chosen": p.first.content, "rejected": p.second.content} for p in judged.values()]
+        first, second = reward_scores(reward_model, rows)
+        rm_rate = sum((a > b) + 0.5 * (a == b) for a, b in zip(first, second)) / len(rows)
+        result["reward_model"] = {"path": reward_model, "pairs": len(rows), "win_rate": rm_rate,
+                                  "mean_score": {human.model: sum(first) / len(first),
+                                                 human.reference: sum(second) / len(second)}}
+    alarm = reward_disagrees(human, rm_rate)
+    result["alarms"] = [{"name": "reward_disagrees_with_people", "message": alarm}] if alarm else []
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "human_eval.json")
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    lo, hi = human.interval
+    return (f"{path}: {human.model} vs {human.reference}: human win rate {human.win_rate:.3f} "
+            f"(95% CI {lo:.3f}-{hi:.3f}), tie rate {human.tie_rate:.3f}, n={human.n}"
+            + "".join(f"\nalarm: {a['message']}" for a in result["alarms"]))
+
+
+def reward_scores(path: str, rows: list[dict]) -> tuple[list[float], list[float]]:
+    """A reward model's scores of each row's chosen and rejected response, tokenised by the reward model's own
+    tokenizer through the preference data pipeline."""
+    import torch
+
+    from rlhfkit.config import DataConfig
+    from rlhfkit.data import build_datasets, collate_preference
+    from rlhfkit.rewards import load_reward_scorer
+
+    scorer = load_reward_scorer(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_jsonl([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows], os.path.join(tmp, "pairs.jsonl"))
+        pairs, _ = build_datasets("preference", DataConfig(train=data), scorer.tokenizer, 0)
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for start in range(0, len(pairs), 16):
+            b = collate_preference(pairs[start : start + 16], scorer.tokenizer.pad_token_id)
+            chosen += scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100).tolist()
+            rejected += scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100).tolist()
+    return chosen, rejected
+
+
+# 4. The command line ---------------------------------------------------------------------------------------------
+
+
+def add_label_parser(sub) -> None:
+    """`rlhfkit label`'s arguments, on the CLI's subcommand parsers."""
+    p = sub.add_parser("label", help="collect human preferences (or a blind comparison of two models) in a local web page",
+                       description="rlhfkit label: people compare two responses to a prompt in a local web page; "
+                                   "export the judgements as preference data, a blind human win rate, or harmful flags")
+    p.add_argument("--db", required=True, metavar="FILE", help="the labelling database (SQLite), made on first use")
+    what = p.add_argument_group("candidates (stored once in --db; a restart reuses them)")
+    what.add_argument("--candidates", metavar="FILE", help="ready-made responses: JSON lines {prompt, responses[, models]}")
+    what.add_argument("--model", metavar="MODEL", help="sample responses from this run directory or hub name")
+    what.add_argument("--compare", metavar="MODEL", help="blind comparison: --model against this model, same prompts")
+    what.add_argument("--prompts", metavar="FILE", help="the prompts to sample (any prompt format rlhfkit reads)")
+    what.add_argument("-k", "--num-samples", type=int, help="responses per prompt (default 2; 1 with --compare)")
+    what.add_argument("--config", metavar="FILE", help="a stage's YAML file whose generation section sets the sampling")
+    what.add_argument("--seed", type=int, default=0, help="sampling seed and the order of sides and overlap (default 0)")
+    what.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (default 8)")
+    what.add_argument("--max-prompts", type=int, help="use only the first N prompts")
+    what.add_argument("--overlap", type=float, default=0.0,
+                      help="share of items two annotators judge, for agreement (default 0: each item once)")
+    what.add_argument("overrides", nargs="*", metavar="generation.key=value", help="sampling settings")
+    srv = p.add_argument_group("the server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs a token)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--token", help="access token every request must carry (default: random beyond the loopback)")
+    out = p.add_argument_group("outputs (no server; works while one runs)")
+    out.add_argument("--export", metavar="FILE", help="preference pairs as JSON lines for rlhfkit rm / dpo")
+    out.add_argument("--export-flags", metavar="FILE", help="responses flagged harmful as JSON lines")
+    out.add_argument("--figures", metavar="DIR", help="label_figures.png/.json: judgements per annotator, agreement")
+    out.add_argument("--result", metavar="DIR", help="compare mode: human_eval.json in DIR (beside eval.json)")
+    out.add_argument("--reward-model", metavar="DIR", help="with --figures: its accuracy on the human labels; with "
+                                                           "--result: its scores of the same samples")
+
+
+def options_from(args) -> LabelOptions:
+    names = [f.name for f in dataclasses.fields(LabelOptions) if f.name not in ("overrides", "num_samples")]
+    return LabelOptions(**{n: getattr(args, n) for n in names}, overrides=tuple(args.overrides),
+                        num_samples=args.num_samples)
