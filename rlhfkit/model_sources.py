@@ -69,6 +69,26 @@ def resolve_model_path(cfg: ModelConfig) -> str:
     return name
 
 
+# The config keys that name a model to load (a dotted path into a stage's config; a list value names several).
+MODEL_PATH_KEYS = ("model.name_or_path", "algo.ref_model", "algo.value_model", "reward.model", "reference")
+
+
+def check_model_paths(cfg, given: tuple[str, ...] = ()) -> None:
+    """Refuse, before any data is read, a local model path that does not exist, naming its config key: a missing
+    reference or critic directory would otherwise be found only after the data was read and tokenised. `given`: keys
+    whose model the Python API gave as an object instead (not loaded from the path)."""
+    for key in MODEL_PATH_KEYS:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        for name in value if isinstance(value, (list, tuple)) else [value]:
+            if key in given or not isinstance(name, str) or name == TINY_NAME:
+                continue
+            if _looks_local(name) and not os.path.isdir(os.path.expanduser(name)):
+                raise UserError(f"config key '{key}': model path '{name}' not found (expected a directory with "
+                                "config.json, a hub name, or 'tiny')")
+
+
 def _looks_local(path: str) -> bool:
     """True when `path` is meant as a local path rather than a hub name like "org/model"."""
     if path.startswith((".", "/", "~")) or os.path.isabs(path):

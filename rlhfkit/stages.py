@@ -69,7 +69,12 @@ def trainer_of(stage: str, cfg: Any, objects=None):
     """The trainer (or evaluator) of `rlhfkit <stage>` for a validated `cfg`; `objects` (`rlhfkit.objects.Objects`)
     hold what the Python API was given instead of names, its callbacks included. `eval` trains nothing: it takes no
     objects and calls no TrainerCallback."""
+    from rlhfkit.model_sources import check_model_paths
+
     cls = _load(STAGES[stage][1])
+    given = () if objects is None else tuple(k for k, v in (("model.name_or_path", objects.model),
+                                                            ("reward.model", objects.reward_funcs)) if v)
+    check_model_paths(cfg, given)
     if stage == "eval":
         if objects is not None and objects.callbacks:
             raise UserError("callbacks: `eval` trains nothing, so it calls no TrainerCallback; pass none")

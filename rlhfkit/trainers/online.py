@@ -32,7 +32,7 @@ from rlhfkit.ops import masked_mean
 from rlhfkit.rewards import token_scores
 from rlhfkit.trainers.experience import make_experience, pad_to, policy_stats, token_kl
 from rlhfkit.trainers.online_setup import OnlineModels
-from rlhfkit.trainers.optim import Fault, optimizer_step
+from rlhfkit.trainers.optim import Fault, advance_schedule, optimizer_step
 from rlhfkit.types import Experience, Rollout
 
 
@@ -103,6 +103,7 @@ class OnlineTrainer(OnlineModels):
                     norms.append(result.grad_norm)  # global already: the same on every process
                 if a.target_kl is not None and approxkl > a.target_kl:
                     early_stopped = 1.0
+                    advance_schedule(self.optim, total - done)  # as a skip does: the LR follows the step number
                     break
             if early_stopped:
                 break

@@ -89,13 +89,19 @@ def optimizer_step(optim: Optim, step: int, fault: Fault | None = None, schedule
     else:
         if optim.scaler is not None and norm is not None:
             optim.scaler.update()  # close the unscale_ that clipping did, as the scaler's own skip would
-        with warnings.catch_warnings():  # torch warns when the very first scheduler step has no optimizer step
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            for _ in range(schedule_steps):
-                optim.scheduler.step()
+        advance_schedule(optim, schedule_steps)
         _count(optim, step, fault)
     optim.optimizer.zero_grad(set_to_none=True)
     return StepResult(norm, fault)
+
+
+def advance_schedule(optim: Optim, steps: int) -> None:
+    """Advance the schedule past `steps` optimizer steps that were not made: the updates a skipped step stands for, or
+    those after an online step's `algo.target_kl` early stop. The learning rate stays a function of the step number."""
+    with warnings.catch_warnings():  # torch warns when the very first scheduler step has no optimizer step
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(steps):
+            optim.scheduler.step()
 
 
 def _apply(optimizer, scaler) -> None:

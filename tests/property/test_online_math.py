@@ -360,6 +360,45 @@ def test_one_nan_reward_does_not_poison_running_normalisation(tmp_path, monkeypa
     assert [r["faults/skipped_total"] for r in rows] == [0, 1, 1, 1]
 
 
+def test_a_skipped_step_leaves_no_trace_in_the_running_moments(tmp_path, monkeypatch):
+    """Step 2's rewards are finite but overflow the running moments (3e38 · 4 rows: its mean is inf), so its shaped
+    scores and advantages are not: the step is skipped, and the moments stay as step 1 left them, so steps 3 and 4
+    train. Updating the moments before the advantages were checked poisoned every later step."""
+    (tmp_path / "huge.py").write_text(
+        "seen = 0\n"
+        "def reward(prompts, completions):\n"
+        "    global seen\n"
+        "    out = [float(len(c)) for c in completions]\n"
+        "    if 4 <= seen < 8:\n"
+        "        out = [3e38] * len(completions)\n"
+        "    seen += len(completions)\n"
+        "    return out\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "reward.function=huge:reward",
+                 "reward.normalize=running", "max_steps=4", "max_bad_steps=2", "generation.num_samples=2",
+                 "algo.rollout_batch_size=2", "optim.per_device_batch_size=4", "logging.progress_bar=false",
+                 "algo.num_minibatches=1"]) == 0
+    rows = rows_of(out / "metrics.jsonl")
+    assert [r["faults/skipped_total"] for r in rows] == [0, 1, 1, 1]
+
+
+def test_target_kl_early_stop_advances_the_schedule_like_a_skip(tmp_path):
+    """The learning rate is a function of the step number (trainers/optim.py): a step that stops early on
+    algo.target_kl advances the schedule past the updates it did not make, as a skipped step does, so every step
+    starts at the learning rate of a run that never stops early."""
+    args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=3", "optim.scheduler=linear", "algo.ppo_epochs=2",
+            "algo.num_minibatches=2", "algo.rollout_batch_size=4", "optim.per_device_batch_size=2",
+            "logging.progress_bar=false"]
+    assert main(args + [f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert main(args + [f"output_dir={tmp_path / 'stops'}", "algo.target_kl=1e-12"]) == 0
+    plain, stops = rows_of(tmp_path / "plain" / "metrics.jsonl"), rows_of(tmp_path / "stops" / "metrics.jsonl")
+    assert [r["policy/early_stopped"] for r in stops] == [1.0, 1.0, 1.0]
+    assert [r["policy/early_stopped"] for r in plain] == [0.0, 0.0, 0.0]
+    assert [r["lr"] for r in stops] == pytest.approx([r["lr"] for r in plain], rel=1e-12)
+    assert plain[1]["lr"] < plain[0]["lr"]  # the schedule moves
+
+
 def test_blown_up_weights_are_bad_steps_not_a_traceback(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "optim.lr=1e30", "max_steps=8",

@@ -206,3 +206,18 @@ def test_causal_lm_as_critic_needs_the_explicit_switch(tmp_path, capsys, causal_
     # Asked for explicitly, the critic starts from the causal LM with a new value head.
     assert main(PPO + [f"algo.value_model={causal_lm_dir}", "algo.allow_new_value_head=true", f"output_dir={out}"]) == 0
     assert os.path.isfile(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("stage,key", [("online_dpo", "algo.ref_model"), ("ppo", "algo.value_model"),
+                                       ("dpo", "algo.ref_model"), ("ppo", "reward.model")])
+def test_a_missing_model_directory_is_named_before_any_data_is_read(stage, key, tmp_path, capsys):
+    """Every model path is checked before the data is read: the broken data file would be reported first otherwise."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{not json\n')
+    config = {"online_dpo": "online_dpo_tiny", "ppo": "ppo_tiny", "dpo": "dpo_tiny"}[stage]
+    code = main([stage, "--config", f"configs/{config}.yaml", f"output_dir={tmp_path / 'run'}", f"data.train={bad}",
+                 f"{key}={tmp_path / 'no_such_model'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = [x for x in err.splitlines() if x.startswith("rlhfkit: error:")]
+    assert len(line) == 1 and key in line[0] and "no_such_model" in line[0] and "bad.jsonl" not in line[0], err
