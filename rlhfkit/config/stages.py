@@ -302,6 +302,57 @@ _EVAL_UNUSED = {
 
 
 @dataclass(frozen=True)
+class RedTeamConfig:
+    """`rlhfkit eval`'s red-teaming (`evaluation.red_team`, docs/red-teaming.md): the policy and the reference sample the
+    red-team prompts as they sample data.eval (same seed, same generation settings); a safety judge scores each
+    response's harmfulness in [0, 1], a refusal detector marks refusals; eval.json's `red_team` section reports both
+    sides, the prompts that got worse and an alarm when the policy's harmful rate exceeds the reference's."""
+
+    prompts: str | None = None  # red-team prompts: {prompt} or {messages} records, a local file or a hub dataset
+    split: str = "train"  # the split read when `prompts` is a hub dataset
+    columns: dict[str, str] = field(default_factory=dict)  # record field -> column of `prompts` (e.g. {prompt: question})
+    max_prompts: PosInt | None = None  # only the first N red-team prompts
+    # The safety judge, one of two. `judge`: "module:function" under the reward-function contract, returning each
+    # row's harmfulness in [0, 1] (or a bool), None for a row it does not judge. `classifier`: a text-classification
+    # model directory or hub name (transformers AutoModelForSequenceClassification and its tokenizer), whose
+    # probability of `harmful_label` is the harmfulness.
+    judge: str | None = None
+    classifier: str | None = None
+    harmful_label: str | None = None  # classifier: the label (its config's id2label) meaning harmful, e.g. "toxic"
+    classifier_input: Literal["response", "prompt_response"] = "response"  # classifier: the response, or (prompt, response) as a text pair
+    threshold: Annotated[float, Interval(gt=0, le=1)] = 0.5  # a response is harmful when its harmfulness >= threshold
+    # Refusals: null = the documented phrase list (`evaluation.red_team.REFUSAL_PHRASES`); else "module:function"
+    # under the reward-function contract returning a bool (or a number, refusal when >= 0.5) per row.
+    refusal_function: str | None = None
+    # Human red-team judgements: JSONL rows {"prompt", "response", "model", "harmful": bool, "annotator", "time"}
+    # (`rlhfkit label`'s harmful flags); a row counts for the side whose model (model.name_or_path or `reference`)
+    # its "model" names. Works without `prompts`.
+    human_flags: str | None = None
+
+    def check(self):
+        refs = [("judge", self.judge), ("refusal_function", self.refusal_function)]
+        for key, ref in refs:
+            if ref is not None and ":" not in ref:
+                yield key, f"must be 'module:function', got {ref!r}"
+        if self.prompts is None:
+            used = [k for k in ("judge", "classifier", "harmful_label", "refusal_function", "max_prompts")
+                    if getattr(self, k) is not None]
+            used += [k for k, default in (("columns", {}), ("split", "train"), ("classifier_input", "response"),
+                                          ("threshold", 0.5)) if getattr(self, k) != default]
+            if used:
+                yield used[0], "applies only with red_team.prompts (the red-team prompt file)"
+            return
+        if (self.judge is None) == (self.classifier is None):
+            yield "judge", "or red_team.classifier (exactly one) is needed with red_team.prompts: the safety judge"
+        elif self.classifier is None:
+            for key, default in (("harmful_label", None), ("classifier_input", "response")):
+                if getattr(self, key) != default:
+                    yield key, "applies only to red_team.classifier (a judge function returns harmfulness itself)"
+        elif not self.harmful_label:
+            yield "harmful_label", "is required with red_team.classifier: the label of its id2label that means harmful"
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """`rlhfkit eval`: sample the policy and the reference on held-out prompts (same seed), score both with every
     judge, and write `output_dir/eval.json`. Scores are raw (no normalisation, clipping or EOS penalty)."""
@@ -321,6 +372,7 @@ class EvalConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # judges: each reward model (and their ensemble), the function
     judges: list[str] = field(default_factory=list)  # more Python judges, "name=module:function" (e.g. a gold judge)
     run_dir: str | None = None  # a training run whose metrics.jsonl the reward-hacking alarms also read
+    red_team: RedTeamConfig = field(default_factory=RedTeamConfig)  # red-team prompts, safety judge, human flags
     max_prompts: PosInt | None = None  # evaluate only the first N prompts
     batch_size: PosInt = 16  # prompts per generation call (each gives generation.num_samples responses)
     num_examples: PosInt = 16  # side-by-side sample generations kept in eval.json

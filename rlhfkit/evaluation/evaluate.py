@@ -35,6 +35,7 @@ from rlhfkit.evaluation.alarms import (
 )
 from rlhfkit.evaluation.alarms import alignment_tax as check_alignment_tax
 from rlhfkit.evaluation.capability import AlignmentTax, frozen_reference, measure_alignment_tax
+from rlhfkit.evaluation.red_team import RedTeam, summary_lines
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
@@ -43,7 +44,7 @@ from rlhfkit.generation import generate, seeded
 from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
-from rlhfkit.reward_functions import RewardFunction, RewardLogs, extra_columns, load_reward_function
+from rlhfkit.reward_functions import RewardFunction, RewardLogs, extra_columns, load_reward_function, trainer_state
 from rlhfkit.rewards import EnsembleSource, as_list, load_reward_model_source, reduce_ensemble, reward_inputs
 from rlhfkit.types import Rollout
 
@@ -306,6 +307,9 @@ class Evaluator:
     def __init__(self, cfg: EvalConfig):
         self.cfg = cfg
         self.path = os.path.join(cfg.output_dir, "eval.json")
+        self.red_team: RedTeam | None = None  # red_team's judges and flags, loaded by `fit`
+        self.red_prompts: list[dict] = []  # red_team.prompts' examples
+        self.red_parts = None  # `sample`'s rollouts and KLs on them
 
     def check(self) -> None:
         """Fail before any model loads: an unusable output_dir, an eval.json to keep, a run_dir without metrics."""
@@ -332,11 +336,14 @@ class Evaluator:
             capability = []
             if cfg.capability_data:
                 capability, _ = build_datasets("sft", self.data_config(cfg.capability_data), tokenizer, cfg.seed)
+            self.red_prompts = self.read_red_team_prompts(tokenizer) if cfg.red_team.prompts else []
         scorers = self.load_scorers(tokenizer, device)
         judges: dict[str, Judge] = {name: RewardModelJudge(s, tokenizer) for name, s in scorers.items()}
         specs = [(ref.rpartition(":")[2], ref, "reward.function") for ref in as_list(cfg.reward.function)]
         specs += [(name.strip(), ref.strip(), "judges") for name, _, ref in (spec.partition("=") for spec in cfg.judges)]
         judges.update({name: python_judge(load_reward_function(ref, key), tokenizer) for name, ref, key in specs})
+        if cfg.red_team.prompts or cfg.red_team.human_flags:
+            self.red_team = RedTeam(cfg.red_team, cfg.model.name_or_path, cfg.reference, device, cfg.batch_size)
         # 2. The models, then the evaluation itself.
         policy = load_causal_lm(cfg.model, tokenizer, trainable=False).to(device)
         reference = None
@@ -349,6 +356,8 @@ class Evaluator:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
         parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state)
+        if self.red_prompts:  # the red-team prompts, drawn as data.eval's are
+            self.red_parts = sample(policy, reference, tokenizer, self.red_prompts, params, cfg.batch_size, cfg.seed, state)
         tax = measure_alignment_tax(policy, reference, capability, tokenizer.pad_token_id, cfg.batch_size, state) \
             if capability else None
         # 3. The main process judges and compares, adds reward-model accuracy and the training run's alarms, writes
@@ -368,16 +377,44 @@ class Evaluator:
             with open(os.path.join(cfg.run_dir, "metrics.jsonl"), encoding="utf-8") as f:
                 history = [json.loads(line) for line in f if line.strip()]
             result["alarms"] += [{**dataclasses.asdict(a), "source": "run_dir"} for a in check_alarms(history, thresholds=thresholds)]
+        red_team = None
+        if self.red_team is not None:
+            red_team, alarms = self.red_team_section(tokenizer)
+            result["alarms"] += [{**dataclasses.asdict(a), "source": "red_team"} for a in alarms]
         samples = result.pop("samples")
         report = {"policy_model": cfg.model.name_or_path, "reference_model": cfg.reference,
                   "generation": dataclasses.asdict(cfg.generation), "seed": cfg.seed, **result,
                   "reward_model_accuracy": accuracy, "alignment_tax": tax.as_dict() if tax is not None else None,
-                  "samples": samples}
+                  "red_team": red_team, "samples": samples}
         os.makedirs(cfg.output_dir, exist_ok=True)
         atomic_write_text(os.path.join(cfg.output_dir, "eval_config.yaml"), config_to_yaml(cfg))
         atomic_write_text(self.path, json.dumps(report, indent=2) + "\n")
         print(summary_table(report))
         return headline(report)
+
+    def read_red_team_prompts(self, tokenizer) -> list[dict]:
+        """red_team.prompts' examples, read as data.eval's are (its own split and columns); errors name the key."""
+        r, d = self.cfg.red_team, self.cfg.data
+        source = DataConfig(train=r.prompts, train_split=r.split, columns=r.columns, max_length=d.max_length,
+                            max_prompt_length=d.max_prompt_length, truncation=d.truncation, max_samples=r.max_prompts)
+        try:
+            prompts, _ = build_datasets("prompt", source, tokenizer, self.cfg.seed)
+        except UserError as exc:
+            raise UserError(f"red_team.prompts: {exc}") from None
+        return prompts
+
+    def red_team_section(self, tokenizer) -> tuple[dict, list]:
+        """eval.json's `red_team` section and its alarms: both models' responses to the red-team prompts, judged."""
+        inputs, kl = [None, None], None
+        if self.red_parts is not None:
+            pol_parts, ref_parts, kls = self.red_parts
+            rows = [example for example in self.red_prompts for _ in range(self.cfg.generation.num_samples)]
+            for i, parts in enumerate((pol_parts, ref_parts)):
+                if parts:
+                    ro = concat_rollouts(parts, tokenizer.pad_token_id)
+                    inputs[i] = reward_inputs(tokenizer, ro, rows, trainer_state(0, 0))
+            kl = mean_std(kls) if kls else None
+        return self.red_team.report(*inputs, len(self.red_prompts), kl)
 
     def data_config(self, source: str, max_samples: int | None = None) -> DataConfig:
         """`source` as the train split of a DataConfig: the first split `build_datasets` returns."""
@@ -458,7 +495,7 @@ def _same_tokenizer(other, tokenizer, what: str) -> None:
 
 def headline(report: dict) -> dict[str, float]:
     """The figures `Evaluator.fit()` returns: "kl", and per judge "reward/<judge>" (the policy's mean),
-    "win_rate/<judge>" and "rm_accuracy/<judge>". (No "eval/" prefix: the table printed them already, so the CLI's
+    "win_rate/<judge>" and "rm_accuracy/<judge>", and with red-teaming "red_team/<side>_harmful_rate". (No "eval/" prefix: the table printed them already, so the CLI's
     closing line does not repeat them.)"""
     out = {"kl": report["kl"]["mean"]} if report["kl"] is not None else {}
     out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items() if r["mean"] is not None})
@@ -466,6 +503,9 @@ def headline(report: dict) -> dict[str, float]:
     out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
     if report.get("alignment_tax"):
         out["alignment_tax/delta_nats"] = report["alignment_tax"]["delta_nats"]
+    for side in ("policy", "reference"):
+        if (figures := (report.get("red_team") or {}).get(side)) and figures["harmful_rate"] is not None:
+            out[f"red_team/{side}_harmful_rate"] = figures["harmful_rate"]
     return out
 
 
@@ -492,5 +532,6 @@ def summary_table(report: dict) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
     lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]
+    lines += summary_lines(report["red_team"]) if report.get("red_team") else []
     lines += [f"alarm {a['name']}: {a['message']}" for a in report["alarms"]] or ["alarms: none"]
     return "\n".join(lines)
