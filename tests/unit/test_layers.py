@@ -15,7 +15,8 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "rlhfkit")
 
-CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms", "rlhfkit.kl")
+CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.kl", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms",
+        "rlhfkit.kl_control")
 STDLIB_ONLY = ("rlhfkit.errors", "rlhfkit.io")
 ENGINES = ("transformers", "peft", "accelerate", "datasets")
 
@@ -28,12 +29,13 @@ LAYERS = [
     "rlhfkit.io",  # stdlib only
     "rlhfkit.types",  # the core, torch only: types ... kl
     "rlhfkit.ops",
+    "rlhfkit.kl",  # KL estimators, per-token and per-sequence KL: the one home of the KL
     "rlhfkit.losses.aggregate",
     "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
     "rlhfkit.losses",
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
-    "rlhfkit.kl",
+    "rlhfkit.kl_control",  # the controllers of the KL coefficient
     "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
     "rlhfkit.config.sections",
     "rlhfkit.config.stages",
@@ -65,7 +67,6 @@ LAYERS = [
     "rlhfkit.evaluation.capability",  # the alignment tax: NLL of reference texts under policy and reference
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
-    "rlhfkit.evaluation.red_team",  # red-teaming: harmful and refusal rates, safety judges, human flags
     "rlhfkit.evaluation.red_team",  # red-teaming: harmful and refusal rates, safety judges, human flags
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
     "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
