@@ -15,8 +15,7 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "rlhfkit")
 
-CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.kl", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms",
-        "rlhfkit.kl_control")
+CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms", "rlhfkit.kl")
 STDLIB_ONLY = ("rlhfkit.errors", "rlhfkit.io")
 ENGINES = ("transformers", "peft", "accelerate", "datasets")
 
@@ -29,13 +28,12 @@ LAYERS = [
     "rlhfkit.io",  # stdlib only
     "rlhfkit.types",  # the core, torch only: types ... kl
     "rlhfkit.ops",
-    "rlhfkit.kl",  # KL estimators, per-token and per-sequence KL: the one home of the KL
     "rlhfkit.losses.aggregate",
     "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
     "rlhfkit.losses",
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
-    "rlhfkit.kl_control",  # the controllers of the KL coefficient
+    "rlhfkit.kl",
     "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
     "rlhfkit.config.sections",
     "rlhfkit.config.stages",
