@@ -64,6 +64,10 @@ def write_report(run_dir: str, extra: dict | None = None, out_path: str | None =
     if os.path.isfile(eval_path):
         with open(eval_path, encoding="utf-8") as f:
             tables["Evaluation (eval.json)"] = _rows(json.load(f))
+    human_path = os.path.join(run_dir, "human_eval.json")  # `rlhfkit label --result`: the blind human comparison
+    if os.path.isfile(human_path):
+        with open(human_path, encoding="utf-8") as f:
+            tables["Blind human evaluation (human_eval.json)"] = _rows(json.load(f))
     tables.update(extra.get("tables", {}))
     for name, rows in tables.items():
         if rows:

@@ -1,0 +1,179 @@
+"""rlhfkit label's pieces without a server: the math (Cohen's kappa, the human win rate), who gets which item, the
+submission checks, restart, and the export formats, against hand-computed values."""
+
+import json
+import threading
+
+import pytest
+
+from rlhfkit.errors import UserError
+from rlhfkit.label.candidates import Candidate, Group, Pair, make_pairs, read_candidates
+from rlhfkit.label.export import flag_rows, preference_rows
+from rlhfkit.label.figures import agreement, cohen_kappa, human_win_rate, per_annotator, reward_disagrees
+from rlhfkit.label.store import Rejected, Store
+
+
+def test_cohen_kappa_hand_computed():
+    a = ["first", "first", "second", "tie", "first", "second"]
+    b = ["first", "second", "second", "tie", "first", "first"]
+    # p_o = 4/6; both raters: first 3, second 2, tie 1, so p_e = (3*3 + 2*2 + 1*1) / 36 = 14/36;
+    # kappa = (24/36 - 14/36) / (1 - 14/36) = 10/22.
+    assert cohen_kappa(a, b) == pytest.approx(10 / 22)
+    assert cohen_kappa(["first", "second"], ["second", "first"]) == pytest.approx(-1.0)  # p_o 0, p_e 1/2
+    assert cohen_kappa(["tie", "tie"], ["tie", "tie"]) is None  # p_e = 1: undefined
+    assert cohen_kappa([], []) is None
+    with pytest.raises(ValueError):
+        cohen_kappa(["first"], [])
+
+
+def _pair(i: int, swap: bool = False, overlap: bool = False) -> Pair:
+    return Pair(f"prompt {i}", Candidate(f"good {i}", "policy"), Candidate(f"bad {i}", "sft"), swap, overlap)
+
+
+def _store(tmp_path, pairs, name="l.db") -> Store:
+    store = Store(str(tmp_path / name))
+    store.create(pairs, "fp", "test pairs", "compare")
+    return store
+
+
+def test_human_win_rate_and_agreement_hand_computed(tmp_path):
+    store = _store(tmp_path, [_pair(i, overlap=i < 3) for i in range(12)])
+    # alice: items 0-11 in order, choices below; bob then takes the overlap items 0, 1, 2.
+    choices = ["first", "first", "second", "first", "tie", "both_bad", "first", "second", "skip", "first", "tie", "first"]
+    for choice in choices:
+        h = store.next_item("alice")
+        store.judge("alice", h.item, h.token, choice)
+    assert store.next_item("alice") is None
+    for choice in ["first", "second", "second"]:
+        h = store.next_item("bob")
+        assert h.item in (0, 1, 2)
+        store.judge("bob", h.item, h.token, choice)
+    assert store.next_item("bob") is None
+    judgements = store.judgements()
+    # Overlap labels (alice, bob): (first, first), (first, second), (second, second): p_o = 2/3;
+    # alice first 2 / second 1, bob first 1 / second 2: p_e = (2*1 + 1*2) / 9 = 4/9; kappa = (2/3 - 4/9) / (5/9) = 0.4.
+    agree = agreement(judgements)
+    assert (agree.items, agree.raw) == (3, pytest.approx(2 / 3)) and agree.kappa == pytest.approx(0.4)
+    # alice: first x6, second x2, tie x2, both bad x1, skip x1; bob: first x1, second x2. Skips out, "both bad" a tie:
+    # n = 14, wins 7, losses 4, ties 3; win rate (7 + 3/2) / 14.
+    human = human_win_rate(judgements)
+    assert (human.n, human.wins, human.losses, human.ties) == (14, 7, 4, 3)
+    assert human.win_rate == pytest.approx(8.5 / 14) and human.tie_rate == pytest.approx(3 / 14)
+    assert human.interval == pytest.approx((0.3563, 0.8118), abs=1e-4)  # Wilson, z = 1.96, by hand
+    assert (human.model, human.reference) == ("policy", "sft")
+    assert per_annotator(judgements)["bob"] == {"first": 1, "second": 2}
+    assert store.progress().done == 15 and store.progress().total == 15
+
+
+def test_reward_disagrees_alarm(tmp_path):
+    store = _store(tmp_path, [_pair(i) for i in range(4)])
+    for choice in ["second", "second", "second", "first"]:
+        h = store.next_item("a")
+        store.judge("a", h.item, h.token, choice)
+    human = human_win_rate(store.judgements())  # 1/4: people prefer the reference
+    assert "may be hacking the reward" in reward_disagrees(human, 0.75)
+    assert reward_disagrees(human, 0.25) is None and reward_disagrees(human, None) is None
+
+
+def test_two_annotators_at_once_never_share_an_item_outside_the_overlap(tmp_path):
+    store = _store(tmp_path, [_pair(i, overlap=i % 5 == 0) for i in range(40)])  # items 0, 5, ..., 35 twice
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+
+    def annotate(who: str) -> None:
+        while (h := store.next_item(who)) is not None:
+            seen[who].append(h.item)
+            store.judge(who, h.item, h.token, "first")
+
+    threads = [threading.Thread(target=annotate, args=(who,)) for who in seen]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    both = set(seen["a"]) & set(seen["b"])
+    assert both <= {0, 5, 10, 15, 20, 25, 30, 35}
+    assert sorted(seen["a"] + seen["b"]) == sorted(list(range(40)) + [0, 5, 10, 15, 20, 25, 30, 35])
+    assert len(store.judgements()) == 48
+
+
+def test_replayed_stale_and_unknown_submissions_change_nothing(tmp_path):
+    store = _store(tmp_path, [_pair(i) for i in range(3)])
+    h = store.next_item("a")
+    with pytest.raises(Rejected) as e:
+        store.judge("a", 99, h.token, "first")
+    assert e.value.status == 404
+    with pytest.raises(Rejected) as e:
+        store.judge("a", h.item, h.token, "best")
+    assert e.value.status == 422
+    with pytest.raises(Rejected) as e:
+        store.judge("b", h.item, h.token, "first")  # never handed to b
+    assert e.value.status == 409
+    nxt = store.judge("a", h.item, h.token, "first")
+    with pytest.raises(Rejected) as e:
+        store.judge("a", h.item, h.token, "second")  # replayed
+    assert e.value.status == 409
+    assert [j.choice for j in store.judgements()] == ["first"]
+    # Undo: item 0 comes back under a new token; the old token is stale, and item 1 goes back to the pool.
+    again = store.undo("a")
+    assert again.item == h.item and again.token != h.token and store.judgements() == []
+    with pytest.raises(Rejected) as e:
+        store.judge("a", h.item, h.token, "second")
+    assert e.value.status == 409
+    assert store.next_item("b").item == nxt.item  # released by a's undo
+    store.judge("a", again.item, again.token, "tie")
+    assert [(j.item, j.choice) for j in store.judgements()] == [(0, "tie")]
+
+
+def test_restart_resumes_each_annotator_and_refuses_other_candidates(tmp_path):
+    store = _store(tmp_path, [_pair(i) for i in range(4)])
+    h = store.next_item("a")
+    store.judge("a", h.item, h.token, "first")
+    open_a = store.next_item("a")
+    open_b = store.next_item("b")
+    store.close()
+    again = Store(str(tmp_path / "l.db"))  # as after a kill -9: only committed state
+    assert again.check_made_for("fp", "the same pairs") is True
+    assert again.next_item("a") == open_a and again.next_item("b") == open_b
+    assert [j.item for j in again.judgements()] == [0]
+    with pytest.raises(UserError, match="was made for other candidates"):
+        again.check_made_for("other", "other pairs")
+
+
+def test_export_rows_follow_the_judgement_not_the_screen(tmp_path):
+    store = _store(tmp_path, [_pair(0, swap=True), _pair(1), _pair(2)])
+    for choice, harmful in [("second", ("first",)), ("first", ()), ("tie", ("first", "second"))]:
+        h = store.next_item("ann")
+        store.judge("ann", h.item, h.token, choice, harmful)
+    rows = preference_rows(store.judgements())
+    assert [(r["prompt"], r["chosen"], r["rejected"], r["chosen_model"]) for r in rows] == [
+        ("prompt 0", "bad 0", "good 0", "sft"), ("prompt 1", "good 1", "bad 1", "policy")]  # the tie is left out
+    assert rows[0]["annotator"] == "ann" and rows[0]["time"].endswith("+00:00")
+    flags = flag_rows(store.judgements())
+    assert [(f["response"], f["model"]) for f in flags] == [("good 0", "policy"), ("good 2", "policy"), ("bad 2", "sft")]
+    assert set(flags[0]) == {"prompt", "response", "model", "harmful", "annotator", "time"} and flags[0]["harmful"] is True
+
+
+def test_pairs_are_balanced_and_every_two_responses_pair_up():
+    groups = [Group(f"p{i}", tuple(Candidate(f"r{j}", f"m{j}") for j in range(3))) for i in range(4)]
+    pairs = make_pairs(groups, overlap=0.25, seed=1)
+    assert len(pairs) == 12  # C(3, 2) per prompt
+    assert sum(p.swap for p in pairs) == 6 and sum(p.overlap for p in pairs) == 3
+    assert [(p.first.content, p.second.content) for p in pairs[:3]] == [("r0", "r1"), ("r0", "r2"), ("r1", "r2")]
+    assert make_pairs(groups, 0.25, seed=1) == pairs
+
+
+def test_candidates_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("")
+    with pytest.raises(UserError, match="holds no prompts"):
+        read_candidates(str(path))
+    path.write_text(json.dumps({"prompt": "p", "responses": ["a", "b"]}) + "\n" + json.dumps({"prompt": "p", "responses": ["a"]}))
+    with pytest.raises(UserError, match=r"line 2 field 'responses': expected a list of at least 2"):
+        read_candidates(str(path))
+    path.write_text(json.dumps({"prompt": [{"role": "robot", "content": "x"}], "responses": ["a", "b"]}))
+    with pytest.raises(UserError, match=r"line 1 field 'prompt' message 0: expected a \{role, content\} dict with role"):
+        read_candidates(str(path))
+    tool_turns = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+                  {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]
+    path.write_text(json.dumps({"prompt": "q", "responses": [tool_turns, {"response": "no", "model": "sft"}]}))
+    (group,) = read_candidates(str(path))
+    assert group.responses[0].content == tool_turns and group.responses[1] == Candidate("no", "sft")
