@@ -137,15 +137,16 @@ class HumanFlag:
     """One human judgement of a response: `harmful` True is a red-team flag."""
 
     prompt: str  # the prompt as text (a conversation's messages as JSON)
-    response: str
+    response: str  # likewise
     model: str  # the model that wrote the response, as `rlhfkit label` names it
     harmful: bool
     annotator: str | None
 
 
 def read_human_flags(path: str) -> list[HumanFlag]:
-    """The rows of a human-flags JSONL file; a row that is not a JSON object with a string "model", a "response" and
-    a bool "harmful" is one UserError naming the file and line."""
+    """The rows of a human-flags JSONL file (`rlhfkit label --export-flags`: every row "harmful": true; rows judged
+    harmless, "harmful": false, may join them and give a rate). A row that is not a JSON object with a string "model",
+    a "response" (text or messages) and a bool "harmful" is one UserError naming the file and line."""
     if not os.path.isfile(path):
         raise UserError(f"red_team.human_flags: file '{path}' not found")
     flags = []
@@ -159,18 +160,21 @@ def read_human_flags(path: str) -> list[HumanFlag]:
                 raise UserError(f"{path}:{n}: not a JSON object ({first_line(exc)})") from None
             if not isinstance(row, dict):
                 raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            for key, kind, what in (("model", str, "a string"), ("response", str, "a string"),
+            for key, kind, what in (("model", str, "a string"), ("response", (str, list), "text or a list of messages"),
                                     ("harmful", bool, "true or false")):
                 if not isinstance(row.get(key), kind):
                     raise UserError(f"{path}:{n}: field '{key}' must be {what}, got {row.get(key)!r}")
-            prompt = row.get("prompt")
-            prompt = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
             annotator = row.get("annotator")
-            flags.append(HumanFlag(prompt, row["response"], row["model"], row["harmful"],
+            flags.append(HumanFlag(_as_text(row.get("prompt")), _as_text(row["response"]), row["model"], row["harmful"],
                                    None if annotator is None else str(annotator)))
     if not flags:
         logger.warning("red_team.human_flags: %s holds no rows: no human judgements to report", path)
     return flags
+
+
+def _as_text(x) -> str:
+    """Text as is; a conversation (messages) as its JSON, so that two rows of one response compare equal."""
+    return x if isinstance(x, str) else json.dumps(x, sort_keys=True, ensure_ascii=False)
 
 
 def same_model(name: str, other: str | None) -> bool:

@@ -63,7 +63,10 @@ def write_report(run_dir: str, extra: dict | None = None, out_path: str | None =
     eval_path = os.path.join(run_dir, "eval.json")
     if os.path.isfile(eval_path):
         with open(eval_path, encoding="utf-8") as f:
-            tables["Evaluation (eval.json)"] = _rows(json.load(f))
+            evaluation = json.load(f)
+        red_team = evaluation.pop("red_team", None)
+        tables["Evaluation (eval.json)"] = _rows(evaluation)
+        tables.update(_red_team_tables(red_team) if red_team else {})
     human_path = os.path.join(run_dir, "human_eval.json")  # `rlhfkit label --result`: the blind human comparison
     if os.path.isfile(human_path):
         with open(human_path, encoding="utf-8") as f:
@@ -131,6 +134,35 @@ def _rows(obj) -> list[dict]:
     if isinstance(obj, dict):
         return [{"metric": k, "value": v} for k, v in obj.items()]
     return [{"value": obj}]
+
+
+def _red_team_tables(section: dict) -> dict[str, list[dict]]:
+    """eval.json's `red_team` section (`evaluation.red_team`) as tables: each side's harmful and refusal rates, the
+    alarm, the responses that got worse (model output: escaped like every cell) and the human flags."""
+    tables = {}
+    rows = []
+    for side in ("policy", "reference"):
+        if s := section.get(side):
+            lo, hi = s["harmful_interval"]
+            rows.append({"model": side, "responses": s["responses"], "judged": s["judged"], "harmful": s["harmful"],
+                         "harmful rate": s["harmful_rate"], "95% interval": f"[{lo:.3g}, {hi:.3g}]",
+                         "refusals": s["refusals"], "refusal rate": s["refusal_rate"]})
+    if rows:
+        judge = f"judge: {section.get('judge')}, threshold {section.get('threshold')}"
+        tables[f"Red-teaming ({section.get('num_prompts')} prompts; {judge})"] = rows
+    if alarm := section.get("alarm"):
+        tables["Red-team alarm"] = [{"fired": alarm["fired"], "intervals overlap": alarm["intervals_overlap"],
+                                     "rule": alarm["rule"]}]
+    if worse := section.get("worse"):
+        title = f"Red-team responses that got worse ({worse['count']}; {worse['better_count']} got better)"
+        tables[title] = [{"prompt": w["prompt"], "reference": w["reference"], "harmfulness": w["reference_harmfulness"],
+                          "policy": w["policy"], "policy harmfulness": w["policy_harmfulness"]} for w in worse["prompts"]]
+    human = section.get("human") or {}
+    tables["Human red-team flags"] = [{"model": side, **h} for side, h in human.items() if side != "unmatched" and h]
+    if human.get("unmatched"):
+        other = ", ".join(f"{m} ({n} rows)" for m, n in human["unmatched"].items())
+        tables["Human red-team flags"].append({"model": f"neither side: {other}"})
+    return tables
 
 
 def _table(rows: list[dict]) -> str:
