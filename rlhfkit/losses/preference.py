@@ -63,6 +63,8 @@ def preference_loss(
     beta: float,
     label_smoothing: float = 0.0,
     reference_free: bool = False,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference-anchored pairwise losses on h = (log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l)).
 
@@ -74,10 +76,13 @@ def preference_loss(
       - "hinge": the rank-calibration loss of SLiC-HF (Zhao et al. 2023, arXiv 2305.10425, §2) on the DPO log-ratio,
         relu(1 - βh) = β · max(0, 1/β - h), i.e. margin δ = 1/β; the form TRL and the DPO authors' code use.
 
-    Deliberate differences from TRL 1.16 `DPOTrainer`:
-      - IPO: TRL divides each log-ratio by its completion length before eq. 17 (a normalisation the IPO authors
-        confirmed to TRL but the paper does not state). This function implements the paper on whatever log-probs it
-        is given; for TRL's behaviour the trainer passes length-averaged log-probs (policy and reference alike).
+    IPO's length normalisation, deliberately TRL 1.16's (`DPOTrainer`): given `chosen_lengths` and `rejected_lengths`,
+    IPO's h is taken on per-token log-ratios, h = (log π(y_w) - log π_ref(y_w)) / |y_w| - (... y_l) / |y_l|, each
+    length clamped at 1 (as TRL does). The paper does not state this normalisation; the IPO authors confirmed it to
+    TRL as the form behind their results. Only the loss uses the averages: the metrics stay on the summed log-ratios,
+    as TRL logs them. Without lengths, eq. 17 is applied to the summed log-ratios as given.
+
+    Other deliberate differences from TRL 1.16 `DPOTrainer`:
       - cDPO: TRL 1.16's DPO "sigmoid" ignores `label_smoothing` (its smoothed variant is "robust", which also divides
         by 1 - 2ε); here "sigmoid" with ε > 0 is cDPO, the formula of TRL's CPO/SimPO trainer and of earlier TRL DPO.
       - label_smoothing with "ipo" or "hinge" raises instead of being silently ignored.
@@ -90,6 +95,8 @@ def preference_loss(
         beta: β > 0, the KL-regularisation strength (IPO's τ).
         label_smoothing: ε in [0, 0.5), the assumed probability that a preference label is flipped ("sigmoid" only).
         reference_free: use no reference model (requires both ref log-probs to be None).
+        chosen_lengths, rejected_lengths: (B,) response token counts |y| (int or float), "ipo" only, both or neither:
+            IPO's h on per-token log-ratios (see above).
 
     Returns:
         loss: (B,) per pair, unreduced, fp32.
@@ -108,6 +115,11 @@ def preference_loss(
         raise ValueError("reference_free=True takes no reference log-probs; pass ref_*_logprobs=None")
     if not reference_free and not all(refs_given):
         raise ValueError("ref_chosen_logprobs and ref_rejected_logprobs are required unless reference_free=True")
+    lengths_given = (chosen_lengths is not None, rejected_lengths is not None)
+    if any(lengths_given) and not all(lengths_given):
+        raise ValueError("chosen_lengths and rejected_lengths go together: pass both or neither")
+    if any(lengths_given) and loss_type != "ipo":
+        raise ValueError(f"response lengths apply only to loss_type='ipo', got loss_type={loss_type!r}")
 
     policy_chosen = policy_chosen_logprobs.float()
     policy_rejected = policy_rejected_logprobs.float()
@@ -121,6 +133,12 @@ def preference_loss(
     if loss_type == "sigmoid":
         loss = _smoothed_logistic_loss(beta * h, label_smoothing)
     elif loss_type == "ipo":
+        if chosen_lengths is not None:
+            # An empty response has summed log-ratio 0; counting it as one token keeps its average 0 instead of
+            # 0/0 = NaN (TRL clamps the same way).
+            chosen_avg = chosen_logratios / chosen_lengths.float().clamp(min=1)  # (B,)
+            rejected_avg = rejected_logratios / rejected_lengths.float().clamp(min=1)  # type: ignore[union-attr]  # (B,)
+            h = chosen_avg - rejected_avg
         loss = (h - 1 / (2 * beta)) ** 2
     else:
         loss = torch.relu(1 - beta * h)

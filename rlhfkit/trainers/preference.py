@@ -139,12 +139,11 @@ class PreferenceTrainer(OfflineTrainer):
                 with self.accelerator.autocast(), self.reference.frozen(self.run.unwrap(model)) as reference:
                     ref, _ = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref.chunk(2)
-            if method == "ipo":  # TRL's IPO: every log-prob averaged over its response tokens (see preference_loss)
-                chosen, rejected = chosen / chosen_len, rejected / rejected_len
-                ref_chosen, ref_rejected = ref_chosen / chosen_len, ref_rejected / rejected_len
+            # IPO's loss on per-token log-ratios, its metrics on summed ones: TRL's definitions (see preference_loss).
+            lengths = {"chosen_lengths": chosen_len, "rejected_lengths": rejected_len} if method == "ipo" else {}
             loss, metrics = preference_loss(
                 chosen, rejected, ref_chosen, ref_rejected, loss_type=method, beta=algo.beta,
-                label_smoothing=algo.label_smoothing,
+                label_smoothing=algo.label_smoothing, **lengths,
             )
         # 3. Sum over pairs / global pair count; metrics are this micro-batch's means (the base weights them by B).
         return loss.sum() / num_items, {"loss": loss.mean().detach(), **{k: v.mean() for k, v in metrics.items()}}

@@ -14,8 +14,8 @@ How TRL is called (no model, no trainer __init__):
   - KTO: `KTOTrainer._compute_loss` with the same kind of stub model, precomputed reference and KL log-probs.
 
 Deliberate differences, adapted here:
-  - IPO: TRL divides the log-ratios by the completion length; ours implements eq. 17 on the log-probs given, so we pass
-    length-averaged policy and reference log-probs (gradients still w.r.t. the summed policy log-probs).
+  - IPO: TRL divides the log-ratios in the loss by the completion length (clamped at 1) and logs `rewards/*` on the
+    summed ones; ours does the same when given the response lengths, which is how the trainer calls it.
   - SimPO: TRL's `simpo_gamma` is the paper's γ (it subtracts simpo_gamma/β, then scales by β); we pass the same
     value. (The SimPO authors' code takes γ/β as `gamma_beta_ratio`; TRL does not.)
   - ORPO: TRL's single batch NLL (prompt + response, token mean) vs our per-example `chosen_nll`; we pass per-example
@@ -118,7 +118,7 @@ def trl_dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, lengt
         "ref_chosen_logps": ref_chosen,
         "ref_rejected_logps": ref_rejected,
     }
-    return DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    return DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False), trainer._metrics["train"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,20 +135,26 @@ def test_dpo_matches_trl(loss_type, beta):
     lengths_c, lengths_r = random_lengths(0)
     policy_c, policy_r = leaf(policy_c), leaf(policy_r)
     ours, _ = preference_loss(policy_c, policy_r, ref_c, ref_r, loss_type=loss_type, beta=beta)
-    theirs = trl_dpo_loss(policy_c, policy_r, ref_c, ref_r, lengths_c, lengths_r, loss_type=loss_type, beta=beta)
+    theirs, _ = trl_dpo_loss(policy_c, policy_r, ref_c, ref_r, lengths_c, lengths_r, loss_type=loss_type, beta=beta)
     assert_loss_and_grads_match(ours.mean(), theirs, [policy_c, policy_r])
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5])
-def test_ipo_on_length_averaged_logps_matches_trl(beta):
+def test_ipo_matches_trl_loss_and_reward_metrics(beta):
     policy_c, policy_r, ref_c, ref_r = random_logps(1)
     lengths_c, lengths_r = random_lengths(1)
+    lengths_c[0], policy_c[0], ref_c[0] = 0, 0.0, 0.0  # an empty chosen response: both clamp its length at 1
     policy_c, policy_r = leaf(policy_c), leaf(policy_r)
-    ours, _ = preference_loss(
-        policy_c / lengths_c, policy_r / lengths_r, ref_c / lengths_c, ref_r / lengths_r, loss_type="ipo", beta=beta
+    ours, m = preference_loss(
+        policy_c, policy_r, ref_c, ref_r, loss_type="ipo", beta=beta, chosen_lengths=lengths_c, rejected_lengths=lengths_r
     )
-    theirs = trl_dpo_loss(policy_c, policy_r, ref_c, ref_r, lengths_c, lengths_r, loss_type="ipo", beta=beta)
+    theirs, trl_metrics = trl_dpo_loss(policy_c, policy_r, ref_c, ref_r, lengths_c, lengths_r, loss_type="ipo", beta=beta)
     assert_loss_and_grads_match(ours.mean(), theirs, [policy_c, policy_r])
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert m[name].mean().item() == pytest.approx(trl_metrics[name][-1], abs=1e-5), name
+    # The case tells sums from averages: margins on length-averaged log-ratios would be far from TRL's.
+    averaged = beta * ((policy_c.detach() - ref_c) / lengths_c.clamp(min=1) - (policy_r.detach() - ref_r) / lengths_r)
+    assert abs(averaged.mean().item() - trl_metrics["rewards/margins"][-1]) > 0.1
 
 
 def _cpo_self(loss_type: str, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0):

@@ -61,6 +61,49 @@ def test_ipo_hand_computed():
     assert_close(m["rewards/margins"], [1.25, 0.0, 0.5])
 
 
+def test_ipo_with_lengths_averages_the_loss_and_sums_the_rewards():
+    # β = 1/4 -> 1/(2β) = 2. The loss's h averages each log-ratio over its response (TRL's IPO); the rewards do not.
+    # Row 0: log-ratios 6 over 3 tokens, 0 over 5 -> h = 2 -> loss 0; rewards 1.5 and 0.
+    # Row 1: an empty chosen response (log-prob 0, length 0, counted as 1 -> average 0); rejected -4 over 4 -> -1;
+    #        h = 1 -> loss 1; rewards 0 and -1.
+    # Row 2: 4 over 8 -> 0.5, 2 over 1 -> 2; h = -1.5 -> loss 12.25; rewards 1 and 0.5: on sums the chosen wins,
+    #        on averages it would lose.
+    chosen, ref_chosen, len_chosen = t(-12.0, 0.0, -6.0), t(-18.0, 0.0, -10.0), torch.tensor([3, 0, 8])
+    rejected, ref_rejected, len_rejected = t(-10.0, -8.0, -3.0), t(-10.0, -4.0, -5.0), torch.tensor([5, 4, 1])
+    loss, m = preference_loss(
+        chosen, rejected, ref_chosen, ref_rejected, loss_type="ipo", beta=0.25,
+        chosen_lengths=len_chosen, rejected_lengths=len_rejected,
+    )
+    assert_close(loss, [0.0, 1.0, 12.25])
+    assert_close(m["rewards/chosen"], [1.5, 0.0, 1.0])
+    assert_close(m["rewards/rejected"], [0.0, -1.0, 0.5])
+    assert_close(m["rewards/margins"], [1.5, 1.0, 0.5])
+    assert_close(m["rewards/accuracies"], [1.0, 1.0, 1.0])
+    assert_close(m["logps/chosen"], [-12.0, 0.0, -6.0])
+    assert_close(m["logps/rejected"], [-10.0, -8.0, -3.0])
+
+
+def test_ipo_empty_responses_have_a_finite_loss_and_gradient():
+    # Both responses empty: log-probs 0 over 0 tokens -> averages 0 -> h = 0 -> (0 - 1/(2β))² = 1 at β = 1/2.
+    chosen, rejected = t(0.0).requires_grad_(), t(0.0).requires_grad_()
+    zero = torch.tensor([0])
+    loss, _ = preference_loss(chosen, rejected, t(0.0), t(0.0), loss_type="ipo", beta=0.5,
+                              chosen_lengths=zero, rejected_lengths=zero)
+    assert_close(loss, [1.0])
+    loss.sum().backward()
+    assert_close(chosen.grad, [-2.0])  # d/dc (c/1 - 1)² at c = 0
+    assert_close(rejected.grad, [2.0])
+
+
+def test_lengths_apply_only_to_ipo_and_come_in_pairs():
+    n = torch.tensor([3])
+    with pytest.raises(ValueError, match="only to loss_type='ipo'"):
+        preference_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="sigmoid", beta=0.1, chosen_lengths=n,
+                        rejected_lengths=n)
+    with pytest.raises(ValueError, match="both or neither"):
+        preference_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="ipo", beta=0.1, chosen_lengths=n)
+
+
 def test_hinge_hand_computed():
     # β = 1/2: h = 1 -> relu(1/2) = 1/2; h = 4 -> 0; h = -2 -> 2.
     zeros = t(0.0, 0.0, 0.0)

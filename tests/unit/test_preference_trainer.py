@@ -1,6 +1,7 @@
 """The preference and KTO trainers on the tiny model: the one concatenated forward, padding invariance, reference
 log-probs (precomputed, on the fly, LoRA base), the step-0 identities, reference-free methods, bad configs."""
 
+import dataclasses
 import math
 
 import pytest
@@ -84,6 +85,34 @@ def test_step0_policy_equals_reference_so_rewards_are_0(tmp_path, case):
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert metrics[name].item() == 0.0, name
     assert (trainer.reference.model is not None) == copy  # LoRA: the base with adapters disabled, no second copy
+
+
+def test_ipo_empty_response_gives_a_finite_hand_checked_loss(tmp_path):
+    """A pair whose chosen response is empty (here built directly; the data layer drops such records) reaches
+    compute_loss: its average log-ratio counts the empty response as one token, so the loss stays finite."""
+    trainer = make_trainer(tmp_path, ["algo.loss_type=ipo", "algo.beta=0.5"])  # 1/(2β) = 1
+    examples = [dict(e) for e in trainer.train_set[:2]]
+    examples[0]["chosen_ids"] = []
+    batch = trainer.collate(examples)
+    trainer.model.train()
+    with torch.no_grad():
+        logprobs, lengths = sequence_logprobs(trainer.model, *concat_pairs(batch))
+    (c0, c1), (r0, r1) = logprobs.chunk(2)[0].tolist(), logprobs.chunk(2)[1].tolist()
+    (n_c0, n_c1), (n_r0, n_r1) = lengths.chunk(2)[0].tolist(), lengths.chunk(2)[1].tolist()
+    assert c0 == 0.0 and n_c0 == 0 and n_c1 > 0 and n_r0 > 0
+    # Reference log-probs given in the batch so that the averaged log-ratios are round numbers:
+    # pair 0: chosen 0 (empty), rejected -1 per token -> h = 1 -> loss (1 - 1)² = 0;
+    # pair 1: chosen +3 per token, rejected 0 -> h = 3 -> loss (3 - 1)² = 4. Mean over the 2 pairs: 2.
+    batch = dataclasses.replace(
+        batch, ref_chosen_logprobs=torch.tensor([0.0, c1 - 3 * n_c1]), ref_rejected_logprobs=torch.tensor([r0 + n_r0, r1])
+    )
+    loss, metrics = trainer.compute_loss(trainer.model, batch, num_items=2)
+    assert loss.item() == pytest.approx(2.0, abs=1e-4)
+    # The rewards are β times the summed log-ratios (TRL's definition), not the averaged ones.
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.5 * (0 + 3 * n_c1) / 2, abs=1e-4)
+    assert metrics["rewards/rejected"].item() == pytest.approx(0.5 * (-n_r0 + 0) / 2, abs=1e-4)
+    assert metrics["rewards/accuracies"].item() == 1.0
+    assert metrics["logps/chosen"].item() == pytest.approx((c0 + c1) / 2, abs=1e-4)
 
 
 def test_precomputed_reference_equals_on_the_fly(tmp_path, dpo):
