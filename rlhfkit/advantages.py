@@ -159,7 +159,8 @@ def loss_mask(
     """(B, R) float: the tokens that take a loss — the response tokens, less the samples excluded from the loss.
 
     - `mask_truncated`: responses without EOS (DAPO's overlong filtering, Yu et al. 2025, arXiv 2503.14476, §3.4).
-    - `drop_zero_variance_groups`: groups whose samples all scored the same (DAPO's dynamic sampling, §3.2).
+    - `drop_zero_variance_groups`: groups whose samples all scored the same (DAPO's dynamic sampling, §3.2, which
+      also samples new groups to refill the batch; this mask only drops them).
     This mask is for the loss only: advantages are computed with the full `response_mask`, so excluding a sample
     from the loss never changes the baseline its siblings are compared with.
     """

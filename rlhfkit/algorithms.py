@@ -100,7 +100,9 @@ register_algorithm(Algorithm(name="grpo", family="grpo", advantage="grpo", needs
 register_algorithm(Algorithm(name="dr_grpo", family="grpo", advantage="dr_grpo", needs_groups=True,
                              default_loss_agg="seq-mean-token-sum-norm"))
 # DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO's advantage, no KL (§2.3), token-level loss (§3.3). Clip-Higher is the
-# config's clip_eps_high (0.28 in the paper); dynamic sampling is `advantages.zero_variance_groups`.
+# config's clip_eps_high (0.28 in the paper). Dynamic sampling (§3.2) is only approximated, and only when the config
+# sets `algo.dynamic_filtering`: groups whose samples all scored the same are masked out of the loss
+# (`advantages.loss_mask`) but not replaced by newly sampled ones as in the paper, so the step trains on fewer samples.
 register_algorithm(Algorithm(name="dapo", family="grpo", advantage="grpo", needs_groups=True))
 # REINFORCE++ (Hu 2025, arXiv 2501.03262): return-to-go of k1-penalised rewards, globally whitened.
 register_algorithm(Algorithm(name="reinforce_pp", family="reinforce_pp", advantage="reinforce_pp", needs_reference=True,

@@ -1,13 +1,15 @@
 """The one place a per-token loss is reduced to a scalar.
 
 A policy loss returns (B, R); how to average it is a separate choice, and the choice is most of what separates GRPO,
-DAPO and Dr. GRPO. Each mode divides a *sum* by a normaliser that the caller can fix to a global count: pass the
-count over the whole optimiser step (all micro-batches, all processes) and the micro-batch losses add up to exactly
-the loss, and gradient, of one big batch. The defaults (counts of this tensor alone) are right only when the tensor is
-the whole batch.
+DAPO and Dr. GRPO. Each mode divides a *sum* by a normaliser that the caller can fix to a global count: on one
+process, pass the count over the whole optimiser step (all micro-batches) and the micro-batch losses add up to
+exactly the loss, and gradient, of one big batch. The defaults (counts of this tensor alone) are right only when the
+tensor is the whole batch.
 
-Under data parallelism, DDP averages gradients over processes; the trainer multiplies the loss by the world size to
-turn that average back into the global sum this module assumes.
+Under data parallelism, DDP averages gradients over processes, so the callers pass the global count (every
+micro-batch of every process) divided by the world size, each process's share (the offline `train_step` and the
+online update both do): the average of the processes' gradients is then the gradient of the global sum over the
+global count. Nothing here knows the world size.
 
 This module imports only torch.
 """

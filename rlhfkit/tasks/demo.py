@@ -20,9 +20,10 @@ Every stage prints its wall time and reads its inputs from `output_dir`, where t
 `output_dir` is refused (before any model loads, writing nothing) unless `--overwrite` replaces the demo in it or
 `--from-stage` continues it; the stages a run reruns then replace their earlier runs (`overwrite: true`).
 
-The sizes (`DemoSize`) are budgeted for 2 CPU cores, where the cost is the number of tokens pushed through the model:
-about 5 ms per token for a forward, 13 ms for a LoRA training step, 15 ms per sampled token. Prompts carry a short
-system turn instead of SmolLM2's default one, which makes every sequence about 10 tokens (15%) shorter.
+The sizes (`DemoSize`) are budgeted for 2 CPU cores, where the cost grows with the tokens pushed through the model:
+tokens scored in a forward, trained in a LoRA step, or sampled one at a time, the last costing the most per token.
+Prompts carry a short system turn instead of SmolLM2's default one, which makes every sequence about 10 tokens (15%)
+shorter.
 """
 
 from __future__ import annotations

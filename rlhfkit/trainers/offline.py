@@ -4,8 +4,9 @@ Each step: this process's micro-batches of the step (a pure function of the step
 data-loader state), the loss of each normalised by the *global* item count (so accumulation and data parallelism
 leave the loss unchanged), backward, then the one `optimizer_step` (clip, fp16 scaler, skip, schedule); logging,
 evaluation and atomic checkpoints through the `Run`. A stage subclass supplies the data kind, the model, the collator,
-the item count and `compute_loss`; it never re-implements the loop. The online and RFT trainers write their own
-loops with the same services (`Run`, `optimizer_step`, `train_step`) and inherit nothing from here.
+the item count and `compute_loss`; it never re-implements the loop. The online trainers write their own loops with
+the same services (`Run`, `optimizer_step`); RFT's loop of iterations is its own, and its fine-tuning step calls this
+module's `train_step` and `micro_batch_positions`. Neither inherits from here.
 """
 
 from __future__ import annotations
