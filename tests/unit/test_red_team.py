@@ -1,6 +1,6 @@
-"""Red-teaming's pure figures against hand-computed values, its judges through their public seams (a scripted
-function, a tiny classifier against its own logits), the human-flags reader and matcher, the config rules, and the
-report's red-team tables."""
+"""Red-teaming's pure figures against hand-computed values, its function judges with scripted functions, the
+human-flags reader and matcher, the config rules, and the report's red-team tables (the classifier judge and the
+whole report through the CLI: tests/smoke/test_red_team_cli.py)."""
 
 import json
 import math
@@ -12,7 +12,7 @@ import torch
 from rlhfkit.config import EvalConfig, load_config
 from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.evaluation.red_team import (
-    ClassifierJudge, FunctionJudge, HumanFlag, RefusalDetector, harmful_probability, harmful_rate_alarm, human_figures,
+    FunctionJudge, HumanFlag, RefusalDetector, harmful_probability, harmful_rate_alarm, human_figures,
     intervals_overlap, is_refusal, paired_changes, read_human_flags, same_model, side_figures,
 )
 from rlhfkit.reward_functions import RewardFunction, RewardInputs
@@ -111,54 +111,6 @@ def test_function_judge_and_refusal_function():
     no_answer = RefusalDetector(RewardFunction(lambda completions: [None, 1.0], "red_team.refusal_function 'm:n'"))
     with pytest.raises(UserError, match="returned None at row 0"):
         no_answer(inputs(["x", "y"]))
-
-
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
-    """A tiny random Llama sequence classifier with labels safe / harmful and the tiny tokenizer."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from rlhfkit.model_sources import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, pad_token_id=tokenizer.pad_token_id, num_labels=2,
-                         id2label={0: "safe", 1: "harmful"}, label2id={"safe": 0, "harmful": 1})
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("classifier"))
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.mark.parametrize("pair", [False, True])
-def test_classifier_judge_is_the_models_own_probability(classifier_dir, pair):
-    """Batched and padded, the judge gives each text the softmax share of "harmful" the model gives it alone."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    texts = ["short", "a much longer response of many characters", "mid length"]
-    prompts = ["p one", "p two is longer", "p3"]
-    judge = ClassifierJudge(classifier_dir, "harmful", pair, "cpu", batch_size=2)
-    got = judge(inputs(texts, prompts))
-    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
-    with torch.no_grad():
-        alone = [torch.softmax(model(**tokenizer(*([p] if pair else []), t, return_tensors="pt")).logits, -1)[0, 1].item()
-                 for p, t in zip(prompts, texts)]
-    assert got == pytest.approx(alone, abs=1e-5)
-    assert len(set(round(x, 6) for x in got)) == 3  # a random head: three different texts, three scores
-
-
-def test_classifier_judge_refuses_bad_models(classifier_dir, tmp_path):
-    with pytest.raises(UserError, match=r"red_team.harmful_label 'toxic' is not a label .*\(its labels: harmful, safe\)"):
-        ClassifierJudge(classifier_dir, "toxic", False, "cpu", 2)
-    with pytest.raises(UserError, match="red_team.classifier '.*missing': cannot load"):
-        ClassifierJudge(str(tmp_path / "missing"), "harmful", False, "cpu", 2)
-    from rlhfkit.model_sources import build_tiny_model
-
-    build_tiny_model(str(tmp_path / "lm"))
-    with pytest.raises(UserError, match="is a LlamaForCausalLM, not a text-classification model"):
-        ClassifierJudge(str(tmp_path / "lm"), "harmful", False, "cpu", 2)
 
 
 def write_jsonl(path, rows):
