@@ -37,6 +37,8 @@ _LORA_IGNORED = {"task_type", "peft_type", "base_model_name_or_path", "revision"
 
 @dataclass(frozen=True)
 class TrainResult:
+    """What `train` returns: the last logged metrics, the run directory, and the trained model object."""
+
     metrics: dict[str, float]  # the last logged training (and eval) metrics; `rlhfkit eval`: its headline figures
     output_dir: str  # the run directory: the final model (a plain Hugging Face directory), config.yaml, metrics.jsonl
     model: Any  # the trained model object (the caller's own when one was given; a peft model with LoRA); None for eval
