@@ -22,7 +22,6 @@ from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text
 from rlhfkit.label.candidates import SamplingSpec, fingerprint, file_digest, make_pairs, read_candidates, sample_groups
 from rlhfkit.label.export import flag_rows, preference_rows, write_jsonl
-from rlhfkit.label.figures import agreement, human_win_rate, per_annotator, plot_figures, reward_disagrees
 from rlhfkit.label.store import Store
 
 logger = logging.getLogger("rlhfkit")
@@ -143,6 +142,8 @@ def access_token(host: str, token: str | None) -> str | None:
 def check_port_free(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As uvicorn binds: a port left in TIME_WAIT by a killed server is free, one that something listens on is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -168,6 +169,8 @@ def serve(store: Store, host: str, port: int, token: str | None) -> None:
 
 
 def read_outputs(opts: LabelOptions) -> None:
+    from rlhfkit.label.figures import agreement, per_annotator, plot_figures  # torch: not on the server's start
+
     if not os.path.isfile(opts.db):
         raise UserError(f"database '{opts.db}' does not exist")
     store = Store(opts.db)
@@ -198,6 +201,8 @@ def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
     """human_eval.json in `out_dir` (beside `rlhfkit eval`'s eval.json): the human win rate, its interval and tie
     rate; the judges' win rates from eval.json when it is there; the reward model's mean score of both models' responses
     on the same pairs and its own win rate, with the alarm when it prefers what people do not."""
+    from rlhfkit.label.figures import human_win_rate, reward_disagrees
+
     try:
         human = human_win_rate(judgements)
     except ValueError as exc:

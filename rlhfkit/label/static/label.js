@@ -51,8 +51,9 @@ function render(container, content) {
 
 function showProgress(p) {
   $("progress").textContent = "done " + p.done + " / " + p.total;
-  $("who").textContent = annotator + ": " + (p.mine || 0);
-  $("annotators").textContent = Object.entries(p.annotators).map(([n, c]) => n + " " + c).join(" · ");
+  $("who").textContent = annotator + ": " + (p.mine || 0) + " judged";
+  const all = Object.entries(p.annotators).map(([n, c]) => n + " " + c).join(", ");
+  $("annotators").textContent = all ? "everyone: " + all : "";
 }
 
 function showFlags() {
