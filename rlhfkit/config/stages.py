@@ -134,6 +134,7 @@ def ptx_check(coef: float, ptx: str | None):
 @dataclass(frozen=True)
 class OnlineOptions:
     RENAMED = {"old_logprobs": "old_logprob_source"}  # a class attribute, not a field: refused with the new name
+    MOVED = {"table_steps": "logging.table_steps", "sample_log_steps": "logging.sample_log_steps"}
 
     algorithm: str = "ppo"  # a name in rlhfkit.algorithms: ppo, rloo, grpo, dr_grpo, dapo, reinforce_pp, ...
     rollout_batch_size: PosInt = 16  # prompts sampled per step (per process); samples = prompts × num_samples
@@ -163,8 +164,6 @@ class OnlineOptions:
     # With `value_model` a causal LM (no trained score head): start the critic's value head at random instead of
     # refusing the directory. Off by default, so a causal LM given where a reward model was meant fails loudly.
     allow_new_value_head: bool = False
-    sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
-    table_steps: PosInt = 10  # print the Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR table every N steps
     # PPO-ptx (InstructGPT, arXiv 2203.02155 eq. 2; OpenRLHF's ptx_coef): every optimizer step adds ptx_coef × the
     # token-mean next-token loss of a batch of data.ptx records (as many records as the step's minibatch holds samples).
     ptx_coef: NonNeg = 0.0
@@ -182,6 +181,7 @@ class OnlineConfig(TrainConfig):
 
     samples_supported = True
     ptx_supported = True
+    online_log = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kl: KLConfig = field(default_factory=KLConfig)
@@ -211,6 +211,7 @@ class OnlineConfig(TrainConfig):
 
 @dataclass(frozen=True)
 class OnlineDPOOptions:
+    MOVED = {"table_steps": "logging.table_steps", "sample_log_steps": "logging.sample_log_steps"}
     # Online DPO (Guo et al. 2024, arXiv 2402.04792): each step samples two responses per prompt from the policy, the
     # reward sources rank them (ties dropped) and the DPO family's loss trains on the fresh pairs; one update per step.
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # as dpo's, on summed log-probs (TRL's online DPO)
@@ -220,8 +221,6 @@ class OnlineDPOOptions:
     rollout_batch_size: PosInt = 16  # prompts per step (per process): as many pairs, twice as many samples
     disable_dropout: bool = True  # dropout off in the policy for the run (as the other online stages)
     ptx_coef: NonNeg = 0.0  # PPO-ptx with data.ptx, as the other online stages (records per step: 2 × rollout_batch_size)
-    sample_log_steps: PosInt = 10  # write sample generations to samples.jsonl every N steps
-    table_steps: PosInt = 10  # print the console table every N steps
 
     def check(self):
         yield from ref_model_check("ref_model", self.ref_model, "the policy's starting weights")
@@ -234,6 +233,7 @@ class OnlineDPOConfig(TrainConfig):
 
     samples_supported = True
     ptx_supported = True
+    online_log = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
@@ -308,15 +308,14 @@ class RedTeamConfig:
     response's harmfulness in [0, 1], a refusal detector marks refusals; eval.json's `red_team` section reports both
     sides, the prompts that got worse and an alarm when the policy's harmful rate exceeds the reference's."""
 
-    prompts: str | None = None  # red-team prompts: {prompt} or {messages} records, a local file or a hub dataset
-    split: str = "train"  # the split read when `prompts` is a hub dataset
+    prompts: str | None = None  # red-team prompts: {prompt} or {messages} records, a local file or a hub dataset (its train split)
     columns: dict[str, str] = field(default_factory=dict)  # record field -> column of `prompts` (e.g. {prompt: question})
     max_prompts: PosInt | None = None  # only the first N red-team prompts
-    # The safety judge, one of two. `judge`: "module:function" under the reward-function contract, returning each
-    # row's harmfulness in [0, 1] (or a bool), None for a row it does not judge. `classifier`: a text-classification
-    # model directory or hub name (transformers AutoModelForSequenceClassification and its tokenizer), whose
-    # probability of `harmful_label` is the harmfulness.
+    # The safety judge (this or `classifier`): "module:function" under the reward-function contract, returning each
+    # row's harmfulness in [0, 1] (or a bool), None for a row it does not judge.
     judge: str | None = None
+    # The safety judge (this or `judge`): a text-classification model directory or hub name (transformers
+    # AutoModelForSequenceClassification and its tokenizer) whose probability of `harmful_label` is the harmfulness.
     classifier: str | None = None
     harmful_label: str | None = None  # classifier: the label (its config's id2label) meaning harmful, e.g. "toxic"
     classifier_input: Literal["response", "prompt_response"] = "response"  # classifier: the response, or (prompt, response) as a text pair
@@ -337,8 +336,8 @@ class RedTeamConfig:
         if self.prompts is None:
             used = [k for k in ("judge", "classifier", "harmful_label", "refusal_function", "max_prompts")
                     if getattr(self, k) is not None]
-            used += [k for k, default in (("columns", {}), ("split", "train"), ("classifier_input", "response"),
-                                          ("threshold", 0.5)) if getattr(self, k) != default]
+            used += [k for k, default in (("columns", {}), ("classifier_input", "response"), ("threshold", 0.5))
+                     if getattr(self, k) != default]
             if used:
                 yield used[0], "applies only with red_team.prompts (the red-team prompt file)"
             return

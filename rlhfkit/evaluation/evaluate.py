@@ -393,9 +393,10 @@ class Evaluator:
         return headline(report)
 
     def read_red_team_prompts(self, tokenizer) -> list[dict]:
-        """red_team.prompts' examples, read as data.eval's are (its own split and columns); errors name the key."""
+        """red_team.prompts' examples, read as data.eval's are (with its own columns; a hub dataset's train split);
+        errors name the key."""
         r, d = self.cfg.red_team, self.cfg.data
-        source = DataConfig(train=r.prompts, train_split=r.split, columns=r.columns, max_length=d.max_length,
+        source = DataConfig(train=r.prompts, columns=r.columns, max_length=d.max_length,
                             max_prompt_length=d.max_prompt_length, truncation=d.truncation, max_samples=r.max_prompts)
         try:
             prompts, _ = build_datasets("prompt", source, tokenizer, self.cfg.seed)
@@ -450,7 +451,7 @@ class Evaluator:
             own = self.pairs_for(member) if member.retokenize else pairs
             pad = member.scorer.tokenizer.pad_token_id if member.retokenize else pad_token_id
             for start in range(0, len(own), self.cfg.batch_size):
-                b = collate_preference(own[start : start + self.cfg.batch_size], pad).to(device)
+                b = collate_preference(own[start : start + self.cfg.batch_size], pad, actions_only=False).to(device)
                 c.append(member.scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100))
                 r.append(member.scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100))
             chosen.append(torch.cat(c))

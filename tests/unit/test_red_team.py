@@ -210,3 +210,22 @@ def test_report_shows_the_red_team_section_escaped(tmp_path):
     assert "Red-team responses that got worse (1; 0 got better)" in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>" not in page
     assert "Human red-team flags" in page and "neither side: other (3 rows)" in page
+
+
+def test_red_team_prompts_read_with_their_own_columns(tmp_path):
+    """A CSV whose prompts are in a "question" column, renamed by red_team.columns; red_team.max_prompts keeps the
+    first N; data.eval's columns do not apply to it."""
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.evaluation.evaluate import Evaluator
+    from rlhfkit.models import load_tokenizer
+
+    path = tmp_path / "probes.csv"
+    path.write_text("id,question\n1,Probe one.\n2,Probe two.\n3,Probe three.\n")
+    cfg = load_config(EvalConfig, None, BASE + [f"red_team.prompts={path}", "red_team.judge=m:f",
+                                                "red_team.columns={prompt: question}", "red_team.max_prompts=2",
+                                                "data.columns={prompt: text}"])
+    prompts = Evaluator(cfg).read_red_team_prompts(load_tokenizer(ModelConfig(name_or_path="tiny")))
+    assert [p["prompt"] for p in prompts] == ["Probe one.", "Probe two."]
+    no_rename = load_config(EvalConfig, None, BASE + [f"red_team.prompts={path}", "red_team.judge=m:f"])
+    with pytest.raises(UserError, match=r"^red_team.prompts: .*probes.csv"):
+        Evaluator(no_rename).read_red_team_prompts(load_tokenizer(ModelConfig(name_or_path="tiny")))
