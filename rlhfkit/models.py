@@ -35,6 +35,7 @@ from rlhfkit.io import atomic_dir
 from rlhfkit.model_sources import from_pretrained, resolve_model_path
 from rlhfkit.precision import check_attn_implementation
 from rlhfkit.sharding import place_frozen
+from rlhfkit.templates import apply_setting
 
 logger = logging.getLogger("rlhfkit")
 
@@ -51,12 +52,14 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right", given=None):
 
     A tokenizer without a pad token gets pad = eos (with a warning), or, with no eos either, a new "<|pad|>" token;
     the model loaders then grow the embeddings to `len(tokenizer)`, so nothing else needs to be passed along.
+    `cfg.chat_template` (model.chat_template) replaces its chat template (`rlhfkit.templates.apply_setting`).
     """
     if given is not None:
         tokenizer = given
     else:
         path = resolve_model_path(cfg)
         tokenizer = from_pretrained(AutoTokenizer, path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    apply_setting(tokenizer, cfg.chat_template)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             logger.warning("tokenizer of '%s' has no pad token: using eos %r as pad", cfg.name_or_path, tokenizer.eos_token)
@@ -493,94 +496,6 @@ class Reference:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-class PolicyAndCritic(torch.nn.Module):
-    """The policy and its critic as one module, for engines that take one model per Accelerator (DeepSpeed): prepared
-    together, each still called through its own forward, never through this one."""
-
-    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module):
-        super().__init__()
-        self.policy, self.critic = policy, critic
-
-    def forward(self, *args, **kwargs):
-        raise TypeError("PolicyAndCritic only holds the two models: call .policy or .critic")
-
-
-class SharedBaseCritic(torch.nn.Module):
-    """A PPO critic on the policy's own frozen base: a second LoRA adapter ("value") plus a linear value head.
-
-    With LoRA, the policy (adapter "default"), the reference (adapters disabled) and this critic hold one copy of
-    the base weights. The policy is not registered as a submodule (its parameters belong to the policy); the
-    critic's trainable parameters are the "value" adapter (inside the policy) and `head`.
-
-    Switching adapters with peft's `set_adapter` also flips `requires_grad`; `_active` restores the flags, so both
-    adapters stay trainable, and callers backpropagate each forward before switching (gradient checkpointing
-    recomputes the forward with whatever adapter is active during backward).
-    """
-
-    ADAPTER = "value"
-
-    def __init__(self, policy: PeftModel, cfg: ModelConfig):
-        super().__init__()
-        object.__setattr__(self, "policy", policy)  # not a submodule
-        base = policy.get_base_model()
-        policy.add_adapter(self.ADAPTER, PeftLoraConfig(
-            task_type="CAUSAL_LM", r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules))
-        for name, p in policy.named_parameters():
-            if f".{self.ADAPTER}." in name:
-                p.requires_grad_(True)
-        hidden = base.config.hidden_size
-        self.head = torch.nn.Linear(hidden, 1)
-        torch.nn.init.normal_(self.head.weight, std=1 / (hidden + 1) ** 0.5)  # TRL's value-head initialisation
-        torch.nn.init.zeros_(self.head.bias)
-        self.head.to(next(base.parameters()).device)
-
-    def _active(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def swap():
-            flags = {n: p.requires_grad for n, p in self.policy.named_parameters()}
-            previous = self.policy.active_adapter
-            self.policy.set_adapter(self.ADAPTER)
-            try:
-                yield
-            finally:
-                self.policy.set_adapter(previous)
-                for n, p in self.policy.named_parameters():
-                    p.requires_grad_(flags[n])
-
-        return swap()
-
-    def forward(self, input_ids, attention_mask):
-        """(B, T) values: the head on the last hidden state of the base run with the "value" adapter."""
-        base = self.policy.get_base_model()
-        backbone = getattr(base, base.base_model_prefix)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        with self._active():
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state  # (B, T, H)
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T, H) -> (B, T)
-
-    def save(self, directory: str) -> None:
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        os.makedirs(directory, exist_ok=True)
-        state = get_peft_model_state_dict(self.policy, adapter_name=self.ADAPTER)
-        state.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "critic.safetensors"))
-
-    def load(self, directory: str) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        state = load_file(os.path.join(directory, "critic.safetensors"))
-        head = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
-        self.head.load_state_dict(head)
-        set_peft_model_state_dict(self.policy, {k: v for k, v in state.items() if not k.startswith("head.")}, adapter_name=self.ADAPTER)
 
 
 def disable_dropout(model: torch.nn.Module) -> int:

@@ -1,5 +1,5 @@
 """Tensor operations shared by losses, advantage estimators and trainers: masked statistics, log-probs of labels,
-entropy, and per-token KL estimators.
+and entropy (the KL estimators are in `rlhfkit.kl`).
 
 Everything here is a pure function computed in fp32. Masks are (B, R) or (B, T), bool or 0/1; a masked-out position
 never contributes, even when it holds inf or NaN (we select with `torch.where`, never multiply by the mask).
@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-KL_KINDS = ("k1", "k2", "k3", "abs")
 
 # exp(20) ≈ 4.9e8 is finite in fp32 (exp overflows above ~88). A per-token log-ratio beyond ±20 means the two
 # policies disagree by a factor of half a billion on one token: a broken rollout or a padding position. Clamping keeps
@@ -139,35 +137,3 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         probs = torch.exp(z - lse.unsqueeze(-1))  # (T, V)
         rows.append(lse - (probs * z).sum(-1))
     return torch.stack(rows)  # (B, T)
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(π || π_ref) from tokens sampled from π (Schulman 2020, "Approximating KL Divergence").
-
-    With log r = log π_ref(y_t) - log π(y_t):
-      - "k1": -log r = log π - log π_ref. Unbiased, can be negative per token; the RLHF reward penalty (Ziegler et al.
-        2019, arXiv 1909.08593, eq. 2).
-      - "k2": ½ (log r)². Biased, non-negative, low variance.
-      - "k3": (r - 1) - log r. Unbiased, non-negative, low variance; the GRPO loss term (Shao et al. 2024,
-        arXiv 2402.03300, eq. 4). log r is clamped to [-20, 20] before exp (see LOG_RATIO_CLAMP).
-      - "abs": |log π - log π_ref|.
-
-    Args:
-        logprobs: (B, R) log π of the sampled tokens.
-        ref_logprobs: (B, R) log π_ref of the same tokens.
-        kind: one of KL_KINDS.
-
-    Returns:
-        (B, R) fp32, unmasked: mask or aggregate it with the response mask.
-    """
-    log_ratio = logprobs.float() - ref_logprobs.float()  # (B, R) = log π - log π_ref
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        log_r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(log_r) - log_r - 1
-    if kind == "abs":
-        return log_ratio.abs()
-    raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")

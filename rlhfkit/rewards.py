@@ -190,6 +190,12 @@ class RunningMoments:
     def state_dict(self) -> dict[str, float]:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
+    def copy(self) -> "RunningMoments":
+        """A copy to update tentatively (a step's moments are kept only if the step is)."""
+        other = RunningMoments()
+        other.load_state_dict(self.state_dict())
+        return other
+
     def load_state_dict(self, state: dict) -> None:
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
 

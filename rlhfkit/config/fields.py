@@ -128,10 +128,13 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     renamed = getattr(cls, "RENAMED", {})  # old key -> new key, for keys a release renamed
+    moved = getattr(cls, "MOVED", {})  # old key -> its new dotted path from the top, for keys a release moved
     # KEY_HINTS: key -> what to use instead, for keys users bring from other tools
     for key in data:
         if key in renamed:
             raise ConfigError(f"config key '{prefix}{key}' was renamed: use '{prefix}{renamed[key]}'")
+        if key in moved:
+            raise ConfigError(f"config key '{prefix}{key}' moved: use '{moved[key]}'")
         if key not in names and key in getattr(cls, "KEY_HINTS", {}):  # a key users bring from elsewhere
             raise ConfigError(f"unknown config key '{prefix}{key}': {cls.KEY_HINTS[key]}")
         if key not in names:

@@ -70,6 +70,11 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # weights dtype on load
     gradient_checkpointing: bool = False  # trade compute for activation memory
     trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
+    # The tokenizer's chat template, replaced (None: its own): a bundled name ("chatml_tools": ChatML that renders
+    # tools, tool calls and tool turns; "smollm2_tools": the same with SmolLM2's default system turn), a .jinja file
+    # (with its response template, for parsing tool calls, in a sibling <stem>.response.json), or a tokenizer's
+    # directory. Saved with the model. Data with tools needs a template that renders them.
+    chat_template: str | None = None
     # Keep only the first N transformer layers (None = all): a smaller, faster model from the bottom of a larger
     # one, e.g. a reward or value model initialised from the SFT model at a fraction of its cost.
     num_layers: PosInt | None = None
@@ -162,6 +167,11 @@ class LoggingConfig:
     # the sampled completions (online stages, rft) as a table or text, the resolved config as the run's config.
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = field(default_factory=list)
     progress_bar: bool = True  # tqdm bar with the live loss
+    # The online stages' step log (ppo, rloo, grpo, reinforce_pp, online_dpo): sample generations to samples.jsonl (and
+    # the trackers' tables) every N steps, besides the first and the last; the console table
+    # (Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR) every N steps.
+    sample_log_steps: PosInt = 10
+    table_steps: PosInt = 10
     run_name: str | None = None  # the run's name in TensorBoard, W&B and trackio (default: output_dir's name)
     # The W&B and trackio project the run goes in; None: W&B's own choice (WANDB_PROJECT, else its default), and
     # "rlhfkit" for trackio.
@@ -276,6 +286,7 @@ class TrainConfig:
     packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
     samples_supported: ClassVar[bool] = False  # the stage samples responses: held-out sampling eval, data.capability
     ptx_supported: ClassVar[bool] = False  # the stage mixes an SFT loss into its updates (data.ptx, algo.ptx_coef)
+    online_log: ClassVar[bool] = False  # the stage logs online steps (logging.sample_log_steps, logging.table_steps)
 
     def check(self):
         if self.data.padding_free and not self.padding_free_supported:
@@ -286,6 +297,9 @@ class TrainConfig:
             yield "data.ptx", "is read by the online stages only (ppo, rloo, grpo, reinforce_pp, online_dpo)"
         if not self.data.train:
             yield "data.train", "is required (a local file or a hub dataset name)"
+        for key in ("sample_log_steps", "table_steps"):
+            if getattr(self.logging, key) != 10 and not self.online_log:
+                yield f"logging.{key}", "is read by the online stages only (ppo, rloo, grpo, reinforce_pp, online_dpo)"
         if self.data.capability and not self.samples_supported:
             yield "data.capability", "is read by the sampling stages only (ppo, rloo, grpo, reinforce_pp, rft)"
         if self.samples_supported and self.logging.eval_steps and not (
@@ -328,6 +342,11 @@ class KLConfig:
     coef: NonNeg = 0.05  # β (the initial β when adaptive)
     target: Positive = 6.0  # adaptive: sequence KL (nats) to steer to
     horizon: PosInt = 10000  # adaptive: samples over which β moves by at most 20%
+    # Measure objective/kl to the initial policy even where no KL term is trained (DAPO, Dr. GRPO: the drift monitor
+    # the reward-hacking alarms read). null: with LoRA only, where it is free (the base with adapters disabled); true:
+    # in full fine-tuning too, at the cost of a frozen copy of the policy (its weights' memory again) and one no-grad
+    # forward per step; false: never.
+    monitor: bool | None = None
 
     def check(self):
         if self.controller == "adaptive" and self.coef == 0:

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfkit.ops import kl_penalty, masked_sum
+from rlhfkit.kl import sequence_kl  # noqa: F401  (re-exported: evaluation's figures)
+from rlhfkit.ops import masked_sum
 
 Numbers = Sequence[float] | Sequence[bool] | torch.Tensor
 
@@ -44,22 +45,6 @@ def win_rate(scores_a: Numbers, scores_b: Numbers) -> float:
     if a.shape != b.shape:
         raise ValueError(f"win_rate needs paired scores, got {a.numel()} and {b.numel()}")
     return float(((a > b).double() + 0.5 * (a == b).double()).mean())
-
-
-def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sampled estimate of KL(π || π_ref) per sequence, in nats: Σ_t (log π(y_t) - log π_ref(y_t)) over the response.
-
-    The k1 estimator summed over tokens (Schulman 2020; `rlhfkit.ops.kl_penalty`): unbiased for the sequence KL when
-    the responses are sampled from π, as `objective/kl` is during online RL. A single sequence's value can be negative.
-
-    Args:
-        logprobs, ref_logprobs: (B, R) log-probs of the sampled response tokens under π and π_ref.
-        mask: (B, R) 1 on response tokens.
-
-    Returns:
-        (B,) fp32.
-    """
-    return masked_sum(kl_penalty(logprobs, ref_logprobs, "k1"), mask, dim=-1)  # (B, R) -> (B,)
 
 
 def eos_rate(has_eos: Numbers) -> float:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.ops import LOG_RATIO_CLAMP, kl_penalty
+from rlhfkit.kl import kl_penalty
+from rlhfkit.ops import LOG_RATIO_CLAMP
 
 
 def ppo_policy_loss(

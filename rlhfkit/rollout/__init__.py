@@ -38,3 +38,4 @@ def is_nonfinite_sampling(exc: RuntimeError) -> bool:
     """Whether `torch.multinomial` refused the policy's probabilities ("probability tensor contains either inf, nan or
     element < 0"): the weights blew up."""
     return "inf" in str(exc) and "nan" in str(exc)
+

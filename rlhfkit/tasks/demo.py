@@ -365,7 +365,7 @@ class Demo:
             "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
             "kl.controller": "adaptive", "kl.coef": 0.05, "kl.target": 4.0, "kl.horizon": 100,
             "algo.algorithm": "ppo", "algo.rollout_batch_size": size.ppo_batch, "algo.ppo_epochs": 1,
-            "algo.num_minibatches": 2, "algo.vf_coef": 0.1, "algo.table_steps": 1, "algo.sample_log_steps": 5,
+            "algo.num_minibatches": 2, "algo.vf_coef": 0.1, "logging.table_steps": 1, "logging.sample_log_steps": 5,
             "optim.lr": size.ppo_lr, "optim.per_device_batch_size": size.ppo_batch // 2})
 
     # 3b. Online DPO: fresh pairs from the policy, labelled by the reward model, PPO's prompt budget -------------
@@ -377,7 +377,7 @@ class Demo:
             "output_dir": self.path("online_dpo"), "max_steps": size.ppo_steps, "reward.model": [self.path("rm")],
             "reward.missing_eos_penalty": 1.0, "reward.gold_function": "rlhfkit.tasks.reviews:gold_judge",
             "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0, "generation.num_samples": 2,
-            "algo.beta": 0.1, "algo.rollout_batch_size": size.ppo_batch, "algo.table_steps": 1, "algo.sample_log_steps": 5,
+            "algo.beta": 0.1, "algo.rollout_batch_size": size.ppo_batch, "logging.table_steps": 1, "logging.sample_log_steps": 5,
             "optim.lr": 2e-4, "optim.per_device_batch_size": size.ppo_batch // 2})
 
     # 3c. DPO on the annotated pairs ---------------------------------------------------------------------------------

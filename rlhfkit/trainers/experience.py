@@ -1,52 +1,64 @@
-"""An online step's experience, made once: rollout → scores → shaped scores → KL → per-token rewards → advantages.
+"""An online step's experience, made once from explicit parts (the shape of OpenRLHF's experience maker):
+rollout → scores → shaped scores → no-grad forwards → KL → per-token rewards → advantages.
 
-`make_experience` is the one place that builds an `Experience`; nothing changes it afterwards. What a step measured
-about it (`rollout_stats`, `policy_stats`) is computed from it over every process's rows, as one process holding the
-whole batch would.
+`ExperienceMaker` is built once per run from what it uses — the rollout component (`rlhfkit.rollout`), the reward
+sources, the reference, the critic, the KL controller, the running reward moments, the config — never from the
+trainer. `make` is the one place an `Experience` is built; nothing changes it afterwards. What a step measured about
+it is computed over every process's rows, as one process holding the whole batch would, and returned as logged
+figures plus the typed values the loop's control reads (`Made.kl`, never a metric name).
+
+Every figure of the policy's tokens reads the rollout's `action_mask`: a token the policy did not choose (a tool
+result in a multi-turn episode) takes no KL, no entropy, no value and no length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rlhfkit.advantages import AdvantageInput, compute_advantages, loss_mask, penalize_missing_eos, per_token_rewards
+from rlhfkit.algorithms import Algorithm
+from rlhfkit.config import OnlineConfig
+from rlhfkit.critic import critic_values
 from rlhfkit.evaluation.alarms import diversity_figures
 from rlhfkit.evaluation.metrics import pearson
-from rlhfkit.ops import kl_penalty
+from rlhfkit.kl import token_kl
+from rlhfkit.models import rollout_logprobs
 from rlhfkit.reward_functions import source_stats, trainer_state
-from rlhfkit.rewards import RunningMoments, normalize_scores
+from rlhfkit.rewards import Rewards, RunningMoments, normalize_scores
+from rlhfkit.rollout import RolloutMaker
+from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.optim import Fault
-from rlhfkit.types import Experience, Rollout
+from rlhfkit.trainers.processes import sums_by_name
+from rlhfkit.types import Experience, PromptBatch, Rollout, ToolCounts
 
 
 @dataclass(frozen=True)
 class Made:
-    """What `make_experience` made of a step: its experience, or the fault that skips the step (a non-finite
-    rollout on some process); and its rollout statistics (over every process)."""
+    """What `ExperienceMaker.make` made of a step: its experience, or the fault that skips the step (a non-finite
+    rollout, score, log-prob, value or advantage on some process); its logged figures (over every process); the mean
+    sequence KL to the reference that the KL controller follows (None until π_old is known, or without a
+    reference); and the `log_extra` columns of the step's rows (for the sample rows)."""
 
     experience: Experience | None
     fault: Fault | None
     stats: dict[str, float]
-    kl: float | None = None  # the mean sequence KL to the reference, when π_old was known before the update
+    kl: float | None = None
+    extras: dict[str, list] = field(default_factory=dict)
+    examples: list[dict] = field(default_factory=list)  # (B,) each row's prompt example
 
 
 @dataclass(frozen=True)
 class PolicyFigures:
-    """What π_old's log-probs measure over every process's rows: the logged statistics, and the mean sequence KL to
-    the reference that the adaptive KL controller follows (None without a reference)."""
+    """What π_old's log-probs measure over every process's rows: the logged figures, and the mean sequence KL to the
+    reference (None without one)."""
 
     stats: dict[str, float]
     kl: float | None
-
-
-def token_kl(logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    """(B, R) k1 KL per response token to the reference; None without a reference or before π_old is known."""
-    if logprobs is None or ref_logprobs is None:
-        return None
-    return kl_penalty(logprobs, ref_logprobs, "k1") * mask
+    seq_kl: torch.Tensor | None  # (B,) this process's sequence KL, for the sample rows
 
 
 def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -54,107 +66,141 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-@torch.no_grad()
-def make_experience(t, step: int) -> Made:
-    """Step `step`'s experience, built once by the online trainer `t` (its models, reward, KL controller, running
-    moments): 1. sample; 2. score; 3. no-grad forwards (π_old, reference, critic) without dropout; 4. shaped scores,
-    per-token rewards with the KL penalty, advantages. A fault when anything it holds is not finite on any process."""
-    cfg, run, mb = t.cfg, t.run, t.cfg.optim.per_device_batch_size
-    prompts, examples = t.prompts_for(step)
-    t0 = time.perf_counter()
-    ro = t.sample(prompts.to(t.accelerator.device), step)  # 1. sample
-    stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
-    if not run.on_every_process(ro is not None):
-        return Made(None, Fault.ROLLOUT, stats)
-    rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
-    state = trainer_state(step, t.total_steps)
-    scored = t.reward(ro, rows, state)  # 2. score, once for the whole rollout batch
-    scores = scored.total  # (B,) the weighted sum over the reward sources
-    stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
-    # 3. No-grad forwards without dropout, on the unwrapped modules (no DDP collectives): with unchanged weights
-    # they give exactly the update forward's values.
-    policy = run.unwrap(t.model)
-    critic = run.unwrap(t.value) if t.value is not None else None
-    for module in (policy, critic):
-        if module is not None:
-            module.eval()
-    # Each micro-batch is cut to its own longest response, its outputs padded back to the rollout's width.
-    chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
-    cat = lambda f: torch.cat([pad_to(f(c), ro.response_ids.shape[1]) for c in chunks])  # noqa: E731
-    if t.one_pass:
-        old_logprobs = None  # the update forward's own, detached (`update` returns them)
-    elif cfg.algo.old_logprob_source == "sampler":
-        old_logprobs = ro.sampler_logprobs
-    else:
-        old_logprobs = cat(lambda c: t.response_logprobs(policy, c))
-    ref_logprobs = cat(lambda c: t.ref.rollout_logprobs(policy, c, cfg.generation.temperature)) if t.ref is not None else None
-    values = cat(lambda c: t.values_of(critic, c)) if critic is not None else None
-    finite = run.on_every_process(all(torch.isfinite(x).all() for x in (scores, old_logprobs, ref_logprobs) if x is not None))
-    exp = shape_and_estimate(t, ro, scores, old_logprobs, ref_logprobs, values, finite)
-    stats.update(rollout_stats(t, exp, rows, state))
-    logged, t.sample_extras = t.reward.logs.take()  # log_metric / log_extra: the step's metrics, samples' columns
-    stats.update(logged_means(run, logged))
-    figures = policy_stats(run, exp, t.kl_ctl.value, gap=cfg.algo.old_logprob_source != "sampler") \
-        if old_logprobs is not None else PolicyFigures({}, None)
-    stats.update(figures.stats)
-    if not run.on_every_process(finite and bool(torch.isfinite(exp.advantages).all())):
-        return Made(None, Fault.ROLLOUT, stats)
-    return Made(exp, None, stats, figures.kl)
+class ExperienceMaker:
+    def __init__(self, rollout: RolloutMaker, rewards: Rewards, reference, critic, kl_control, moments: RunningMoments,
+                 cfg: OnlineConfig, algo: Algorithm, run, one_pass: bool):
+        """`reference`: a `models.Reference` or None; `critic`: the prepared critic module or None; `kl_control`: the
+        β controller (`rlhfkit.kl_control`); `moments`: the running reward moments (`reward.normalize: running`),
+        updated only by a step that is kept; `run`: the run's process group and unwrapping (`trainers.run.Run`);
+        `one_pass`: π_old is the update forward's own log-probs (see `trainers.online`), not computed here."""
+        self.rollout, self.rewards, self.reference, self.critic = rollout, rewards, reference, critic
+        self.kl_control, self.moments, self.cfg, self.algo, self.run, self.one_pass = \
+            kl_control, moments, cfg, algo, run, one_pass
+
+    @torch.no_grad()
+    def make(self, policy, prompts: PromptBatch, examples: list[dict], step: int, total_steps: int) -> Made:
+        """Step `step`'s (0-based) experience from this process's `prompts` and their dataset `examples`, with the
+        prepared `policy`: 1. the rollout; 2. scores, once for the whole batch; 3. no-grad forwards (π_old, reference,
+        critic) without dropout; 4. shaped scores, per-token rewards with the KL penalty, advantages."""
+        cfg, run = self.cfg, self.run
+        t0 = time.perf_counter()
+        with gathered_weights(run.accelerator, policy, run.unwrap(policy)) as sampler:  # FSDP / ZeRO-3: whole weights
+            ro = self.rollout(sampler, prompts.to(run.accelerator.device), examples, step)  # 1. roll out
+        stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
+        if not run.on_every_process(ro is not None):
+            return Made(None, Fault.ROLLOUT, stats)
+        rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
+        state = trainer_state(step, total_steps)
+        scored = self.rewards(ro, rows, state)  # 2. score
+        scores = scored.total  # (B,) the weighted sum over the reward sources
+        stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
+        old_logprobs, ref_logprobs, values = self.forwards(run.unwrap(policy), ro)  # 3.
+        finite = run.on_every_process(all(bool(torch.isfinite(x).all()) for x in (scores, old_logprobs, ref_logprobs, values)
+                                          if x is not None))
+        moments = self.moments.copy()  # kept only if the step is: a skipped step leaves no trace
+        exp = self.estimate(ro, scores, old_logprobs, ref_logprobs, values, moments if finite else RunningMoments())  # 4.
+        stats.update(self.rollout_stats(exp, rows, state))
+        logged, extras = self.rewards.logs.take()  # log_metric / log_extra: the step's metrics, the rows' columns
+        stats.update(logged_means(run, logged))
+        figures = self.policy_figures(exp) if old_logprobs is not None else None
+        if figures is not None:
+            stats.update(figures.stats)
+        if not run.on_every_process(finite and bool(torch.isfinite(exp.advantages).all())):
+            return Made(None, Fault.ROLLOUT, stats)
+        self.moments.load_state_dict(moments.state_dict())
+        return Made(exp, None, stats, figures.kl if figures is not None else None, extras, rows)
+
+    def forwards(self, policy, ro: Rollout):
+        """(B, R) π_old, reference log-probs and critic values of the rollout's tokens (each None where not needed),
+        in no-grad forwards without dropout on the unwrapped modules (no DDP collectives): with unchanged weights
+        they give exactly the update forward's values. Each micro-batch is cut to its own longest response, its
+        outputs padded back to the rollout's width."""
+        cfg, mb, width = self.cfg, self.cfg.optim.per_device_batch_size, ro.response_ids.shape[1]
+        critic = self.run.unwrap(self.critic) if self.critic is not None else None
+        for module in (policy, critic):
+            if module is not None:
+                module.eval()
+        chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
+        cat = lambda f: torch.cat([pad_to(f(c), width) for c in chunks]) * ro.action_mask  # noqa: E731
+        temperature = cfg.generation.temperature
+        if self.one_pass:
+            old = None  # the update forward's own, detached (`PolicyUpdate` returns them)
+        elif cfg.algo.old_logprob_source == "sampler":
+            old = ro.sampler_logprobs
+        else:
+            old = cat(lambda c: rollout_logprobs(policy, c, temperature))
+        ref = cat(lambda c: self.reference.rollout_logprobs(policy, c, temperature)) if self.reference is not None else None
+        values = cat(lambda c: critic_values(critic, critic, c)) if critic is not None else None
+        return old, ref, values
+
+    def estimate(self, ro: Rollout, scores, old_logprobs, ref_logprobs, values, moments: RunningMoments) -> Experience:
+        """4. The EOS penalty, normalisation and clipping of the scores, the KL once per token, the per-token rewards
+        and the advantages — statistics over the global batch, as one process would compute them."""
+        cfg, algo, run = self.cfg, self.algo, self.run
+        mask = ro.action_mask.float()
+        shaped = penalize_missing_eos(scores, ro.has_eos, cfg.reward.missing_eos_penalty)
+        shaped = normalize_scores(shaped, cfg.reward.normalize, moments, cfg.reward.clip,
+                                  population=run.gather(shaped) if cfg.reward.normalize != "none" else None)
+        kl = token_kl(old_logprobs, ref_logprobs, mask)  # (B, R) or None
+        rewards = per_token_rewards(shaped, kl if kl is not None else torch.zeros_like(mask), mask,
+                                    self.kl_control.value if algo.kl_in_reward else 0.0)
+        whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else algo.whiten_by_default
+        # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
+        advantages, returns = compute_advantages(algo.advantage, AdvantageInput(
+            rewards=rewards, scores=shaped, response_mask=mask, values=values, group_ids=ro.group_ids,
+            gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten,
+            all_reduce=(lambda x: run.accelerator.reduce(x, "sum")) if run.world > 1 else None))
+        return Experience(
+            rollout=ro, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
+            shaped_scores=shaped, kl=kl.sum(1) if kl is not None else None, advantages=advantages, returns=returns,
+            loss_mask=loss_mask(mask, ro.has_eos, shaped, ro.group_ids, mask_truncated=cfg.algo.mask_truncated,
+                                drop_zero_variance_groups=cfg.algo.dynamic_filtering))
+
+    def rollout_stats(self, exp: Experience, rows: list[dict], state=None) -> dict[str, float]:
+        """What the rollout measured, over every process's rows (README: the online metric table)."""
+        return rollout_stats(self.run, self.rewards, exp.rollout, exp.scores, rows, state, self.cfg.algo.rollout_batch_size)
+
+    def policy_figures(self, exp: Experience, old_logprobs: torch.Tensor | None = None) -> PolicyFigures:
+        """What π_old's log-probs (the experience's, or the one-pass update's `old_logprobs`) tell, over every
+        process's rows: entropy, sampler gap (unless π_old is the sampler's own: the update measures it then), and —
+        where there is a reference — the KL, β and the KL-regularised reward."""
+        run, ro, mask = self.run, exp.rollout, exp.rollout.action_mask.float()
+        old = old_logprobs if old_logprobs is not None else exp.old_logprobs
+        kl = token_kl(old, exp.ref_logprobs, mask)
+        seq_kl = kl.sum(1) if kl is not None else None
+        per_row = {"entropy": (-old * mask).sum(1), "length": mask.sum(1),
+                   "gap": ((ro.sampler_logprobs - old).abs() * mask).sum(1), "shaped": exp.shaped_scores}
+        if seq_kl is not None:
+            per_row["kl"] = seq_kl
+        g = {k: run.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
+        stats = {"objective/entropy": g["entropy"].mean()}
+        if self.cfg.algo.old_logprob_source != "sampler" or old_logprobs is not None:
+            stats["policy/sampler_logprob_gap"] = g["gap"].sum() / g["length"].sum().clamp(min=1)
+        mean_kl = None
+        if "kl" in g:
+            beta = self.kl_control.value
+            mean_kl = float(g["kl"].mean())
+            stats.update({"objective/kl": mean_kl, "objective/kl_coef": beta,
+                          "objective/rlhf_reward": (g["shaped"] - beta * g["kl"]).mean()})
+        return PolicyFigures({k: float(v) for k, v in stats.items()}, mean_kl, seq_kl)
 
 
-def logged_means(run, values: dict[str, list[float]]) -> dict[str, float]:
-    """name -> the mean of every process's values under it (a name some process lacks counts none there), as TRL
-    averages what reward functions log with `log_metric`. Collective: every process calls it."""
-    names = sorted(values)
-    if run.world > 1:
-        from accelerate.utils import gather_object
-
-        names = sorted(set(gather_object(names)))
-    if not names:
-        return {}
-    sums = torch.tensor([[sum(values.get(n, [])), len(values.get(n, []))] for n in names], dtype=torch.float64)
-    sums = run.sum_over_processes(sums.to(run.accelerator.device)).cpu()
-    return {n: float(total / count) for n, (total, count) in zip(names, sums.tolist()) if count}
-
-
-def shape_and_estimate(t, ro: Rollout, scores, old_logprobs, ref_logprobs, values, finite: bool) -> Experience:
-    """4. The EOS penalty, normalisation and clipping of the scores, the KL once per token, the per-token rewards and
-    the advantages — statistics over the global batch, as one process would compute them."""
-    cfg, algo, run = t.cfg, t.algo, t.run
-    mask = ro.response_mask.float()
-    shaped = penalize_missing_eos(scores, ro.has_eos, cfg.reward.missing_eos_penalty)
-    # The running moments see only finite batches: one NaN must not poison every later step.
-    shaped = normalize_scores(shaped, cfg.reward.normalize, t.moments if finite else RunningMoments(), cfg.reward.clip,
-                              population=run.gather(shaped) if cfg.reward.normalize != "none" else None)
-    kl = token_kl(old_logprobs, ref_logprobs, mask)  # (B, R) or None
-    rewards = per_token_rewards(shaped, kl if kl is not None else torch.zeros_like(mask), mask,
-                                t.kl_ctl.value if algo.kl_in_reward else 0.0)
-    whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else algo.whiten_by_default
-    # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
-    advantages, returns = compute_advantages(algo.advantage, AdvantageInput(
-        rewards=rewards, scores=shaped, response_mask=mask, values=values, group_ids=ro.group_ids,
-        gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten,
-        all_reduce=(lambda x: run.accelerator.reduce(x, "sum")) if run.world > 1 else None))
-    return Experience(
-        rollout=ro, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
-        shaped_scores=shaped, kl=kl.sum(1) if kl is not None else None, advantages=advantages, returns=returns,
-        loss_mask=loss_mask(mask, ro.has_eos, shaped, ro.group_ids, mask_truncated=cfg.algo.mask_truncated,
-                            drop_zero_variance_groups=cfg.algo.dynamic_filtering))
-
-
-def rollout_stats(t, exp: Experience, rows: list[dict], state=None) -> dict[str, float]:
-    """What the rollout measured, over every process's rows (README: the online metric table); `state`: the
-    `trainer_state` the gold judge gets."""
+def rollout_stats(run, rewards: Rewards, ro: Rollout, scores: torch.Tensor, rows: list[dict], state,
+                  rollout_batch_size: int) -> dict[str, float]:
+    """What a rollout measured over every process's rows: score, the policy's tokens per completion, EOS rate, the
+    reward-hacking evidence (`evaluation.alarms`), the gold judge's mean and, with tools, the tool figures. Reads the
+    rollout's text as its rollout component decoded it (`Rollout.texts`)."""
     from accelerate.utils import gather_object
 
-    run, ro, mask = t.run, exp.rollout, exp.rollout.response_mask.float()
-    per_row = {"scores": exp.scores, "length": mask.sum(1), "eos": ro.has_eos.float()}  # (B,) each
-    gold = t.reward.gold(ro, rows, state)
+    mask = ro.action_mask.float()
+    per_row = {"scores": scores, "length": mask.sum(1), "eos": ro.has_eos.float()}  # (B,) each
+    gold = rewards.gold(ro, rows, state)
     if gold is not None:
         per_row["gold"] = gold.to(mask.device)
     g = {k: run.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
-    texts = t.tokenizer.batch_decode(ro.response_ids, skip_special_tokens=True)
-    groups = (ro.group_ids + t.accelerator.process_index * t.cfg.algo.rollout_batch_size).tolist()
+    texts = list(ro.texts) if ro.texts is not None else rewards.tokenizer.batch_decode(
+        [r[m.bool()].tolist() for r, m in zip(ro.response_ids, ro.response_mask)], skip_special_tokens=True)
+    groups = (ro.group_ids + run.accelerator.process_index * rollout_batch_size).tolist()
     if run.world > 1:
         texts, groups = gather_object(texts), gather_object(groups)
     stats = {
@@ -167,27 +213,27 @@ def rollout_stats(t, exp: Experience, rows: list[dict], state=None) -> dict[str,
     }
     if "gold" in g:
         stats["objective/gold"] = g["gold"].mean()
+    if ro.tools is not None:
+        from rlhfkit.rollout.tool_loop import tool_figures
+
+        stats.update(tool_figures(gather_counts(run, ro.tools)))
     return {k: float(v) for k, v in stats.items()}
 
 
-def policy_stats(run, exp: Experience, kl_coef: float, gap: bool = True, old_logprobs: torch.Tensor | None = None,
-                 kl: torch.Tensor | None = None) -> PolicyFigures:
-    """What π_old's log-probs (the experience's, or `old_logprobs` with their sequence `kl` when the update measured
-    them) tell, over every process's rows: entropy, sampler gap (unless π_old is the sampler's own: the update
-    measures it then), and — where there is a reference — the KL, β and the KL-regularised reward."""
-    ro, mask = exp.rollout, exp.rollout.response_mask.float()
-    old = old_logprobs if old_logprobs is not None else exp.old_logprobs
-    kl = kl if kl is not None else exp.kl
-    per_row = {"entropy": (-old * mask).sum(1), "length": mask.sum(1),
-               "gap": ((ro.sampler_logprobs - old).abs() * mask).sum(1), "shaped": exp.shaped_scores}
-    if kl is not None:
-        per_row["kl"] = kl
-    g = {k: run.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
-    stats = {"objective/entropy": g["entropy"].mean()}
-    if gap:
-        stats["policy/sampler_logprob_gap"] = g["gap"].sum() / g["length"].sum().clamp(min=1)
-    if "kl" in g:
-        stats.update({"objective/kl": g["kl"].mean(), "objective/kl_coef": kl_coef,
-                      "objective/rlhf_reward": (g["shaped"] - kl_coef * g["kl"]).mean()})
-    stats = {k: float(v) for k, v in stats.items()}
-    return PolicyFigures(stats, stats.get("objective/kl"))
+def gather_counts(run, counts: ToolCounts) -> ToolCounts:
+    """The tool counts of every process's rows, in process order."""
+    return dataclasses.replace(counts, **{f.name: run.gather(getattr(counts, f.name)) for f in dataclasses.fields(counts)
+                                          if isinstance(getattr(counts, f.name), torch.Tensor)})
+
+
+def logged_means(run, values: dict[str, list[float]]) -> dict[str, float]:
+    """name -> the mean of every process's values under it (a name some process lacks counts none there), as TRL
+    averages what reward functions log with `log_metric`. Collective: every process calls it."""
+    names = sorted(values)
+    if run.world > 1:
+        from accelerate.utils import gather_object
+
+        names = sorted(set(gather_object(names)))
+    sums = sums_by_name(run, {**{f"{n}\0sum": sum(values.get(n, [])) for n in names},
+                              **{f"{n}\0count": len(values.get(n, [])) for n in names}})
+    return {n: sums[f"{n}\0sum"] / sums[f"{n}\0count"] for n in names if sums[f"{n}\0count"]}

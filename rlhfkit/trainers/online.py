@@ -1,244 +1,211 @@
 """Online RL: one loop for PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++.
 
 Each step reads like the algorithm box of a paper:
-  1. sample k responses per prompt (`generation.generate`);
-  2. score them once per rollout batch (reward model(s) or a Python function), penalise a missing EOS, normalise
-     and clip;
-  3. old / reference log-probs and critic values in no-grad forwards without dropout (fp32 log-probs);
-  4. per-token rewards with the KL penalty, then advantages from the algorithm's estimator (steps 1-4:
-     `experience.make_experience`, the one place an `Experience` is built);
-  5. `ppo_epochs` passes of minibatch updates of `losses.policy.policy_objective` (+ value loss, + the PPO-ptx term
-     of `trainers.ptx` with data.ptx), each applied by `optimizer_step`, stopping early when approx-KL passes
-     `algo.target_kl`; a non-finite rollout, loss or gradient skips the step's remaining updates (the schedule
-     advances past them);
-  6. update the KL controller, log, checkpoint.
-What differs between methods is data in `rlhfkit.algorithms.Algorithm`; this file never branches on a name.
+  1-4. `ExperienceMaker.make`: roll out (`rlhfkit.rollout`: single-turn sampling, or multi-turn episodes with tools),
+     score once per rollout batch, no-grad forwards (π_old, reference, critic), the KL penalty and the advantages;
+  5. `PolicyUpdate`: `ppo_epochs` passes of minibatch updates, each applied by `optimizer_step`, stopping early when
+     approx-KL passes `algo.target_kl`; a non-finite rollout, loss or gradient skips the step's remaining updates
+     (the schedule advances past them, as it does after an early stop);
+  6. β follows the measured KL, then `StepLog`: log, evaluate, alarms, samples, checkpoint.
+The trainer builds the components and calls them; what differs between methods is data in
+`rlhfkit.algorithms.Algorithm`, and this file never branches on a name.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from rlhfkit.losses.aggregate import aggregate
-from rlhfkit.losses.policy import policy_objective, value_loss
-from rlhfkit.models import SharedBaseCritic
-from rlhfkit.ops import masked_mean
-from rlhfkit.rewards import token_scores
-from rlhfkit.trainers.experience import make_experience, pad_to, policy_stats, token_kl
-from rlhfkit.trainers.online_setup import OnlineModels
-from rlhfkit.trainers.optim import Fault, advance_schedule, optimizer_step
-from rlhfkit.types import Experience, Rollout
+from rlhfkit.algorithms import get_algorithm
+from rlhfkit.config import OnlineConfig
+from rlhfkit.critic import PolicyAndCritic, SharedBaseCritic, load_critic
+from rlhfkit.errors import UserError
+from rlhfkit.kl_control import AdaptiveKLController, FixedKLController
+from rlhfkit.models import Reference, disable_dropout, load_causal_lm
+from rlhfkit.objects import Objects
+from rlhfkit.rewards import Rewards, RunningMoments
+from rlhfkit.rollout.maker import rollout_maker
+from rlhfkit.trainers.experience import ExperienceMaker, Made
+from rlhfkit.trainers.held_out import HeldOutEval
+from rlhfkit.trainers.online_setup import (PromptStream, Samples, StepLog, load_online_data, policy_is_finite,
+                                           total_steps_of)
+from rlhfkit.trainers.optim import build_optimizer, build_scheduler, optimizer_step
+from rlhfkit.trainers.policy_update import PolicyUpdate, Update
+from rlhfkit.trainers.ptx import Ptx
+from rlhfkit.trainers.run import Run
 
 
-@dataclass
-class Tally:
-    """Loss-mask-weighted sums of an update's metrics on this process, and the sampler gap's sums."""
+class OnlineTrainer:
+    def __init__(self, cfg: OnlineConfig, objects: Objects | None = None):
+        """`objects`: what the Python API was given (`rlhfkit.train`): model, tokenizer, reward sources, tools,
+        callbacks."""
+        self.cfg, self.objects = cfg, objects or Objects()
+        # The lock taken and output_dir checked, before anything loads; the callbacks called at the run's events.
+        self.run = Run(cfg, cfg.algo.algorithm, self.objects.callbacks)
 
-    sums: dict[str, float] = field(default_factory=dict)  # metric -> Σ value · weight
-    weight: float = 0.0
-    gap: float = 0.0  # Σ |log π − log π_sampler| over the first minibatch's response tokens
-    gap_tokens: float = 0.0
+    def setup(self) -> None:
+        """Tokenizer and data; accelerate, models and the step's components; resume."""
+        from accelerate.utils import set_seed
 
-    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
-        for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v) * weight
-        self.weight += weight
+        cfg, run = self.cfg, self.run
+        set_seed(cfg.seed)
+        data = load_online_data(cfg, self.objects)
+        self.tokenizer = data.tokenizer
+        self.accelerator = run.make_accelerator()
+        set_seed(cfg.seed)
+        self.prompts = PromptStream(run, data.train_set, cfg.algo.rollout_batch_size, self.tokenizer.pad_token_id)
+        self.total_steps = total_steps_of(cfg, self.prompts.steps_per_epoch)
+        self.build(data.ptx_set)
+        self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, cfg.algo.rollout_batch_size)
+        self.held_out.check_reference(self.ref)
+        self.start_step = 0
+        if run.resume_from:
+            state = run.resume(self.trained_models(), self.load_models, self.optim)
+            self.start_step = int(state["step"])
+            self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
+            self.moments.load_state_dict(json.loads(state["reward_moments"]))
+            run.restore_rng(state)
+        self.log = StepLog(run, cfg, self.held_out, self.total_steps, self.start_step)
 
-
-@dataclass(frozen=True)
-class Update:
-    """What `update` measured: the loss metrics (means over every process), π_old's log-probs when the update's own
-    forward made them (one pass), and the fault that skipped the rest of the step, if any."""
-
-    metrics: dict[str, float]
-    old_logprobs: torch.Tensor | None
-    fault: Fault | None
-
-
-class OnlineTrainer(OnlineModels):
-    """The online loop. Models, data, checkpoints and resume are `OnlineModels`' (the setup); this class is the step."""
-
-    # 2-4. Forwards the experience reads ------------------------------------------------------------------------
-    def values_of(self, critic, ro: Rollout):
-        """(B, R) values V(s_t) of the state before each response token, from `critic` (the prepared critic for the
-        update, its unwrapped module for no-grad forwards)."""
-        if isinstance(self.run.unwrap(critic), SharedBaseCritic):
-            v = critic(ro.input_ids, ro.attention_mask)  # (B, T)
+    def build(self, ptx_set) -> None:
+        cfg, a, acc, run = self.cfg, self.cfg.algo, self.accelerator, self.run
+        self.algo = get_algorithm(a.algorithm)
+        # One pass over the experience (ppo_epochs × num_minibatches = 1) and no KL in the reward: π_old is then the
+        # update forward's own log-probs, detached (the ratio is 1 by definition), so the separate no-grad forward is
+        # skipped, as TRL's GRPO does (unless algo.old_logprob_source=recompute).
+        one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward and a.old_logprob_source != "recompute"
+        policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
+        # The reference: for the KL term, or only to monitor the drift (`kl.monitor`). With LoRA it is the base with
+        # adapters disabled: one copy of the weights, not two.
+        monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
+        self.ref = Reference(cfg.model, None, policy, self.tokenizer, acc.device, run.frozen_dtype,
+                             copy_of=self.objects.model) if self.algo.needs_reference or monitor else None
+        self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
+                              policy_name=cfg.model.name_or_path, dtype=run.frozen_dtype, given=self.objects.reward_funcs,
+                              given_weights=self.objects.reward_weights, attn_implementation=cfg.model.attn_implementation)
+        value = load_critic(cfg, policy, self.tokenizer, self.reward.first_model(), self.objects.model) \
+            if self.algo.needs_value else None
+        self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base
+        if a.disable_dropout:
+            for module in (policy, value):
+                if module is not None:
+                    disable_dropout(module)
+        optimizer = build_optimizer(torch.nn.ModuleList([m for m in (policy, value) if m is not None]), cfg)
+        scheduler = build_scheduler(optimizer, cfg, self.total_steps * a.ppo_epochs * a.num_minibatches)
+        self.refuse_unsupported_critic(value)
+        if value is not None and acc.distributed_type == "DEEPSPEED":
+            # DeepSpeed takes one model per Accelerator: policy and critic are prepared as one module, then each is
+            # called through its own forward (ZeRO-3's hooks sit on every submodule; the engine steps at backward).
+            engine, optimizer = acc.prepare(PolicyAndCritic(policy, value), optimizer)
+            self.model, self.value = engine.module.policy, engine.module.critic
+        elif value is not None:
+            self.model, self.value, optimizer = acc.prepare(policy, value, optimizer)
         else:
-            v = token_scores(critic, ro.input_ids, ro.attention_mask)  # (B, T)
-        return v[:, ro.prompt_ids.shape[1] - 1 : -1] * ro.response_mask
+            (self.model, optimizer), self.value = acc.prepare(policy, optimizer), None
+        self.optim = run.make_optim(optimizer, scheduler, [m for m in (self.model, self.value) if m is not None])
+        ptx = None if ptx_set is None else Ptx(ptx_set, a.ptx_coef, run, a.rollout_batch_size * cfg.generation.num_samples
+                                               // a.num_minibatches, cfg.optim.per_device_batch_size, self.tokenizer.pad_token_id)
+        k = cfg.kl
+        self.kl_ctl = AdaptiveKLController(k.coef, k.target, k.horizon) if k.controller == "adaptive" else FixedKLController(k.coef)
+        self.moments = RunningMoments()
+        rollout = rollout_maker(cfg, self.tokenizer, self.objects)
+        self.maker = ExperienceMaker(rollout, self.reward, self.ref, self.value, self.kl_ctl, self.moments, cfg, self.algo,
+                                     run, one_pass)
+        self.update = PolicyUpdate(cfg, self.algo, run, self.model, self.value, self.shares_base, self.optim, ptx,
+                                   self.kl_ctl, one_pass)
 
-    # 5. Updates -----------------------------------------------------------------------------------------------
-    def update(self, exp: Experience, step: int) -> Update:
-        """`algo.ppo_epochs` passes of `algo.num_minibatches` optimizer steps over the experience (step `step`,
-        1-based). Early stopping on `algo.target_kl` reads the approx-KL of the whole minibatch, all processes."""
-        a = self.cfg.algo
-        n, total = exp.loss_mask.shape[0], a.ppo_epochs * a.num_minibatches
-        tally, norms, early_stopped, done = Tally(), [], 0.0, 0
-        kept = torch.zeros_like(exp.loss_mask) if self.one_pass else None  # π_old = this pass's own log-probs
-        if self.ptx is not None:
-            self.ptx.start_step()
-        for module in (self.model, self.value):
-            if module is not None:
-                module.train()
-        for epoch in range(a.ppo_epochs):
-            perm = torch.randperm(n, device=exp.loss_mask.device)
-            for m in range(a.num_minibatches):
-                idx = perm[m * (n // a.num_minibatches) : (m + 1) * (n // a.num_minibatches)]
-                # π_old from the sampler: its gap to the training forward, read where the weights are still the
-                # sampler's (the first minibatch of the first epoch).
-                gap = a.old_logprob_source == "sampler" and not self.one_pass and epoch == m == 0
-                nonfinite, approxkl = self.minibatch(exp, idx, tally, kept, gap, (step - 1) * total + done)
-                result = optimizer_step(self.optim, step, Fault.LOSS if nonfinite else None, schedule_steps=total - done)
-                done += 1
-                if result.fault is not None:
-                    return Update({}, None, result.fault)
-                if result.grad_norm is not None:
-                    norms.append(result.grad_norm)  # global already: the same on every process
-                if a.target_kl is not None and approxkl > a.target_kl:
-                    early_stopped = 1.0
-                    advance_schedule(self.optim, total - done)  # as a skip does: the LR follows the step number
-                    break
-            if early_stopped:
-                break
-        metrics = self.reduce_tally(tally)
-        if self.ptx is not None:
-            metrics.update(self.ptx.metrics())
-        if norms:
-            metrics["grad_norm"] = sum(norms) / len(norms)  # the mean over the step's updates
-        return Update({**metrics, "policy/early_stopped": early_stopped}, kept, None)
+    def refuse_unsupported_critic(self, value) -> None:
+        acc = self.accelerator
+        if self.shares_base and acc.distributed_type == "DEEPSPEED":
+            raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) is "
+                            "backpropagated on its own, which DeepSpeed's gradient hooks do not take; under DeepSpeed "
+                            "give the critic its own model (algo.value_model) or run without DeepSpeed")
+        if value is not None and acc.distributed_type == "FSDP":
+            if self.shares_base:
+                raise UserError("model.lora.enabled: PPO's LoRA critic (a second adapter on the policy's base) runs the "
+                                "policy's layers outside the policy's own forward, which FSDP does not gather; under FSDP "
+                                "give the critic its own model (algo.value_model)")
+            if getattr(acc.state.fsdp_plugin, "fsdp_version", 1) == 2:
+                raise UserError("PPO under FSDP2: accelerate prepares one model under FSDP2 and PPO trains two (policy "
+                                "and critic); launch with configs/accelerate/fsdp.yaml (FSDP1) or without FSDP")
 
-    def minibatch(self, exp: Experience, idx: torch.Tensor, tally: Tally, kept, gap: bool, update: int) -> tuple[bool, float]:
-        """Backward of one minibatch, micro-batch by micro-batch, then of the ptx batch of the run's `update`-th
-        optimizer step (0-based) if any; returns (a loss was non-finite on some process, the minibatch's approx-KL
-        over every process)."""
-        micro, agg = self.cfg.optim.per_device_batch_size, self.cfg.algo.loss_agg or self.algo.default_loss_agg
-        num_tokens, num_seqs = self.global_counts(exp.loss_mask[idx])
-        control = torch.zeros(3, device=idx.device)  # non-finite losses, approx-KL · tokens, tokens (this process)
-        for i in range(0, len(idx), micro):
-            rows = idx[i : i + micro]
-            batch = exp.select(rows).trimmed()  # at its own longest response
-            loss, parts, logprobs = self.policy_loss(batch, agg, num_tokens, num_seqs)
-            last, apart = i + micro >= len(idx) and self.ptx is None, self.value is not None and self.shares_base
-            if self.value is not None and not apart:  # one backward of the sum
-                value_part, value_metrics = self.critic_loss(batch, num_tokens)
-                loss = loss + value_part
-                parts.update(value_metrics)
-            # Backward even when the loss is not finite: every process runs the same collectives.
-            control[0] += float(not torch.isfinite(loss))
-            self.run.backward(loss, last=last and not apart)
-            if apart:
-                # A shared-base critic's loss is backpropagated on its own, after the policy's: gradient
-                # checkpointing recomputes each forward under the adapter active at backward time.
-                value_part, value_metrics = self.critic_loss(batch, num_tokens)
-                parts.update(value_metrics)
-                control[0] += float(not torch.isfinite(value_part))
-                self.run.backward(value_part, last=last)
-            if kept is not None:
-                kept[rows] = pad_to(logprobs, kept.shape[1])
-            if gap:
-                on = batch.rollout.response_mask.float()
-                tally.gap += float(((logprobs - batch.old_logprobs).abs() * on).sum())
-                tally.gap_tokens += float(on.sum())
-            w = float(batch.loss_mask.sum())
-            tally.add(parts, w)
-            control[1:] += torch.tensor([float(parts["policy/approxkl_avg"]) * w, w], device=control.device)
-        if self.ptx is not None:  # PPO-ptx: + ptx_coef · NLL of this optimizer step's ptx batch
-            control[0] += self.ptx.backward(self.model, update, last=True)
-        control = self.run.sum_over_processes(control)
-        return bool(control[0] > 0), float(control[1] / control[2].clamp(min=1.0))
-
-    def global_counts(self, mask: torch.Tensor) -> tuple[float, float]:
-        """(tokens, sequences) of a minibatch over every process, divided by the world size: DDP averages gradients,
-        so each process normalises by its share of the global counts."""
-        counts = self.run.sum_over_processes(torch.stack([mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device)]))
-        tokens, seqs = (counts / self.world).clamp(min=1).tolist()
-        return tokens, seqs
-
-    def reduce_tally(self, tally: Tally) -> dict[str, float]:
-        """The tally's weighted means over every process (the same keys on every process)."""
-        keys = sorted(tally.sums)
-        totals = torch.tensor([tally.sums[k] for k in keys] + [tally.weight, tally.gap, tally.gap_tokens])
-        totals = self.run.sum_over_processes(totals.to(self.accelerator.device)).tolist()
-        out = {k: totals[i] / max(totals[-3], 1.0) for i, k in enumerate(keys)}
-        if totals[-1] > 0:
-            out["policy/sampler_logprob_gap"] = totals[-2] / totals[-1]
-        return out
-
-    def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
-        """(loss, metrics, this forward's detached log-probs) of a micro-batch, normalised by its minibatch's global
-        counts (see losses.aggregate); Dr. GRPO's constant is `generation.max_new_tokens`, whatever width this rollout
-        was padded to."""
-        a, mask = self.cfg.algo, batch.loss_mask
-        logprobs, entropy = self.response_logprobs(self.model, batch.rollout, with_entropy=True) if a.entropy_coef \
-            else (self.response_logprobs(self.model, batch.rollout), None)
-        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        per_token, m = policy_objective(
-            logprobs, old, batch.advantages, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high,
-            dual_clip=a.dual_clip, ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None,
-            kl_coef=self.kl_ctl.value, entropy=entropy, entropy_coef=a.entropy_coef)
-        loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                         max_len=self.cfg.generation.max_new_tokens)
-        metrics = {"loss/policy_avg": masked_mean(m["surrogate"], mask), "policy/approxkl_avg": masked_mean(m["approxkl"], mask),
-                   "policy/clipfrac_avg": masked_mean(m["clipfrac"], mask), "val/ratio": masked_mean(m["ratio"], mask)}
-        if entropy is not None:
-            metrics["policy/entropy_avg"] = masked_mean(entropy.detach(), mask)
-        return loss, metrics, logprobs.detach()
-
-    def critic_loss(self, batch: Experience, num_tokens: float):
-        """Clipped value loss of a micro-batch (token mean over the minibatch's global token count), times vf_coef."""
-        a, mask = self.cfg.algo, batch.loss_mask
-        vl, vm = value_loss(self.values_of(self.value, batch.rollout), batch.values, batch.returns, clip_range_value=a.clip_range_value)
-        loss = a.vf_coef * aggregate(vl, mask, "token-mean", num_tokens=num_tokens)
-        return loss, {"loss/value_avg": masked_mean(vl.detach(), mask), "val/clipfrac_avg": masked_mean(vm["clipfrac"], mask)}
+    def experience(self, step: int) -> Made:
+        """Step `step`'s (0-based) experience, from this process's prompts of that step."""
+        prompts, examples = self.prompts(step)
+        return self.maker.make(self.model, prompts, examples, step, self.total_steps)
 
     # The loop ------------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Each step: sample → score → advantages → K epochs of updates → β, log, checkpoint."""
+        """Each step: roll out → score → advantages → K epochs of updates → β, log, checkpoint."""
         a = self.cfg.algo
         with self.run as run:
             self.setup()
-            run.begin(self.start_step, self.total_steps, self.steps_per_epoch)
-            self.history, self.raised = self.logged_rows(), set()  # the run's rows so far, for the alarms
+            run.begin(self.start_step, self.total_steps, self.prompts.steps_per_epoch)
             for step in range(self.start_step, self.total_steps):
-                lr, kl_coef, t0 = self.optim.lr, self.kl_ctl.value, time.perf_counter()
-                made = make_experience(self, step)  # 1-4. sample, score, no-grad forwards, advantages
+                lr, t0 = self.optim.lr, time.perf_counter()
+                made = self.experience(step)  # 1-4
                 t1 = time.perf_counter()
                 if made.fault is not None:
                     optimizer_step(self.optim, step + 1, made.fault, schedule_steps=a.ppo_epochs * a.num_minibatches)
                     update = Update({}, None, made.fault)
                 else:
-                    update = self.update(made.experience, step + 1)  # 5. updates
-                stats, kl, seq_kl = dict(made.stats), made.kl, seq_kl_of(made, update)
-                if update.old_logprobs is not None:  # π_old came from the update's forward
-                    figures = policy_stats(run, made.experience, kl_coef, old_logprobs=update.old_logprobs, kl=seq_kl)
+                    update = self.update(made.experience, step + 1)  # 5
+                stats, kl, seq_kl = dict(made.stats), made.kl, made.experience.kl if made.experience else None
+                if update.old_logprobs is not None:  # π_old came from the update's forward: its figures now
+                    figures = self.maker.policy_figures(made.experience, update.old_logprobs)
                     stats.update(figures.stats)
-                    kl = figures.kl
+                    kl, seq_kl = figures.kl, figures.seq_kl
                 if update.fault is None and kl is not None:  # 6. β follows the KL over every process (adaptive)
-                    self.kl_ctl.update(kl, made.experience.rollout.response_ids.shape[0] * self.world)
+                    self.kl_ctl.update(kl, made.experience.rollout.response_ids.shape[0] * run.world)
                 stats.update(update.metrics, lr=lr, episodes=(step + 1) * a.rollout_batch_size
-                             * self.cfg.generation.num_samples * self.world,
+                             * self.cfg.generation.num_samples * run.world,
                              **{"faults/skipped_total": self.optim.bad_steps, "time/rollout_s": t1 - t0,
                                 "time/update_s": time.perf_counter() - t1})
-                self.end_step(step + 1, made.experience, stats, update.fault is not None, seq_kl)
+                self.end_step(step + 1, made, stats, update.fault is not None, seq_kl)
                 if run.stopping:  # a callback stopped the run (end_step wrote its checkpoint)
                     break
             run.finish(self.model, run.unwrap(self.model), self.tokenizer)
-            return self.last
+            return self.log.last
 
+    def end_step(self, done: int, made: Made, stats: dict[str, float], bad: bool, seq_kl) -> None:
+        exp = made.experience
+        samples = Samples(exp.rollout, [e["prompt"] for e in made.examples], exp.scores, seq_kl, made.extras) \
+            if exp is not None else None
+        self.log.record(done, stats, samples, lambda: self.held_out(done, self.model, self.ref, self.reward, self.total_steps))
+        self.log.checkpoint(done, bad, lambda: policy_is_finite(self.run, self.model, exp.rollout, self.cfg.optim.per_device_batch_size,
+                                                                self.cfg.generation.temperature), self.checkpoint)
 
-def seq_kl_of(made, update: Update) -> torch.Tensor | None:
-    """(B,) the step's sequence KL for the samples file: the experience's, or the one-pass update's."""
-    exp = made.experience
-    if exp is None:
-        return None
-    if update.old_logprobs is None:
-        return exp.kl
-    kl = token_kl(update.old_logprobs, exp.ref_logprobs, exp.rollout.response_mask.float())
-    return kl.sum(1) if kl is not None else None
+    # Checkpoints -----------------------------------------------------------------------------------------------------
+    def trained_models(self) -> list:
+        """The policy, and a critic that is a model of its own (a shared-base critic's adapter is in the policy)."""
+        return [self.model] + ([self.value] if self.value is not None and not self.shares_base else [])
+
+    def save_models(self, directory: str, models: list) -> None:
+        from rlhfkit.models import save_model
+
+        save_model(models[0], self.tokenizer, directory, merge_lora=False)
+        value_dir = os.path.join(os.path.dirname(directory), "value_model")
+        if self.shares_base:
+            self.run.unwrap(self.value).save(value_dir)
+        elif self.value is not None:
+            save_model(models[1], self.tokenizer, value_dir, merge_lora=False)
+
+    def load_models(self, checkpoint: str) -> None:
+        from rlhfkit.checkpoint import load_model_weights
+        from rlhfkit.sharding import loaded_weights
+
+        for module, sub in ((self.model, "model"), (self.value, "value_model")):
+            if module is None:
+                continue
+            directory = os.path.join(checkpoint, sub)
+            if module is self.value and self.shares_base:
+                self.run.unwrap(self.value).load(directory)
+            else:
+                loaded_weights(self.accelerator, module, lambda m, d=directory: load_model_weights(m, d), self.run.unwrap(module))
+
+    def checkpoint(self, step: int) -> None:
+        extra = {"kl_controller": json.dumps(self.kl_ctl.state_dict()), "reward_moments": json.dumps(self.moments.state_dict())}
+        self.run.save_checkpoint(step, self.trained_models(), self.save_models, self.optim, extra)

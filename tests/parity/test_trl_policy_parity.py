@@ -51,7 +51,8 @@ from trl.trainer.utils import nanstd  # noqa: E402
 from rlhfkit.advantages import AdvantageInput, compute_advantages, per_token_rewards  # noqa: E402
 from rlhfkit.losses.aggregate import aggregate  # noqa: E402
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss  # noqa: E402
-from rlhfkit.ops import kl_penalty, masked_mean, masked_sum, masked_whiten  # noqa: E402
+from rlhfkit.kl import kl_penalty  # noqa: E402
+from rlhfkit.ops import masked_mean, masked_sum, masked_whiten  # noqa: E402
 from parity_helpers import TOL, assert_loss_and_grads_match, leaf
 
 B, R = 8, 10

@@ -306,7 +306,7 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
 def test_algorithms_without_a_reference_log_no_kl(tmp_path):
     out = tmp_path / "drgrpo"
     assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "algo.algorithm=dr_grpo", "max_steps=2",
-                 "algo.sample_log_steps=1", *FAST]) == 0
+                 "logging.sample_log_steps=1", *FAST]) == 0
     for row in rows_of(out / "metrics.jsonl"):
         assert not {"objective/kl", "objective/kl_coef", "objective/rlhf_reward"} & row.keys(), row
         assert math.isfinite(row["objective/scores"])
@@ -417,7 +417,7 @@ def test_resumed_run_alarms_see_the_rows_before_the_checkpoint(tmp_path, monkeyp
     real = online_setup.check_alarms
     monkeypatch.setattr(online_setup, "check_alarms", lambda history, **kw: seen.append([r["step"] for r in history]) or real(history, **kw))
     args = ["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'run'}", "logging.save_steps=2",
-            "algo.table_steps=1", *FAST]
+            "logging.table_steps=1", *FAST]
     assert main(args + ["max_steps=3"]) == 0  # leaves checkpoint-2
     seen.clear()
     assert main(args + ["max_steps=4", "resume=true"]) == 0

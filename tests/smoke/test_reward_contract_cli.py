@@ -285,7 +285,7 @@ def test_log_metric_and_log_extra_reach_the_metrics_and_the_samples_in_training_
     out = tmp_path / "run"
     assert main(["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=2", f"reward.function={FNS}:logs_things",
                  "data.eval=data/tiny/prompts_eval.jsonl", "logging.eval_steps=2", f"output_dir={out}",
-                 "logging.progress_bar=false", "algo.sample_log_steps=1"]) == 0
+                 "logging.progress_bar=false", "logging.sample_log_steps=1"]) == 0
     rows = [r for r in _jsonl(out / "metrics.jsonl") if "objective/scores" in r]
     assert len(rows) == 2  # the logged metric, averaged over the step's calls: here the function's own mean
     assert all(r["share_with_a"] == pytest.approx(r["rewards/logs_things/mean"]) for r in rows)

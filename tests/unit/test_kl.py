@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlhfkit.kl import AdaptiveKLController, FixedKLController
+from rlhfkit.kl_control import AdaptiveKLController, FixedKLController
 
 
 def test_fixed_controller_never_moves():

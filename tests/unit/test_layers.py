@@ -15,7 +15,8 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "rlhfkit")
 
-CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms", "rlhfkit.kl")
+CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.kl", "rlhfkit.losses", "rlhfkit.advantages", "rlhfkit.algorithms",
+        "rlhfkit.kl_control")
 STDLIB_ONLY = ("rlhfkit.errors", "rlhfkit.io")
 ENGINES = ("transformers", "peft", "accelerate", "datasets")
 
@@ -26,14 +27,15 @@ LAYERS = [
     "rlhfkit",  # the package's __init__: imports nothing
     "rlhfkit.errors",
     "rlhfkit.io",  # stdlib only
-    "rlhfkit.types",  # the core, torch only: types ... kl
+    "rlhfkit.types",  # the core, torch only: types ... kl_control
     "rlhfkit.ops",
+    "rlhfkit.kl",  # KL estimators, per-token and per-sequence KL: the one home of the KL
     "rlhfkit.losses.aggregate",
     "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
     "rlhfkit.losses",
     "rlhfkit.advantages",
     "rlhfkit.algorithms",
-    "rlhfkit.kl",
+    "rlhfkit.kl_control",  # the controllers of the KL coefficient
     "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
     "rlhfkit.config.sections",
     "rlhfkit.config.stages",
@@ -55,9 +57,13 @@ LAYERS = [
     "rlhfkit.data.collate",
     "rlhfkit.data",
     "rlhfkit.generation",
-    "rlhfkit.rollout",  # the rollout component: prompts in, a Rollout out (single-turn, tool loop)
+    "rlhfkit.rollout",  # the rollout component: prompts in, a Rollout out (its protocol; then each kind)
+    "rlhfkit.rollout.single_turn",
+    "rlhfkit.rollout.tool_loop",
+    "rlhfkit.rollout.maker",  # which rollout component a run uses
     "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
     "rlhfkit.rewards",
+    "rlhfkit.critic",  # PPO's critic: where it comes from, the shared-base adapter critic, what it reads of a rollout
     "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
     "rlhfkit.hub",  # model card and hub push
     "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
@@ -69,16 +75,18 @@ LAYERS = [
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
     "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
     "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
+    "rlhfkit.trainers.processes",  # reductions over processes by name; a process's share of a global count
     "rlhfkit.trainers.rundir",
     "rlhfkit.trainers.sinks",
     "rlhfkit.trainers.callbacks",  # transformers TrainerCallbacks at the run's events
     "rlhfkit.trainers.run",
     "rlhfkit.trainers.held_out",  # the sampling stages' evaluation during training
-    "rlhfkit.trainers.experience",
+    "rlhfkit.trainers.experience",  # ExperienceMaker: an online step's experience from explicit parts
+    "rlhfkit.trainers.policy_update",  # the online update: epochs, minibatches, losses, target_kl
     "rlhfkit.trainers.best_of_n",  # rft's sampling and selection, as experience is the online loops'
     "rlhfkit.trainers.ptx",  # PPO-ptx: the SFT term every online loop mixes into its updates
     "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
-    "rlhfkit.trainers.online_setup",
+    "rlhfkit.trainers.online_setup",  # what the online loops share, as services: data, prompt stream, step log
     "rlhfkit.trainers",
     "rlhfkit.stages",  # every stage by name, and `run_stage`
     "rlhfkit.config.reference",  # the config reference generated from the declarations (docs, --help-config)

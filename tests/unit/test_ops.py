@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from rlhfkit.kl import kl_penalty
 from rlhfkit.ops import (
     entropy_from_logits,
-    kl_penalty,
     logprobs_from_logits,
     masked_mean,
     masked_sum,

@@ -3,7 +3,8 @@
 import torch
 
 from rlhfkit.config import LoraConfig, ModelConfig
-from rlhfkit.models import SharedBaseCritic, load_causal_lm, load_tokenizer
+from rlhfkit.critic import SharedBaseCritic
+from rlhfkit.models import load_causal_lm, load_tokenizer
 
 
 def build():

@@ -184,7 +184,7 @@ def test_build_sinks_makes_each_named_sink_on_the_main_process_only(tmp_path, mo
 
 # Through the real CLI: the run's sinks -----------------------------------------------------------------------------
 
-GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=4", "algo.sample_log_steps=2", "logging.logging_steps=1",
+GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "max_steps=4", "logging.sample_log_steps=2", "logging.logging_steps=1",
         "logging.progress_bar=false", "logging.run_name=my-run"]
 
 
@@ -222,7 +222,7 @@ def test_cli_wandb_run_is_named_in_its_project_with_the_config_and_a_completions
     for row in _metric_rows(out):  # every metrics.jsonl row, at its step
         assert all(logged[(row["step"], k)] == pytest.approx(v) for k, v in row.items() if k != "step" and v is not None)
     tables = [h for h in history if "samples/_type" in h]
-    assert [h["_step"] for h in tables] == [1, 2, 4]  # step 1, every algo.sample_log_steps=2, the last
+    assert [h["_step"] for h in tables] == [1, 2, 4]  # step 1, every logging.sample_log_steps=2, the last
     with open(os.path.join(run_dir, "files", tables[-1]["samples/path"])) as f:
         table = json.load(f)
     with open(out / "samples.jsonl") as f:
@@ -250,7 +250,7 @@ def test_cli_tensorboard_holds_the_runs_scalars_completions_and_config(tmp_path)
     assert first.startswith("| prompt | response | score | kl |\n|---|---|---|---|\n")
     start = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
     hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
-    assert (hparams["stage"], hparams["max_steps"], hparams["algo.sample_log_steps"]) == ("grpo", 4.0, 2.0)
+    assert (hparams["stage"], hparams["max_steps"], hparams["logging.sample_log_steps"]) == ("grpo", 4.0, 2.0)
     assert hparams["logging.run_name"] == "my-run"
 
 

@@ -1,0 +1,363 @@
+"""The multi-turn rollout with tools: episodes in which the policy calls the run's tools (`rlhfkit.tools`) and reads
+their results, under TRL 1.16's contract (`GRPOTrainer(tools=..., environment_factory=...)`).
+
+One step's episodes are batched. Each turn, every live episode samples an assistant turn from rlhfkit's decode loop
+(`generation.sample_next`); each finished turn is parsed by transformers' response parsing (the tokenizer's
+`response_template`, arguments cast to the tools' schemas); the calls run (`tools.run_calls`: episodes concurrently);
+their results and the next assistant header are appended as the chat template renders them (`tool_suffix`), and only
+the episodes that called a tool go on. The KV cache is kept across turns: a turn feeds only the tokens appended since
+the last (the tool results and the header), never the conversation again, and the model's own tokens are never
+re-tokenised. The cache's rows are the live episodes: a finished one is dropped from it, and the columns a row did not
+fill (its left padding, the steps after its turn ended while others went on) are masked out of attention, the
+positions counting real tokens only, so a row reads exactly its own conversation.
+
+Limits, as TRL's:
+- `generation.max_new_tokens` bounds the whole completion, the policy's turns and the tool results and headers
+  between them (TRL's `max_completion_length`): a turn samples at most what is left, and tool results whose suffix
+  would take the completion past it are dropped (the calls ran and count; the episode ends after the turn that made
+  them, its completion as it was), as are results past the model's `max_position_embeddings`.
+- `max_calls` (TRL's `max_tool_calling_iterations`) bounds the rounds of tool execution: the calls of the turn after
+  the last round are not run, and the episode ends there.
+- A turn cut by the length limit (no EOS) runs none of its calls.
+
+Counted per episode (`ToolCounts`): calls run, failures (raised, timed out, unprintable), timeouts, malformed calls
+(a finished turn that does not parse counts one; a call naming no tool or with arguments that do not fit counts one,
+is not run, and gets its error message as the tool result), assistant turns, and calls per tool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhfkit.config import GenerationConfig
+from rlhfkit.errors import UserError
+from rlhfkit.generation import _cache_argument, sample_next, seeded
+from rlhfkit.rollout import is_nonfinite_sampling, prompt_seeds
+from rlhfkit.tools import Call, Toolbox, Tool, cap_result, resolve, run_calls
+from rlhfkit.types import PromptBatch, Rollout, Rows, ToolCounts
+
+
+@dataclass
+class Episode:
+    """One episode as it grows: its tokens, which of them the policy chose, what reward functions will read."""
+
+    prompt_ids: list[int]
+    tools: dict[str, Tool]
+    schemas: list[dict] | None  # what the template renders and the parser casts with (None: no tools)
+    environment: object = None
+    ids: list[int] = field(default_factory=list)  # the completion: the policy's turns, tool results, headers
+    action: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
+    logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each sampled token, 0 elsewhere
+    messages: list[dict] = field(default_factory=list)  # TRL's completion: assistant turns and tool messages
+    calls: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    malformed: int = 0
+    turns: int = 0
+    per_tool: dict[str, int] = field(default_factory=dict)
+
+    def budget(self, max_new_tokens: int) -> int:
+        return max_new_tokens - len(self.ids)
+
+
+class ToolLoop:
+    """`RolloutMaker` of multi-turn episodes with tools (module docstring).
+
+    Each prompt row is rendered here, with the tools' schemas (the chat template's own rendering) and, with an
+    `environment_factory`, after its episode's environment was `reset(**row)`: a string it returns is appended to the
+    prompt's last message, as TRL does. A text prompt becomes one user message. The rollout's `prompt_ids` are these
+    rendered prompts; the `PromptBatch` given only seeds the sampling (`generation.seed_per_prompt`)."""
+
+    def __init__(self, tokenizer, params: GenerationConfig, seed: int, toolbox: Toolbox, max_calls: int,
+                 timeout_s: float, max_result_tokens: int):
+        if params.engine != "rlhfkit" or params.compile:
+            raise UserError("tools: the tool loop samples with rlhfkit's own decode loop and a dynamic KV cache; set "
+                            "generation.engine: rlhfkit and generation.compile: false")
+        if max_calls < 1:
+            raise UserError(f"tools.max_calls must be at least 1, got {max_calls}")
+        check_tool_template(tokenizer, toolbox)
+        self.tokenizer, self.params, self.seed, self.toolbox = tokenizer, params, seed, toolbox
+        self.max_calls, self.timeout_s, self.max_result_tokens = max_calls, timeout_s, max_result_tokens
+
+    @torch.no_grad()
+    def __call__(self, policy, prompts: PromptBatch, examples: list[dict], step: int) -> Rollout | None:
+        k = self.params.num_samples
+        episodes = self.start([e for e in examples for _ in range(k)])
+        seeds = prompt_seeds(self.seed, step, prompts, self.params.seed_per_prompt)
+        groups = [list(range(g * k, (g + 1) * k)) for g in range(len(examples))] if seeds else [list(range(len(episodes)))]
+        was_training = policy.training
+        policy.eval()  # no dropout while sampling (and gradient checkpointing would turn the KV cache off)
+        try:
+            for g, rows in enumerate(groups):
+                with seeded(seeds[g]) if seeds else contextlib.nullcontext():
+                    self.play(policy, [episodes[i] for i in rows], prompts.input_ids.device)
+        except RuntimeError as exc:
+            if is_nonfinite_sampling(exc):
+                return None
+            raise
+        finally:
+            policy.train(was_training)
+        return self.rollout(episodes, k, prompts.input_ids.device)
+
+    def start(self, rows: list[dict]) -> list[Episode]:
+        """An episode per row: its environment taken and reset, its tools, its prompt rendered with them."""
+        fields = [{"prompt": r["prompt"], **r.get("columns", {})} for r in rows]
+        envs = self.toolbox.environments.take(fields) if self.toolbox.environments else [(None, None)] * len(rows)
+        episodes = []
+        for row, (name, env) in zip(fields, envs):
+            messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+            if env is not None:
+                observation = env.reset(**self.toolbox.environments.reset_arguments(row))
+                if isinstance(observation, str):
+                    messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
+            tools = self.toolbox.episode_tools(env, name)
+            schemas = [t.schema for t in tools.values()] or None  # None: some templates render boilerplate for []
+            ids = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+            episodes.append(Episode(list(ids), tools, schemas, env))
+        return episodes
+
+    def play(self, policy, episodes: list[Episode], device) -> None:
+        """Plays `episodes` to their end, batched, the KV cache kept across turns (module docstring)."""
+        tok, params = self.tokenizer, self.params
+        session = Session(policy, params, tok.eos_token_id, tok.pad_token_id, device)
+        logits = session.start([e.prompt_ids for e in episodes])
+        live = list(range(len(episodes)))  # the episodes of the session's rows, in order
+        limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        for round_ in range(self.max_calls + 1):
+            turns = session.sample_turn(logits, [episodes[i].budget(params.max_new_tokens) for i in live])
+            calls = [self.end_turn(episodes[i], ids, lps) for i, (ids, lps) in zip(live, turns)]
+            if round_ == self.max_calls:
+                break
+            outcomes = run_calls([c or [] for c in calls], self.timeout_s)
+            keep, chunks = [], []
+            for row, (i, called, results) in enumerate(zip(live, calls, outcomes)):
+                if not called:
+                    continue
+                suffix = self.record_calls(episodes[i], called, results, limit)
+                if suffix and episodes[i].budget(params.max_new_tokens) > 0:
+                    keep.append(row)
+                    chunks.append(suffix)
+            if not keep:
+                break
+            logits = session.extend(keep, chunks)
+            live = [live[row] for row in keep]
+
+    def end_turn(self, ep: Episode, ids: list[int], logprobs: list[float]) -> list[Call] | None:
+        """Appends a sampled turn to `ep`, its parsed message to `ep.messages`; the turn's calls resolved against the
+        episode's tools, or None when it calls nothing (or was cut by the length limit)."""
+        tok = self.tokenizer
+        prefix = ep.prompt_ids + ep.ids
+        ep.ids += ids
+        ep.action += [1] * len(ids)
+        ep.logprobs += logprobs
+        ep.turns += 1
+        finished = bool(ids) and ids[-1] == tok.eos_token_id
+        try:
+            message = tok.parse_response(ids, prefix=prefix, tools=ep.schemas)
+        except (ValueError, TypeError):  # transformers raises on a region it cannot parse: a malformed call
+            message = None
+        if message is None:
+            ep.malformed += finished
+            ep.messages.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+            return None
+        message = {**message, "content": (message.get("content") or "").removesuffix(tok.eos_token)}
+        ep.messages.append(message)
+        if not finished or not message.get("tool_calls"):
+            return None
+        calls = [resolve(*_name_and_arguments(c), ep.tools) for c in message["tool_calls"]]
+        ep.malformed += sum(c.tool is None for c in calls)
+        return calls
+
+    def record_calls(self, ep: Episode, calls: list[Call], results, limit: int | None) -> list[int] | None:
+        """Counts the calls and their outcomes; appends the tool messages and the suffix the template renders for
+        them (returned), or None when the suffix does not fit (the messages are then dropped, the counts kept)."""
+        messages = []
+        for call, outcome in zip(calls, results):
+            if call.tool is not None:  # (a malformed call was counted when its turn was parsed)
+                ep.calls += 1
+                ep.per_tool[call.name] = ep.per_tool.get(call.name, 0) + 1
+                ep.failures += outcome.failed
+                ep.timeouts += outcome.timed_out
+            content = cap_result(outcome.content, self.tokenizer, self.max_result_tokens)
+            messages.append({"role": "tool", "name": call.name, "content": content})
+        suffix = tool_suffix(self.tokenizer, messages)
+        total = len(ep.prompt_ids) + len(ep.ids) + len(suffix)
+        if len(ep.ids) + len(suffix) > self.params.max_new_tokens or (limit is not None and total >= limit):
+            return None
+        ep.messages += messages
+        ep.ids += suffix
+        ep.action += [0] * len(suffix)
+        ep.logprobs += [0.0] * len(suffix)
+        return suffix
+
+    def rollout(self, episodes: list[Episode], k: int, device) -> Rollout:
+        """The episodes as one `Rollout`: prompts left-padded, completions right-padded, decoded once."""
+        tok, pad = self.tokenizer, self.tokenizer.pad_token_id
+        width_p = max(len(e.prompt_ids) for e in episodes)
+        width_r = max(max(len(e.ids) for e in episodes), 1)
+        left = lambda xs, v: [v] * (width_p - len(xs)) + xs  # noqa: E731
+        right = lambda xs, v: xs + [v] * (width_r - len(xs))  # noqa: E731
+        as_tensor = lambda rows, dtype=torch.long: torch.tensor(rows, dtype=dtype, device=device)  # noqa: E731
+        response_mask = as_tensor([right([1] * len(e.ids), 0) for e in episodes])
+        names = self.toolbox.names
+        counts = ToolCounts(
+            calls=as_tensor([e.calls for e in episodes]), failures=as_tensor([e.failures for e in episodes]),
+            timeouts=as_tensor([e.timeouts for e in episodes]), malformed=as_tensor([e.malformed for e in episodes]),
+            turns=as_tensor([e.turns for e in episodes]),
+            per_tool=as_tensor([[e.per_tool.get(n, 0) for n in names] for e in episodes]).reshape(len(episodes), len(names)),
+            tool_names=names)
+        return Rollout(
+            prompt_ids=as_tensor([left(e.prompt_ids, pad) for e in episodes]),
+            prompt_mask=as_tensor([left([1] * len(e.prompt_ids), 0) for e in episodes]),
+            response_ids=as_tensor([right(e.ids, pad) for e in episodes]),
+            response_mask=response_mask,
+            group_ids=torch.arange(len(episodes) // k, device=device).repeat_interleave(k),
+            has_eos=as_tensor([bool(e.ids) and e.ids[-1] == tok.eos_token_id for e in episodes], torch.bool),
+            sampler_logprobs=as_tensor([right(e.logprobs, 0.0) for e in episodes], torch.float32),
+            action_mask=as_tensor([right(e.action, 0) for e in episodes]),
+            texts=Rows(tok.batch_decode([e.ids for e in episodes], skip_special_tokens=True)),
+            completions=Rows(e.messages for e in episodes),
+            environments=Rows(e.environment for e in episodes) if self.toolbox.environments else None,
+            tools=counts,
+        )
+
+
+def _name_and_arguments(call) -> tuple:
+    """(name, arguments) of a parsed tool call ({"type": "function", "function": {"name", "arguments"}}); None for
+    what is missing, which `tools.resolve` reports as malformed."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    fn = fn if isinstance(fn, dict) else {}
+    return fn.get("name"), fn.get("arguments")
+
+
+def tool_suffix(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """The tokens the chat template renders after an assistant turn that called tools: its tool messages, then the
+    next assistant header. Rendered after a stand-in assistant turn (the suffix does not depend on its content), the
+    stand-in's own tokens cut at their last EOS, the point where a sampled turn ends; the template must render the
+    longer conversation as an extension of the shorter (prefix-preserving), else a UserError."""
+    stand_in = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
+    render = lambda messages, header: list(tokenizer.apply_chat_template(  # noqa: E731
+        messages, add_generation_prompt=header, tokenize=True, return_dict=False))
+    before, after = render(stand_in, False), render(stand_in + tool_messages, True)
+    ends = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
+    before = before[: ends[-1] + 1] if ends else before
+    if after[: len(before)] != before:
+        raise UserError("tools: the chat template does not render a conversation with tool results as an extension of "
+                        "the conversation before them (not prefix-preserving), so results cannot be appended to the "
+                        "sampled tokens; use a prefix-preserving template (model.chat_template: chatml_tools)")
+    return after[len(before):]
+
+
+def check_tool_template(tokenizer, toolbox: Toolbox) -> None:
+    """A one-line UserError unless the tokenizer can run the loop: a chat template that renders the tools' schemas and
+    a `response_template` that transformers parses the model's calls with."""
+    fix = "set model.chat_template: chatml_tools (a bundled template with tools and their parsing)"
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"tools: the tokenizer has no chat template; {fix}")
+    if getattr(tokenizer, "response_template", None) is None:
+        raise UserError(f"tools: the tokenizer has no response_template, so the model's tool calls cannot be parsed; {fix}")
+    schemas = [t.schema for t in toolbox.functions.values()]
+    if schemas:
+        probe = [{"role": "user", "content": "x"}]
+        with_tools = tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False, add_generation_prompt=True)
+        if with_tools == tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True):
+            raise UserError(f"tools: the tokenizer's chat template ignores tools (it renders none of their schemas); {fix}")
+
+
+class Session:
+    """The KV cache of a batch of episodes across their turns (module docstring).
+
+    `mask` (n, W) marks the cache columns each row reads (1: one of its real tokens), `next_position` (n,) the position
+    of each row's next real token, `unfed` the tokens each row sampled last that the cache has not seen yet (a turn's
+    final token: the loop stops before feeding it)."""
+
+    def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device):
+        from transformers import DynamicCache
+
+        self.model, self.params, self.eos, self.pad, self.device = model, params, eos_token_id, pad_token_id, device
+        self.cache = DynamicCache(config=model.config)
+        self.arg = _cache_argument(model)
+        self.mask = self.next_position = None
+        self.unfed: list[list[int]] = []
+
+    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Feeds (n, S) tokens, `real` (n, S) marking the rows' real ones; -> the last position's logits (n, V)."""
+        positions = self.next_position[:, None] + real.long().cumsum(1) - real.long()  # (n, S)
+        self.mask = torch.cat([self.mask, real.long()], 1) if self.mask is not None else real.long()
+        self.next_position = self.next_position + real.long().sum(1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self.arg: self.cache})
+        return out.logits[:, -1].float()
+
+    def start(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefills the prompts, left-padded; -> (n, V) logits of each row's next token."""
+        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        self.unfed = [[] for _ in prompts]
+        return self.forward(*self._left_padded(prompts))
+
+    def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Keeps the session's `rows` only and feeds each its unfed token and then its chunk; -> (len(rows), V)."""
+        index = torch.tensor(rows, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_position = self.mask[index], self.next_position[index]
+        chunks = [self.unfed[r] + c for r, c in zip(rows, chunks)]
+        self.unfed = [[] for _ in rows]
+        return self.forward(*self._left_padded(chunks))
+
+    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in seqs], device=self.device)
+        real = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
+        return ids, real
+
+    def sample_turn(self, logits: torch.Tensor, budgets: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Samples one turn per row, until its EOS or its `budget` tokens; -> (tokens, log-probs) per row. A row that
+        finished is fed pad tokens while others go on, masked out of attention (its cache columns hold no token)."""
+        n = len(budgets)
+        limit = torch.tensor(budgets, device=logits.device)
+        count = torch.zeros(n, dtype=torch.long, device=logits.device)
+        done = limit <= 0
+        tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        while True:
+            token, logprob = sample_next(logits, self.params)  # (n,), (n,)
+            active = ~done
+            for r in active.nonzero().flatten().tolist():
+                tokens[r].append(int(token[r]))
+                logprobs[r].append(float(logprob[r]))
+            count = count + active.long()
+            done = done | (token == self.eos) | (count >= limit)
+            if bool(done.all()):
+                self.unfed = [[tokens[r][-1]] if bool(active[r]) else [] for r in range(n)]
+                return list(zip(tokens, logprobs))
+            logits = self.forward(token.masked_fill(~active, self.pad)[:, None], active[:, None])
+
+
+def tool_figures(counts: ToolCounts) -> dict[str, float]:
+    """The step's tool figures from its episodes' counts (all processes' rows, gathered by the caller).
+
+    TRL 1.16's two, with a call being any call the policy made (run, or malformed: TRL runs an unknown name or
+    arguments a tool refuses and counts a failure; here they are not run, and a finished turn that does not parse counts
+    one malformed call, which TRL does not see):
+        tools/call_frequency     calls per episode
+        tools/failure_frequency  failed or malformed calls per call (0 without calls)
+    and beyond TRL: tools/malformed_frequency and tools/timeout_frequency (per call, 0 without calls),
+    tools/turns_mean (assistant turns per episode) and tools/calls/<name> (runs of each tool per episode)."""
+    episodes = max(int(counts.calls.numel()), 1)
+    calls = int(counts.calls.sum() + counts.malformed.sum())
+    per_call = lambda n: float(n) / calls if calls else 0.0  # noqa: E731
+    figures = {
+        "tools/call_frequency": calls / episodes,
+        "tools/failure_frequency": per_call(counts.failures.sum() + counts.malformed.sum()),
+        "tools/malformed_frequency": per_call(counts.malformed.sum()),
+        "tools/timeout_frequency": per_call(counts.timeouts.sum()),
+        "tools/turns_mean": float(counts.turns.sum()) / episodes,
+    }
+    for k, name in enumerate(counts.tool_names):
+        figures[f"tools/calls/{name}"] = float(counts.per_tool[:, k].sum()) / episodes
+    return figures
