@@ -22,3 +22,6 @@ class Objects:
     reward_funcs: tuple = ()
     reward_weights: tuple | None = None  # one per entry of `reward_funcs`; None: 1 each
     callbacks: tuple = ()  # transformers TrainerCallback objects (or classes), called at the run's events
+    # The online stages' rollout component (`rlhfkit.rollout.RolloutMaker`: prompts in, a `Rollout` out), as a function
+    # of the one the config would use: wrap it (a scripted or filtered rollout) or return your own. None: the config's.
+    rollout: Any = None

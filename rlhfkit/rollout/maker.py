@@ -8,5 +8,6 @@ from rlhfkit.rollout.single_turn import SingleTurn
 
 def rollout_maker(cfg, tokenizer, objects) -> RolloutMaker:
     """The rollout component of an online run (`cfg`: its config; `objects`: what the Python API was given): one
-    assistant turn per sample."""
-    return SingleTurn(tokenizer, cfg.generation, cfg.seed)
+    assistant turn per sample; `objects.rollout`, when given, is called with it and returns the component to use."""
+    made = SingleTurn(tokenizer, cfg.generation, cfg.seed)
+    return objects.rollout(made) if objects.rollout is not None else made
