@@ -183,9 +183,9 @@ def read_outputs(opts: LabelOptions) -> None:
         os.makedirs(opts.figures, exist_ok=True)
         rows = preference_rows(judgements)
         accuracy = None
-        if opts.reward_model and rows:
-            chosen, rejected = reward_scores(opts.reward_model, rows)
-            accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(rows)
+        scored = paired_scores(opts.reward_model, rows) if opts.reward_model and rows else []
+        if scored:  # as the reward stage's accuracy: a tie counts as wrong
+            accuracy = sum(c > r for c, r in scored) / len(scored)
         counts, agree = per_annotator(judgements), agreement(judgements)
         figures = {"per_annotator": counts, "agreement": dataclasses.asdict(agree), "reward_model": opts.reward_model,
                    "reward_model_accuracy": accuracy, "pairs": len(rows)}
@@ -216,11 +216,12 @@ def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
     if reward_model:
         judged = {j.item: j.pair for j in judgements}  # each pair once, model's response first
         rows = [{"prompt": p.prompt, "chosen": p.first.content, "rejected": p.second.content} for p in judged.values()]
-        first, second = reward_scores(reward_model, rows)
-        rm_rate = sum((a > b) + 0.5 * (a == b) for a, b in zip(first, second)) / len(rows)
-        result["reward_model"] = {"path": reward_model, "pairs": len(rows), "win_rate": rm_rate,
-                                  "mean_score": {human.model: sum(first) / len(first),
-                                                 human.reference: sum(second) / len(second)}}
+        scored = paired_scores(reward_model, rows)
+        if scored:
+            rm_rate = sum((a > b) + 0.5 * (a == b) for a, b in scored) / len(scored)
+            result["reward_model"] = {"path": reward_model, "pairs": len(scored), "win_rate": rm_rate,
+                                      "mean_score": {"model": sum(a for a, _ in scored) / len(scored),
+                                                     "reference": sum(b for _, b in scored) / len(scored)}}
     alarm = reward_disagrees(human, rm_rate)
     result["alarms"] = [{"name": "reward_disagrees_with_people", "message": alarm}] if alarm else []
     os.makedirs(out_dir, exist_ok=True)
@@ -232,26 +233,39 @@ def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
             + "".join(f"\nalarm: {a['message']}" for a in result["alarms"]))
 
 
-def reward_scores(path: str, rows: list[dict]) -> tuple[list[float], list[float]]:
-    """A reward model's scores of each row's chosen and rejected response, tokenised by the reward model's own
-    tokenizer through the preference data pipeline."""
+def reward_scores(path: str, texts: list[tuple]) -> list[float | None]:
+    """A reward model's score of each (prompt, response), tokenised by the reward model's own tokenizer through the
+    SFT data pipeline (prompt_completion records; each response alone, so two equal responses are both scored). An
+    empty response gets None: there is nothing to score."""
     import torch
 
     from rlhfkit.config import DataConfig
-    from rlhfkit.data import build_datasets, collate_preference
+    from rlhfkit.data import build_datasets, collate_sft
     from rlhfkit.rewards import load_reward_scorer
 
     scorer = load_reward_scorer(path)
+    scored = [i for i, (_, response) in enumerate(texts) if response]
     with tempfile.TemporaryDirectory() as tmp:
-        data = write_jsonl([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows], os.path.join(tmp, "pairs.jsonl"))
-        pairs, _ = build_datasets("preference", DataConfig(train=data), scorer.tokenizer, 0)
-    chosen, rejected = [], []
+        data = write_jsonl([{"prompt": texts[i][0], "completion": texts[i][1]} for i in scored], os.path.join(tmp, "texts.jsonl"))
+        examples, _ = build_datasets("sft", DataConfig(train=data), scorer.tokenizer, 0)
+    if len(examples) != len(scored):
+        raise UserError(f"reward model '{path}': {len(scored) - len(examples)} of {len(scored)} responses have no "
+                        "token left to score after tokenisation")
+    scores = []
     with torch.no_grad():
-        for start in range(0, len(pairs), 16):
-            b = collate_preference(pairs[start : start + 16], scorer.tokenizer.pad_token_id)
-            chosen += scorer(b.chosen_input_ids, b.chosen_attention_mask, b.chosen_labels != -100).tolist()
-            rejected += scorer(b.rejected_input_ids, b.rejected_attention_mask, b.rejected_labels != -100).tolist()
-    return chosen, rejected
+        for start in range(0, len(examples), 16):
+            b = collate_sft(examples[start : start + 16], scorer.tokenizer.pad_token_id)
+            scores += scorer(b.input_ids, b.attention_mask, b.labels != -100).tolist()
+    out: list[float | None] = [None] * len(texts)
+    for i, score in zip(scored, scores):
+        out[i] = score
+    return out
+
+
+def paired_scores(path: str, rows: list[dict]) -> list[tuple[float, float]]:
+    """The reward model's (chosen, rejected) scores of each row that has both (`reward_scores`)."""
+    flat = reward_scores(path, [(r["prompt"], r[side]) for r in rows for side in ("chosen", "rejected")])
+    return [(c, r) for c, r in zip(flat[::2], flat[1::2]) if c is not None and r is not None]
 
 
 # 4. The command line ---------------------------------------------------------------------------------------------

@@ -112,22 +112,78 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path, capsys):
     assert "compare-mode database" in _one_error_line(capsys, ["label", "--db", db, "--result", str(tmp_path)])
 
 
-def test_collect_and_compare_sample_once(tmp_path, caplog):
-    gen = ("generation.max_new_tokens=6",)
-    collect = LabelOptions(db=str(tmp_path / "c.db"), model="tiny", prompts=PROMPTS, overrides=gen, num_samples=3,
+GEN = ("generation.max_new_tokens=6",)
+
+
+@pytest.fixture(scope="module")
+def compare_db(tmp_path_factory):
+    """Compare mode, tiny against tiny on 4 prompts: the settings `eval_dir` evaluates with."""
+    opts = LabelOptions(db=str(tmp_path_factory.mktemp("compare") / "v.db"), model="tiny", compare="tiny",
+                        prompts=PROMPTS, overrides=GEN, max_prompts=4)
+    prepare(Store(opts.db), opts)
+    return opts
+
+
+def test_collect_and_compare_sample_once(tmp_path, caplog, compare_db):
+    collect = LabelOptions(db=str(tmp_path / "c.db"), model="tiny", prompts=PROMPTS, overrides=GEN, num_samples=3,
                            max_prompts=2, overlap=0.5)
     prepare(Store(collect.db), collect)
     pairs = Store(collect.db).pairs()
     assert len(pairs) == 6 and sum(p.overlap for p in pairs) == 3 and sum(p.swap for p in pairs) == 3  # C(3, 2) x 2
     assert pairs[0].prompt == "Review the lamp Saloto." and {p.first.model for p in pairs} == {"tiny"}
-    compare = LabelOptions(db=str(tmp_path / "v.db"), model="tiny", compare="tiny", prompts=PROMPTS, overrides=gen,
-                           max_prompts=4)
-    prepare(Store(compare.db), compare)
-    pairs = Store(compare.db).pairs()
+    pairs = Store(compare_db.db).pairs()
     assert len(pairs) == 4 and sum(p.swap for p in pairs) == 2
     # The same model under the same seed per batch: both sides drew the same response (rlhfkit eval's pairing).
     assert all(p.first.content == p.second.content for p in pairs)
     with caplog.at_level(logging.INFO, logger="rlhfkit"):
-        prepare(Store(compare.db), compare)  # a restart: nothing sampled again
-    assert "4 items already stored; resuming" in caplog.text and Store(compare.db).pairs() == pairs
-    assert os.path.isfile(compare.db)
+        prepare(Store(compare_db.db), compare_db)  # a restart: nothing sampled again
+    assert "4 items already stored; resuming" in caplog.text and Store(compare_db.db).pairs() == pairs
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    """A reward model directory: the tiny model with a random score head (saved as `rlhfkit rm` saves)."""
+    import torch
+
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.models import load_reward_model, load_tokenizer, save_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name_or_path="tiny")
+    out = str(tmp_path_factory.mktemp("rm") / "rm")
+    save_model(load_reward_model(cfg, trainable=False, allow_new_head=True), load_tokenizer(cfg), out)
+    return out
+
+
+def test_compare_result_beside_eval_json_and_figures(tmp_path, compare_db, rm_dir, capsys):
+    from rlhfkit.evaluation.report import write_report
+
+    eval_dir = str(tmp_path / "eval")
+    assert main(["eval", "--config", "configs/eval_tiny.yaml", f"data.eval={PROMPTS}", "max_prompts=4", "batch_size=8",
+                 "generation.max_new_tokens=6", f"output_dir={eval_dir}"]) == 0
+    with open(os.path.join(eval_dir, "eval.json")) as f:
+        report = json.load(f)
+    store = Store(compare_db.db)
+    # Compare mode's pairs are the samples rlhfkit eval scored (same prompts, settings, seed and batch size).
+    assert [p.first.content for p in store.pairs()] == [s["policy"]["response"] for s in report["samples"]]
+    for choice in ("second", "second", "first", "second"):  # people prefer the reference 3 times out of 4
+        h = store.next_item("ann")
+        store.judge("ann", h.item, h.token, choice)
+    assert main(["label", "--db", compare_db.db, "--result", eval_dir, "--reward-model", rm_dir]) == 0
+    assert "human win rate 0.250 (95% CI 0.046-0.699), tie rate 0.000, n=4" in capsys.readouterr().out
+    with open(os.path.join(eval_dir, "human_eval.json")) as f:
+        human = json.load(f)
+    assert (human["n"], human["wins"], human["losses"], human["win_rate"]) == (4, 1, 3, 0.25)
+    assert human["interval"] == pytest.approx([0.0456, 0.6994], abs=1e-4)  # Wilson, 1 of 4, by hand
+    assert human["judge_win_rate"] == report["win_rate"]
+    # The two sides' responses are identical: the reward model scores them alike (win rate exactly 1/2, no alarm).
+    rm = human["reward_model"]
+    assert rm["win_rate"] == 0.5 and rm["mean_score"]["model"] == pytest.approx(rm["mean_score"]["reference"], abs=1e-5) and human["alarms"] == []
+    assert "Blind human evaluation (human_eval.json)" in open(write_report(eval_dir)).read()
+    figures = str(tmp_path / "figures")
+    assert main(["label", "--db", compare_db.db, "--figures", figures, "--reward-model", rm_dir]) == 0
+    with open(os.path.join(figures, "label_figures.json")) as f:
+        fig = json.load(f)
+    assert fig["per_annotator"] == {"ann": {"second": 3, "first": 1}} and fig["pairs"] == 4
+    assert fig["reward_model_accuracy"] == 0.0  # identical responses: no pair ordered (a tie counts as wrong)
+    assert os.path.getsize(os.path.join(figures, "label_figures.png")) > 1000
