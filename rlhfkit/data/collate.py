@@ -14,10 +14,20 @@ def _pad(rows: list[list[int]], value: int, width: int | None = None, left: bool
     return torch.tensor(padded, dtype=torch.long)
 
 
-def _join(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int, width: int | None = None):
-    """Right-padded prompt + response rows: (input_ids, attention_mask, labels), labels -100 outside the response."""
+def _labels(prompt: list[int], response: list[int], action_mask: list[int] | None) -> list[int]:
+    """-100 on the prompt and, with an action mask, on the response tokens the assistant did not write (tool
+    results, the headers between turns); the token ids elsewhere."""
+    if action_mask is None:
+        return [IGNORE_INDEX] * len(prompt) + response
+    return [IGNORE_INDEX] * len(prompt) + [t if m else IGNORE_INDEX for t, m in zip(response, action_mask)]
+
+
+def _join(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int, width: int | None = None,
+          action_masks: list[list[int]] | None = None):
+    """Right-padded prompt + response rows: (input_ids, attention_mask, labels), labels -100 outside the response
+    (and off its action mask, when given)."""
     ids = [p + r for p, r in zip(prompts, responses)]
-    labels = [[IGNORE_INDEX] * len(p) + r for p, r in zip(prompts, responses)]
+    labels = [_labels(p, r, m) for p, r, m in zip(prompts, responses, action_masks or [None] * len(prompts))]
     return _pad(ids, pad_token_id, width), _pad([[1] * len(x) for x in ids], 0, width), _pad(labels, IGNORE_INDEX, width)
 
 
@@ -58,15 +68,23 @@ def collate_sft_padding_free(examples: list[SFTExample]) -> PaddingFreeBatch:
     return _padding_free([e["input_ids"] for e in examples], [e["labels"] for e in examples])
 
 
-def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> PreferenceBatch:
+def _action_masks(examples: list[dict], side: str, actions_only: bool) -> list[list[int]] | None:
+    return [e[f"{side}_action_mask"] for e in examples] if actions_only else None
+
+
+def collate_preference(examples: list[PreferenceExample], pad_token_id: int, actions_only: bool = True) -> PreferenceBatch:
     """prompt + chosen and prompt + rejected, both right-padded to ONE common length T so that the trainer can
-    concatenate them into a single forward pass."""
+    concatenate them into a single forward pass. Labels are -100 on the prompt and, with `actions_only`, on the
+    response tokens the assistant did not write (tool results): a log-prob sum over the labels is the policy's.
+    The reward model passes actions_only=False: it reads the whole conversation."""
     prompts = [e["prompt_ids"] for e in examples]
     chosen = [e["chosen_ids"] for e in examples]
     rejected = [e["rejected_ids"] for e in examples]
     width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
-    chosen_ids, chosen_mask, chosen_labels = _join(prompts, chosen, pad_token_id, width)  # (B, T) each
-    rejected_ids, rejected_mask, rejected_labels = _join(prompts, rejected, pad_token_id, width)  # (B, T) each
+    chosen_ids, chosen_mask, chosen_labels = _join(prompts, chosen, pad_token_id, width,
+                                                   _action_masks(examples, "chosen", actions_only))  # (B, T) each
+    rejected_ids, rejected_mask, rejected_labels = _join(prompts, rejected, pad_token_id, width,
+                                                         _action_masks(examples, "rejected", actions_only))  # (B, T) each
     return PreferenceBatch(
         chosen_input_ids=chosen_ids,
         chosen_attention_mask=chosen_mask,
@@ -78,11 +96,12 @@ def collate_preference(examples: list[PreferenceExample], pad_token_id: int) -> 
     )
 
 
-def collate_preference_padding_free(examples: list[PreferenceExample]) -> PaddingFreePairs:
+def collate_preference_padding_free(examples: list[PreferenceExample], actions_only: bool = True) -> PaddingFreePairs:
     """`collate_preference` without padding (data.padding_free): the B prompt + chosen, then the B prompt + rejected
     sequences in one row, each attending to itself only."""
-    sides = [[e["prompt_ids"] + e[side] for e in examples] for side in ("chosen_ids", "rejected_ids")]
-    labels = [[[IGNORE_INDEX] * len(e["prompt_ids"]) + e[side] for e in examples] for side in ("chosen_ids", "rejected_ids")]
+    sides = [[e["prompt_ids"] + e[f"{side}_ids"] for e in examples] for side in ("chosen", "rejected")]
+    labels = [[_labels(e["prompt_ids"], e[f"{side}_ids"], e[f"{side}_action_mask"] if actions_only else None)
+               for e in examples] for side in ("chosen", "rejected")]
     return PaddingFreePairs(
         sequences=_padding_free(sides[0] + sides[1], labels[0] + labels[1]),  # 2B sequences
         margin=torch.tensor([float(e["margin"]) for e in examples], dtype=torch.float32),  # (B,)
@@ -103,10 +122,11 @@ def collate_unpaired(examples: list[UnpairedExample], pad_token_id: int,
             "is estimated from mismatched (prompt, completion) pairs within the batch"
         )
     prompts = [e["prompt_ids"] for e in examples]
-    completions = [e["completion_ids"] for e in examples]
-    shifted = completions[1:] + completions[:1] if partners is None else [p["completion_ids"] for p in partners]
-    input_ids, attention_mask, labels = _join(prompts, completions, pad_token_id)  # (B, T) each
-    kl_input_ids, kl_attention_mask, kl_labels = _join(prompts, shifted, pad_token_id)  # (B, T') each
+    partners = examples[1:] + examples[:1] if partners is None else partners
+    completions, masks = [e["completion_ids"] for e in examples], [e["completion_action_mask"] for e in examples]
+    shifted, shifted_masks = [p["completion_ids"] for p in partners], [p["completion_action_mask"] for p in partners]
+    input_ids, attention_mask, labels = _join(prompts, completions, pad_token_id, None, masks)  # (B, T) each
+    kl_input_ids, kl_attention_mask, kl_labels = _join(prompts, shifted, pad_token_id, None, shifted_masks)  # (B, T') each
     return UnpairedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

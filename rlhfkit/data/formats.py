@@ -1,9 +1,16 @@
 """Record formats per kind: detection from the first record's keys, validation record by record, and the canonical
 form every format is turned into (`Canonical`). Each problem is a one-line `DataError` naming the source, the record
-(its 0-based index among the loaded records) and the field."""
+(its 0-based index among the loaded records) and the field.
+
+Tool-calling conversations are read as TRL reads them: an assistant turn may carry `tool_calls`
+([{"type": "function", "function": {"name", "arguments"}}], arguments an object or a JSON string of one), a
+{"role": "tool", "name", "content"} turn holds a tool's result, and a record's `tools` column lists the JSON schemas
+the chat template renders (a list, or a JSON string of one). Arguments and `tools` given as JSON strings are parsed
+here, so the canonical record holds objects."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -17,7 +24,7 @@ if TYPE_CHECKING:
     import datasets
 
 KINDS = ("sft", "preference", "unpaired", "prompt")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
@@ -42,6 +49,7 @@ class Canonical:
     desirable: bool = True
     columns: dict | None = None  # prompt-only: the record's other fields (all but "prompt" and "messages")
     text: str | None = None  # SFT language modelling: the whole text takes the loss (`prompt` is then "")
+    tools: list[dict] | None = None  # the record's `tools` column: JSON schemas the chat template renders
 
 
 def detect(records: list[dict] | datasets.Dataset, kind: str, source: str, columns: dict[str, str]) -> str:
@@ -74,6 +82,16 @@ def canonical(record: dict, fmt: str, kind: str, source: str, i: int) -> Canonic
             raise DataError(f"{where}: missing field '{name}' (format '{fmt}', detected from record 0)")
         return record[name]
 
+    example = _canonical(record, fmt, kind, where, get)
+    if record.get("tools") is not None:  # a null cell of a tools column: no tools
+        if fmt == "text":
+            raise DataError(f"{where}: field 'tools' needs a conversation to render it (messages or prompt/completion); "
+                            "a 'text' record is raw text, never a chat template")
+        example.tools = _tools(record["tools"], where)
+    return example
+
+
+def _canonical(record: dict, fmt: str, kind: str, where: str, get) -> Canonical:
     if fmt == "messages":
         turns = _messages(get("messages"), "messages", where)
         if kind == "prompt":
@@ -138,7 +156,8 @@ def _implicit_prompt(chosen, rejected, where: str, margin: float) -> Canonical:
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be message lists (an implicit prompt) or "
                         f"both HH-RLHF transcripts (strings), got {type_of(chosen)} and {type_of(rejected)}")
-    sides = {"chosen": _messages(chosen, "chosen", where), "rejected": _messages(rejected, "rejected", where)}
+    chosen, rejected = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
+    sides = {"chosen": chosen, "rejected": rejected}
     n = next((j for j, (a, b) in enumerate(zip(chosen, rejected)) if not _same_turn(a, b)), min(len(chosen), len(rejected)))
     if len(chosen) == len(rejected) == n:  # one conversation twice: its last turn is both responses (dropped later)
         n -= 1
@@ -150,6 +169,7 @@ def _implicit_prompt(chosen, rejected, where: str, margin: float) -> Canonical:
         if turns[n]["role"] != "assistant":
             raise DataError(f"{where}: field '{name}' must continue the prompt it shares with '{other}' with an assistant "
                             f"turn (the response), got role '{turns[n]['role']}'")
+        _ends_with_the_assistant(turns, name, where)
     return Canonical(prompt=chosen[:n], responses=[chosen[n:], rejected[n:]], margin=margin)
 
 
@@ -167,17 +187,68 @@ def _text_or_messages(value, name: str, where: str) -> str | list[dict]:
 
 
 def _messages(value, name: str, where: str) -> list[dict]:
+    """The validated messages; an assistant turn's tool calls with their JSON-string arguments parsed (a copy)."""
     if not isinstance(value, list) or not value:
         got = "an empty list" if value == [] else type_of(value)
         raise DataError(f"{where}: field '{name}' must be a non-empty list of {{role, content}} messages, got {got}")
+    messages = []
     for j, message in enumerate(value):
+        at = f"{where}: field '{name}' message {j}"
         if not isinstance(message, dict):
-            raise DataError(f"{where}: field '{name}' message {j} must be a {{role, content}} dict, got {type_of(message)}")
-        if message.get("role") not in ROLES:
-            raise DataError(f"{where}: field '{name}' message {j}: role must be one of system, user, assistant, got {message.get('role')!r}")
+            raise DataError(f"{at} must be a {{role, content}} dict, got {type_of(message)}")
+        role, calls = message.get("role"), message.get("tool_calls")
+        if role not in ROLES:
+            raise DataError(f"{at}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if calls is not None:  # a null cell of a tool_calls column (datasets fills absent keys with None): no calls
+            if role != "assistant":
+                raise DataError(f"{at}: only an assistant turn can have tool_calls, this one is role '{role}'")
+            message = {**message, "tool_calls": [_tool_call(call, f"{at} tool call {k}") for k, call in enumerate(_list(calls, at))]}
+            if message.get("content") is None:  # OpenAI's form of a turn that only calls tools
+                message["content"] = ""
         if not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: field '{name}' message {j}: content must be a string, got {type_of(message.get('content'))}")
+            raise DataError(f"{at}: content must be a string, got {type_of(message.get('content'))}")
+        if role == "tool" and not isinstance(message.get("name", ""), (str, type(None))):
+            raise DataError(f"{at}: a tool turn's name must be a string (the tool called), got {type_of(message['name'])}")
+        messages.append(message)
+    return messages
+
+
+def _list(calls, at: str) -> list:
+    if not isinstance(calls, list):
+        raise DataError(f"{at}: tool_calls must be a list of {{type: function, function: {{name, arguments}}}} calls, "
+                        f"got {type_of(calls)}")
+    return calls
+
+
+def _tool_call(call, at: str) -> dict:
+    """A call as TRL writes it, {"type": "function", "function": {"name", "arguments"}}, its arguments an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise DataError(f"{at}: expected {{type: function, function: {{name, arguments}}}} with a non-empty name, got "
+                        f"{json.dumps(call, default=str)[:120]}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = _json(arguments, f"{at}: arguments")
+    if not isinstance(arguments, dict):
+        raise DataError(f"{at}: arguments must be an object (or a JSON string of one), got {type_of(arguments)}")
+    return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
+
+
+def _tools(value, where: str) -> list[dict]:
+    """A `tools` column: a list of JSON schemas, or a JSON string of one (how TRL's datasets store it)."""
+    if isinstance(value, str):
+        value = _json(value, f"{where}: field 'tools'")
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise DataError(f"{where}: field 'tools' must be a list of JSON schemas (objects), or a JSON string of one, "
+                        f"got {type_of(value)}")
     return value
+
+
+def _json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what} is not valid JSON ({e.msg}: line {e.lineno} col {e.colno})") from None
 
 
 def _response(value, name: str, prompt: str | list[dict], where: str) -> str | list[dict]:
@@ -191,11 +262,20 @@ def _response(value, name: str, prompt: str | list[dict], where: str) -> str | l
         response = response[n:]
     if response[0]["role"] != "assistant":
         raise DataError(f"{where}: field '{name}' must start with an assistant turn (the response), got role '{response[0]['role']}'")
+    _ends_with_the_assistant(response, name, where)
     return response
 
 
+def _ends_with_the_assistant(response: list[dict], name: str, where: str) -> None:
+    """A response that ends with a tool's result has a part the policy did not write at its end, which the losses
+    leave out but the reward model would read: refused, so that both see the same response."""
+    if response[-1]["role"] == "tool":
+        raise DataError(f"{where}: field '{name}' ends with a tool turn; a response ends with the assistant's turn "
+                        "(drop the trailing tool result, or add the assistant's reply to it)")
+
+
 def _same_turn(a: dict, b: dict) -> bool:
-    return a["role"] == b["role"] and a["content"] == b["content"]
+    return all(a.get(key) == b.get(key) for key in ("role", "content", "tool_calls", "name"))
 
 
 def _margin(record: dict, where: str) -> float:

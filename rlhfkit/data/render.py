@@ -1,10 +1,11 @@
 """Canonical examples to token ids: chat templates (or a plain rendering without one), prompt and response
-tokenized separately so that the loss mask never shifts."""
+tokenized separately so that the loss mask never shifts; the action mask of a response with tool turns."""
 
 from __future__ import annotations
 
 from rlhfkit.data.formats import HH_ASSISTANT, Canonical, hh_messages
 from rlhfkit.errors import DataError, first_line
+from rlhfkit.templates import TOOLS_TEMPLATE
 
 
 class Encoder:
@@ -16,14 +17,20 @@ class Encoder:
     separately and their ids concatenated: re-tokenizing the joined text could merge across the boundary and
     shift the loss mask. `plain` records that the current record had messages rendered without a template (the
     caller resets it per record and warns once per source).
+
+    `tools` (JSON schemas) are rendered with every record that has no `tools` column of its own. A record with
+    tools or tool calls is refused, in one line that names the fix, when the template would render them as if they
+    were not there (checked on the first such record: the template renders it the same with and without them).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token: set one, so that every response can end at it")
         self.tok = tokenizer
         self.template = bool(getattr(tokenizer, "chat_template", None))
         self.plain = False
+        self.tools = tools
+        self.checked: set[str] = set()  # "tools", "tool_calls": what the template was seen to render
 
     def ids(self, text: str, special: bool = False) -> list[int]:
         return self.tok(text, add_special_tokens=special)["input_ids"]
@@ -32,14 +39,38 @@ class Encoder:
         """Language modelling: the raw text (never a chat template) with the tokenizer's special tokens, then EOS."""
         return self.ids(text, special=True) + [self.tok.eos_token_id]
 
-    def render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool, where: str, tools: list[dict] | None = None) -> str:
         if not self.template:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if generation_prompt else "")
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on conversations the template refuses (roles, order): bad data
             raise DataError(f"{where}: the tokenizer's chat template failed on this conversation: {first_line(e)}") from e
+
+    def tools_of(self, example: Canonical) -> list[dict] | None:
+        return example.tools if example.tools is not None else self.tools
+
+    def check_tools(self, messages: list[dict], tools: list[dict] | None, where: str) -> None:
+        """Refuses a chat template that would drop the conversation's tools or its assistant turns' tool calls."""
+        calls = any(m.get("tool_calls") for m in messages)
+        if not tools and not calls:
+            return
+        fix = f"set model.chat_template={TOOLS_TEMPLATE} (rlhfkit's ChatML template with tools) or a template that renders them"
+        if not self.template:
+            raise DataError(f"{where}: the tokenizer has no chat template, and a conversation with tools or tool calls "
+                            f"cannot be rendered without one: {fix}")
+        if tools and "tools" not in self.checked:
+            if self.render(messages, False, where, tools) == self.render(messages, False, where):
+                raise DataError(f"{where}: the tokenizer's chat template ignores `tools` (it renders this conversation "
+                                f"the same with and without them): {fix}")
+            self.checked.add("tools")
+        if calls and "tool_calls" not in self.checked:
+            without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+            if self.render(messages, False, where, tools) == self.render(without, False, where, tools):
+                raise DataError(f"{where}: the tokenizer's chat template ignores the assistant turns' tool_calls (it "
+                                f"renders this conversation the same with and without them): {fix}")
+            self.checked.add("tool_calls")
 
     def as_messages(self, prompt, response, hh: bool) -> tuple[list[dict], list[dict]] | None:
         """The (prompt, response) messages to render, or None for the raw-text path (no template, all text)."""
@@ -54,35 +85,48 @@ class Encoder:
 
     def prompt(self, example: Canonical, where: str) -> list[int]:
         messages = self.as_messages(example.prompt, None, example.hh)
+        tools = self.tools_of(example)
         if messages is None:
+            self.check_tools([], tools, where)
             return self.ids(example.prompt, special=True)
-        return self.ids(self.render(messages[0], True, where), special=not self.template)
+        self.check_tools(messages[0], tools, where)
+        return self.ids(self.render(messages[0], True, where, tools), special=not self.template)
 
-    def pair(self, example: Canonical, response, where: str) -> tuple[list[int], list[int]]:
-        """(prompt ids, response ids) for one response of the example."""
+    def pair(self, example: Canonical, response, where: str) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, response ids, action mask) for one response of the example. The action mask is 1 on the
+        tokens of the response's assistant turns (from the first token after each assistant header to its EOS),
+        0 on what lies between them: tool results, other turns, and the headers that open the next assistant turn."""
         messages = self.as_messages(example.prompt, response, example.hh)
         if messages is None:
-            return self.ids(example.prompt, special=True), self.ids(response) + [self.tok.eos_token_id]
+            self.check_tools([], self.tools_of(example), where)
+            response_ids = self.ids(response) + [self.tok.eos_token_id]
+            return self.ids(example.prompt, special=True), response_ids, [1] * len(response_ids)
         prompt, response = messages
-        (prompt_ids, _), (response_ids, _) = self.spans(prompt + response, [(len(prompt), len(prompt) + len(response))], where)
-        return prompt_ids, response_ids
+        turns = prompt + response
+        spans = [(j, j + 1) for j in range(len(prompt), len(turns)) if turns[j]["role"] == "assistant"]
+        (prompt_ids, _), *segments = self.spans(turns, spans, where, self.tools_of(example))
+        response_ids = [t for ids, _ in segments for t in ids]
+        return prompt_ids, response_ids, [int(is_response) for ids, is_response in segments for _ in ids]
 
-    def conversation(self, turns: list[dict], where: str) -> list[tuple[list[int], bool]]:
+    def conversation(self, turns: list[dict], where: str, tools: list[dict] | None = None) -> list[tuple[list[int], bool]]:
         """Segments (ids, is_response) of a whole conversation, one response segment per assistant turn."""
         self.plain = not self.template
-        return self.spans(turns, [(j, j + 1) for j, m in enumerate(turns) if m["role"] == "assistant"], where)
+        return self.spans(turns, [(j, j + 1) for j, m in enumerate(turns) if m["role"] == "assistant"], where, tools)
 
-    def spans(self, messages: list[dict], spans: list[tuple[int, int]], where: str) -> list[tuple[list[int], bool]]:
+    def spans(self, messages: list[dict], spans: list[tuple[int, int]], where: str,
+              tools: list[dict] | None = None) -> list[tuple[list[int], bool]]:
         """Renders the prefixes incrementally: for each response span (start, end) of message indices, the prompt
         segment is render(messages[:start] + generation prompt) minus the text already consumed, and the response
         is render(messages[:end]) minus that prompt, up to and including its last EOS token (what the template
-        renders after it, e.g. ChatML's "\\n", opens the next prompt segment); a response with no EOS gets one."""
+        renders after it, e.g. ChatML's "\\n", opens the next prompt segment); a response with no EOS gets one.
+        Every prefix is rendered with `tools`, as the whole conversation is."""
+        self.check_tools(messages, tools, where)
         eos = self.tok.eos_token
         segments: list[tuple[list[int], bool]] = []
         consumed, consumed_end = "", 0
         for start, end in spans:
-            prompt_text = self.render(messages[:start], True, where)
-            full_text = self.render(messages[:end], False, where)
+            prompt_text = self.render(messages[:start], True, where, tools)
+            full_text = self.render(messages[:end], False, where, tools)
             for shorter, longer, a, b in ((consumed, prompt_text, consumed_end, start), (prompt_text, full_text, start, end)):
                 if not longer.startswith(shorter):
                     raise DataError(

@@ -44,12 +44,17 @@ class PreferenceExample(TypedDict):
     prompt_ids: list[int]  # (P,)
     chosen_ids: list[int]  # (R,) ends at EOS unless cut to data.max_length
     rejected_ids: list[int]  # (R',)
+    # (R,) and (R',): 1 on the tokens the assistant wrote, 0 on tool results and the headers between turns (their
+    # log-probs are never summed); all ones for a single-turn response
+    chosen_action_mask: list[int]
+    rejected_action_mask: list[int]
     margin: float  # the record's margin, 0.0 without one
 
 
 class UnpairedExample(TypedDict):
     prompt_ids: list[int]  # (P,)
     completion_ids: list[int]  # (R,)
+    completion_action_mask: list[int]  # (R,) as PreferenceExample's
     desirable: bool
 
 
@@ -84,11 +89,12 @@ class TruncationStats:
 
 def tokenize_records(
     records: list[dict] | datasets.Dataset, kind: str, tokenizer, cfg: DataConfig, source: str,
-    cache_file: str | None = None,
+    cache_file: str | None = None, tools: list[dict] | None = None,
 ) -> tuple[list[Example], TruncationStats]:
     """Validates and tokenizes `kind` records into typed examples (package docstring): the format is detected from
     the first record's keys, each record is validated as it is tokenized. Counts what was cut or dropped, and warns
-    about what the counts alone don't say; `source` names the data in every message.
+    about what the counts alone don't say; `source` names the data in every message. `tools` (JSON schemas) are
+    rendered with every record that has no `tools` column of its own.
 
     One `datasets.Dataset.map` of `_encode` over the records (RLHFKIT_DATA_NUM_PROC worker processes); with a
     `cache_file` (`build_datasets` names one per data, tokenizer and settings) it reads a finished map back from
@@ -99,7 +105,7 @@ def tokenize_records(
     from datasets.fingerprint import generate_random_fingerprint
 
     fmt = detect(records, kind, source, cfg.columns)
-    encoder = Encoder(tokenizer)
+    encoder = Encoder(tokenizer, tools)
     if isinstance(records, list):  # arbitrary JSON records, one text column: Arrow needs one type per column
         records = datasets.Dataset.from_dict({_RECORD: [json.dumps(r, default=str) for r in records]})
     if cache_file:
@@ -125,11 +131,12 @@ def _features(kind: str) -> datasets.Features:
     """The Arrow types of a kind's map rows: its example's columns (token ids as int32 lists), then `_FLAGS`."""
     from datasets import Features, Sequence, Value
 
-    ids = Sequence(Value("int32"))
+    ids, mask = Sequence(Value("int32")), Sequence(Value("int8"))
     columns = {
         "sft": {"input_ids": ids, "labels": ids},
-        "preference": {"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids, "margin": Value("float64")},
-        "unpaired": {"prompt_ids": ids, "completion_ids": ids, "desirable": Value("bool")},
+        "preference": {"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids, "chosen_action_mask": mask,
+                       "rejected_action_mask": mask, "margin": Value("float64")},
+        "unpaired": {"prompt_ids": ids, "completion_ids": ids, "completion_action_mask": mask, "desirable": Value("bool")},
         "prompt": {"prompt_ids": ids, "prompt": Value("string"), "columns": Value("string")},  # JSON text
     }[kind]
     flags = dict(zip(_FLAGS, (Value("bool"), Value("bool"), Value("int8"), Value("bool"))))
@@ -178,7 +185,7 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
         input_ids = encoder.text(example.text)
         columns = _fit_sequence(input_ids, list(input_ids), cfg.max_length, flags)
     elif example.turns is not None:  # SFT conversation: the first segment is the prompt
-        segments = encoder.conversation(example.turns, where)
+        segments = encoder.conversation(example.turns, where, encoder.tools_of(example))
         segments[0] = (fit_prompt(segments[0][0]), False)
         input_ids = [t for ids, _ in segments for t in ids]
         labels = [t if is_response else IGNORE_INDEX for ids, is_response in segments for t in ids]
@@ -187,19 +194,23 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
         encoded = [encoder.pair(example, response, where) for response in example.responses]
         prompt_ids = fit_prompt(encoded[0][0])
         room = cfg.max_length - len(prompt_ids)
-        if any(len(response_ids) > room for _, response_ids in encoded):
+        if any(len(response_ids) > room for _, response_ids, _ in encoded):
             flags["_response_truncated"] = True
-        responses = [response_ids[:room] for _, response_ids in encoded]
+        responses = [response_ids[:room] for _, response_ids, _ in encoded]
+        masks = [mask[:room] for _, _, mask in encoded]  # (R,) each: 1 on the assistant's own tokens
         if not all(responses):
             flags["_dropped"] = _EMPTY
         elif kind == "preference" and responses[0] == responses[1]:
             flags["_dropped"] = _IDENTICAL
         if kind == "preference":
-            columns = {"prompt_ids": prompt_ids, "chosen_ids": responses[0], "rejected_ids": responses[1], "margin": example.margin}
+            columns = {"prompt_ids": prompt_ids, "chosen_ids": responses[0], "rejected_ids": responses[1],
+                       "chosen_action_mask": masks[0], "rejected_action_mask": masks[1], "margin": example.margin}
         elif kind == "unpaired":
-            columns = {"prompt_ids": prompt_ids, "completion_ids": responses[0], "desirable": example.desirable}
-        else:
-            columns = {"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + responses[0]}
+            columns = {"prompt_ids": prompt_ids, "completion_ids": responses[0], "completion_action_mask": masks[0],
+                       "desirable": example.desirable}
+        else:  # SFT prompt/completion: the loss on the completion's assistant turns
+            labels = [t if m else IGNORE_INDEX for t, m in zip(responses[0], masks[0])]
+            columns = {"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + labels}
     return {**columns, **flags, "_plain": encoder.plain}
 
 
@@ -238,8 +249,10 @@ def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Exam
     return examples, stats
 
 
-def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
+def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int,
+                   tools: list[dict] | None = None) -> tuple[list[Example], list[Example] | None]:
     """Tokenized (train, eval) examples: eval from cfg.eval, else a seeded cfg.eval_fraction of train, else None.
+    `tools` (JSON schemas) are rendered with every record that has no `tools` column of its own.
 
     Each split is tokenized once per data, tokenizer and settings, then read back from the cache (package docstring).
     The held-out fraction is drawn from the tokenized train examples, so error messages keep the file's own record
@@ -248,9 +261,9 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
     if cfg.subset and all(is_local_file(source) for source in (cfg.train, cfg.eval) if source):
         raise DataError(f"data.subset={cfg.subset!r} names a configuration of a hub dataset, but data.train '{cfg.train}' "
                         f"is a local file{f' and so is data.eval {cfg.eval!r}' if cfg.eval else ''}")
-    train = _tokenized_split(kind, cfg.train, cfg.train_split, cfg, tokenizer)
+    train = _tokenized_split(kind, cfg.train, cfg.train_split, cfg, tokenizer, tools)
     if cfg.eval:
-        return train, _tokenized_split(kind, cfg.eval, cfg.eval_split, cfg, tokenizer)
+        return train, _tokenized_split(kind, cfg.eval, cfg.eval_split, cfg, tokenizer, tools)
     if cfg.eval_fraction <= 0:
         return train, None
     n_eval = max(1, round(cfg.eval_fraction * len(train)))
@@ -264,25 +277,26 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[li
     return [ex for j, ex in enumerate(train) if j not in held_out], [ex for j, ex in enumerate(train) if j in held_out]
 
 
-def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[Example]:
+def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer,
+                     tools: list[dict] | None) -> list[Example]:
     import datasets
 
     fingerprint, read = open_source(source, cfg.subset, split, cfg.max_samples)
-    cache_file = _cache_file(kind, fingerprint, cfg, tokenizer)
+    cache_file = _cache_file(kind, fingerprint, cfg, tokenizer, tools)
     if cache_file and os.path.exists(cache_file):  # tokenized before: the records need not even be read
         logger.info(f"{source}: reading the tokenized examples back from {cache_file}")
         examples, stats = _examples(datasets.Dataset.from_file(cache_file), kind, source)
     else:  # (a map cached by worker processes is in shard files: the map reads them back)
-        examples, stats = tokenize_records(read(), kind, tokenizer, cfg, source, cache_file)
+        examples, stats = tokenize_records(read(), kind, tokenizer, cfg, source, cache_file, tools)
     cut = stats.prompts_truncated or stats.responses_truncated or stats.dropped
     logger.log(logging.WARNING if cut else logging.INFO, stats.summary(source))
     return examples
 
 
-def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str | None:
+def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer, tools: list[dict] | None) -> str | None:
     """Where the tokenized rows of these records are cached: a file named by a datasets fingerprint of everything
-    that shapes them (the chat template renderer's and tokenizer library's versions too); None when datasets caching
-    is off."""
+    that shapes them (the chat template renderer's and tokenizer library's versions too, and the run's tools);
+    None when datasets caching is off."""
     import datasets
     import tokenizers
     import transformers
@@ -291,7 +305,8 @@ def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str 
     if not datasets.is_caching_enabled():
         return None
     key = Hasher.hash([_source_hash(), transformers.__version__, tokenizers.__version__, kind, fingerprint,
-                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, sorted(cfg.columns.items()), tokenizer])
+                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, sorted(cfg.columns.items()), tokenizer,
+                       json.dumps(tools, sort_keys=True)])
     return os.path.join(cache_dir(), "data", f"{kind}-{key}.arrow")
 
 

@@ -71,3 +71,72 @@ def load(name: str) -> ChatTemplate:
     stem = filename[: -len(".jinja")]
     response = json.loads(package.joinpath(f"{stem}.response.json").read_text(encoding="utf-8"))
     return ChatTemplate(name, source, response)
+
+
+def from_setting(setting: str) -> ChatTemplate:
+    """The template `model.chat_template` names: a bundled name, a template file (a sibling `<stem>.response.json`
+    is its response template), or a tokenizer's directory (its chat template and response template)."""
+    if setting in BUNDLED:
+        return load(setting)
+    path = os.path.expanduser(setting)
+    if os.path.isfile(path):
+        return ChatTemplate(setting, _read(path, setting), _response_beside(path, setting))
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        from rlhfkit.model_sources import from_pretrained
+
+        tokenizer = from_pretrained(AutoTokenizer, path)
+        if not tokenizer.chat_template:
+            raise UserError(f"model.chat_template='{setting}': the tokenizer in that directory has no chat template")
+        return ChatTemplate(setting, tokenizer.chat_template, getattr(tokenizer, "response_template", None))
+    raise UserError(f"model.chat_template='{setting}': not a bundled template ({', '.join(BUNDLED)}), a template file "
+                    "or a tokenizer's directory")
+
+
+def apply_setting(tokenizer, setting: str | None) -> None:
+    """Puts the template `model.chat_template` names on `tokenizer` (nothing when None), after checking that it
+    renders a conversation and ends an assistant turn with the tokenizer's eos token, at which generation stops."""
+    if setting is None:
+        return
+    template = from_setting(setting)
+    template.apply_to(tokenizer)
+    chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception as e:  # jinja's TemplateSyntaxError, UndefinedError, a raise_exception(): a template that cannot render
+        raise UserError(f"model.chat_template='{setting}': the template cannot render a user and an assistant turn: "
+                        f"{first_line(e)}") from e
+    eos = tokenizer.eos_token
+    if eos is None or eos not in text[text.rfind("Hello.") :]:
+        raise UserError(f"model.chat_template='{setting}': the template does not end an assistant turn with the "
+                        f"tokenizer's eos token {eos!r}, so generation would not stop at the end of a turn; use a "
+                        "template made for this tokenizer")
+
+
+def _read(path: str, setting: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"model.chat_template='{setting}': cannot read the file: {first_line(e)}") from e
+
+
+def _response_beside(path: str, setting: str) -> dict | None:
+    """The response template beside a template file: `<stem>.response.json`, or None when there is none."""
+    response_path = os.path.splitext(path)[0] + ".response.json"
+    if not os.path.isfile(response_path):
+        return None
+    try:
+        response = json.loads(_read(response_path, setting))
+    except json.JSONDecodeError as e:
+        raise UserError(f"model.chat_template='{setting}': {response_path} is not valid JSON ({e.msg}: line {e.lineno} "
+                        f"col {e.colno})") from None
+    from transformers.utils.chat_parsing import ResponseParser
+
+    try:  # transformers validates the template's shape, fields and patterns as it builds a parser
+        ResponseParser(response, prefix="")
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"model.chat_template='{setting}': {response_path} is not a response template transformers "
+                        f"can parse with: {first_line(e)}") from None
+    return response

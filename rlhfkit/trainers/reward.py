@@ -37,9 +37,10 @@ class RewardTrainer(OfflineTrainer):
         return model
 
     def collate(self, examples) -> PreferenceBatch | PaddingFreePairs:
+        # The reward model reads the whole conversation, tool results included (actions_only=False).
         if self.cfg.data.padding_free:
-            return collate_preference_padding_free(examples)
-        return collate_preference(examples, self.tokenizer.pad_token_id)
+            return collate_preference_padding_free(examples, actions_only=False)
+        return collate_preference(examples, self.tokenizer.pad_token_id, actions_only=False)
 
     def count(self, batch: PreferenceBatch | PaddingFreePairs) -> int:
         return batch.margin.shape[0]

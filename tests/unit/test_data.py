@@ -18,6 +18,7 @@ from rlhfkit.data import (
     TruncationStats,
     build_datasets,
     collate_preference,
+    collate_preference_padding_free,
     collate_prompts,
     collate_sft,
     collate_unpaired,
@@ -186,7 +187,7 @@ def test_each_format_reads_as_its_equivalent(kind, record, same_as, tok):
         ("sft", [{"prompt": "p", "completion": "c"}, {"prompt": "p"}],
          "x.jsonl record 1: missing field 'completion' (format 'prompt_completion', detected from record 0)"),
         ("sft", [{"messages": [{"role": "bot", "content": "x"}]}],
-         "x.jsonl record 0: field 'messages' message 0: role must be one of system, user, assistant, got 'bot'"),
+         "x.jsonl record 0: field 'messages' message 0: role must be one of system, user, assistant, tool, got 'bot'"),
         ("sft", [{"messages": [{"role": "user", "content": None}]}],
          "x.jsonl record 0: field 'messages' message 0: content must be a string, got null"),
         ("sft", [{"messages": [{"role": "user", "content": "q"}]}], "x.jsonl record 0: field 'messages' has no assistant turn"),
@@ -335,26 +336,37 @@ def test_collate_sft_right_pads():
 
 
 def test_collate_preference_common_length_and_labels():
-    examples = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6], "margin": 0.5},
-                {"prompt_ids": [7], "chosen_ids": [8, 9], "rejected_ids": [10], "margin": 0.0}]
+    """Labels are -100 on the prompt, on padding and off the action mask (token 5: a tool result); the reward
+    model's collation (actions_only=False) labels the whole response."""
+    examples = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6], "chosen_action_mask": [1],
+                 "rejected_action_mask": [1, 0, 1], "margin": 0.5},
+                {"prompt_ids": [7], "chosen_ids": [8, 9], "rejected_ids": [10], "chosen_action_mask": [1, 1],
+                 "rejected_action_mask": [1], "margin": 0.0}]
     b = collate_preference(examples, pad_token_id=0)
     assert b.chosen_input_ids.shape == b.rejected_input_ids.shape == (2, 5)
     assert b.chosen_input_ids.tolist() == [[1, 2, 3, 0, 0], [7, 8, 9, 0, 0]]
     assert b.rejected_input_ids.tolist() == [[1, 2, 4, 5, 6], [7, 10, 0, 0, 0]]
     assert b.chosen_labels.tolist() == [[-100, -100, 3, -100, -100], [-100, 8, 9, -100, -100]]
-    assert b.rejected_labels.tolist() == [[-100, -100, 4, 5, 6], [-100, 10, -100, -100, -100]]
+    assert b.rejected_labels.tolist() == [[-100, -100, 4, -100, 6], [-100, 10, -100, -100, -100]]
     assert b.rejected_attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert b.margin.tolist() == [0.5, 0.0] and b.margin.dtype == torch.float32
+    whole = collate_preference(examples, pad_token_id=0, actions_only=False)
+    assert whole.rejected_labels.tolist() == [[-100, -100, 4, 5, 6], [-100, 10, -100, -100, -100]]
+    free = collate_preference_padding_free(examples)
+    assert free.sequences.labels.tolist() == [[-100, -100, 3, -100, 8, 9, -100, -100, 4, -100, 6, -100, 10]]
+    assert collate_preference_padding_free(examples, actions_only=False).sequences.labels.tolist()[0][8:11] == [4, 5, 6]
 
 
 def test_collate_unpaired_pairs_prompt_i_with_next_completion():
-    examples = [{"prompt_ids": [1], "completion_ids": [11], "desirable": True},
-                {"prompt_ids": [2], "completion_ids": [12, 13], "desirable": False},
-                {"prompt_ids": [3], "completion_ids": [14], "desirable": True}]
+    # completion 13 is off its action mask (a tool result): -100 in its own row and in its KL partner's row
+    examples = [{"prompt_ids": [1], "completion_ids": [11], "completion_action_mask": [1], "desirable": True},
+                {"prompt_ids": [2], "completion_ids": [12, 13], "completion_action_mask": [1, 0], "desirable": False},
+                {"prompt_ids": [3], "completion_ids": [14], "completion_action_mask": [1], "desirable": True}]
     b = collate_unpaired(examples, pad_token_id=0)
     assert b.input_ids.tolist() == [[1, 11, 0], [2, 12, 13], [3, 14, 0]]
+    assert b.labels.tolist() == [[-100, 11, -100], [-100, 12, -100], [-100, 14, -100]]
     assert b.kl_input_ids.tolist() == [[1, 12, 13], [2, 14, 0], [3, 11, 0]]
-    assert b.kl_labels.tolist() == [[-100, 12, 13], [-100, 14, -100], [-100, 11, -100]]
+    assert b.kl_labels.tolist() == [[-100, 12, -100], [-100, 14, -100], [-100, 11, -100]]
     assert b.desirable.tolist() == [True, False, True]
     with pytest.raises(ValueError, match="at least 2 examples"):
         collate_unpaired(examples[:1], pad_token_id=0)
@@ -476,9 +488,17 @@ SETTINGS = {"wide": {"max_length": 256, "max_prompt_length": 128}, "tight": {"ma
 
 
 def digest(examples, stats) -> str:
+    """The digest of the examples without their action masks (added after the digests were recorded), which are all
+    ones on these records: none has a tool turn."""
     import dataclasses
     import hashlib
 
+    masks = ("chosen_action_mask", "rejected_action_mask", "completion_action_mask")
+    for e in examples:
+        for name in masks:
+            if name in e:
+                assert e[name] == [1] * len(e[name.replace("action_mask", "ids")])
+    examples = [{k: v for k, v in e.items() if k not in masks} for e in examples]
     return hashlib.sha256(json.dumps([examples, dataclasses.asdict(stats)], sort_keys=True).encode()).hexdigest()[:16]
 
 
