@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhfkit.config.stages import RedTeamConfig
+from rlhfkit.data.sources import open_source
 from rlhfkit.errors import UserError, first_line
 from rlhfkit.evaluation.alarms import Alarm
 from rlhfkit.evaluation.metrics import wilson_interval
@@ -144,29 +145,22 @@ class HumanFlag:
 
 
 def read_human_flags(path: str) -> list[HumanFlag]:
-    """The rows of a human-flags JSONL file (`rlhfkit label --export-flags`: every row "harmful": true; rows judged
-    harmless, "harmful": false, may join them and give a rate). A row that is not a JSON object with a string "model",
-    a "response" (text or messages) and a bool "harmful" is one UserError naming the file and line."""
-    if not os.path.isfile(path):
+    """The rows of a human-flags file (`rlhfkit label --export-flags`: JSONL, every row "harmful": true; rows judged
+    harmless, "harmful": false, may join them and give a rate), read by the data layer (JSONL, JSON, CSV, Parquet).
+    A row without a string "model", a "response" (text or messages) and a bool "harmful" is one UserError naming the
+    file and the record (counted from 0, blank lines skipped)."""
+    if not os.path.isfile(os.path.expanduser(path)):
         raise UserError(f"red_team.human_flags: file '{path}' not found")
+    _, read = open_source(path, None, "train", None)
     flags = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not a JSON object ({first_line(exc)})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            for key, kind, what in (("model", str, "a string"), ("response", (str, list), "text or a list of messages"),
-                                    ("harmful", bool, "true or false")):
-                if not isinstance(row.get(key), kind):
-                    raise UserError(f"{path}:{n}: field '{key}' must be {what}, got {row.get(key)!r}")
-            annotator = row.get("annotator")
-            flags.append(HumanFlag(_as_text(row.get("prompt")), _as_text(row["response"]), row["model"], row["harmful"],
-                                   None if annotator is None else str(annotator)))
+    for i, row in enumerate(read()):
+        for key, kind, what in (("model", str, "a string"), ("response", (str, list), "text or a list of messages"),
+                                ("harmful", bool, "true or false")):
+            if not isinstance(row.get(key), kind):
+                raise UserError(f"{path} record {i}: field '{key}' must be {what}, got {row.get(key)!r}")
+        annotator = row.get("annotator")
+        flags.append(HumanFlag(_as_text(row.get("prompt")), _as_text(row["response"]), row["model"], row["harmful"],
+                               None if annotator is None else str(annotator)))
     if not flags:
         logger.warning("red_team.human_flags: %s holds no rows: no human judgements to report", path)
     return flags

@@ -148,10 +148,10 @@ def test_human_flags_read_and_matched(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("not json", r"flags.jsonl:2: not a JSON object"),
-    ("[1, 2]", r"flags.jsonl:2: expected a JSON object, got list"),
-    ('{"response": "r", "harmful": true}', r"flags.jsonl:2: field 'model' must be a string, got None"),
-    ('{"response": "r", "model": "m", "harmful": "yes"}', r"flags.jsonl:2: field 'harmful' must be true or false"),
+    ("not json", r"flags.jsonl line 2: malformed JSON"),
+    ("[1, 2]", r"flags.jsonl line 2: expected a JSON object"),
+    ('{"response": "r", "harmful": true}', r"flags.jsonl record 1: field 'model' must be a string, got None"),
+    ('{"response": "r", "model": "m", "harmful": "yes"}', r"flags.jsonl record 1: field 'harmful' must be true or false"),
 ])
 def test_human_flags_bad_rows(tmp_path, line, message):
     path = write_jsonl(tmp_path / "flags.jsonl", [{"prompt": "p", "response": "r", "model": "m", "harmful": True}, line])
