@@ -176,9 +176,12 @@ def read_outputs(opts: LabelOptions) -> None:
     store = Store(opts.db)
     judgements = store.judgements()
     if opts.export:
-        print(f"{write_jsonl(preference_rows(judgements), opts.export)}: {len(preference_rows(judgements))} preference pairs")
+        rows = preference_rows(judgements)
+        print(f"{write_jsonl(rows, opts.export)}: {len(rows)} preference pairs")
     if opts.export_flags:
-        print(f"{write_jsonl(flag_rows(judgements), opts.export_flags)}: {len(flag_rows(judgements))} harmful flags")
+        flags = flag_rows(judgements)
+        print(f"{write_jsonl(flags, opts.export_flags)}: {sum(f['harmful'] for f in flags)} of {len(flags)} responses "
+              "flagged harmful")
     if opts.figures:
         os.makedirs(opts.figures, exist_ok=True)
         rows = preference_rows(judgements)
@@ -296,7 +299,8 @@ def add_label_parser(sub) -> None:
     srv.add_argument("--token", help="access token every request must carry (default: random beyond the loopback)")
     out = p.add_argument_group("outputs (no server; works while one runs)")
     out.add_argument("--export", metavar="FILE", help="preference pairs as JSON lines for rlhfkit rm / dpo")
-    out.add_argument("--export-flags", metavar="FILE", help="responses flagged harmful as JSON lines")
+    out.add_argument("--export-flags", metavar="FILE", help="each response seen, flagged harmful or not, as JSON lines "
+                                                            "(rlhfkit eval's red_team.human_flags)")
     out.add_argument("--figures", metavar="DIR", help="label_figures.png/.json: judgements per annotator, agreement")
     out.add_argument("--result", metavar="DIR", help="compare mode: human_eval.json in DIR (beside eval.json)")
     out.add_argument("--reward-model", metavar="DIR", help="with --figures: its accuracy on the human labels; with "

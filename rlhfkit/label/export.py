@@ -7,12 +7,13 @@ stages read only the fields they know). Ties, "both bad" and skips say nothing a
 are left out; no margin is written, so `algo.margin_scale` has no effect on an export. Overlap items judged by two
 annotators give one row per judgement (two people agreeing count twice, disagreeing cancel out).
 
-Harmful flags (`--export-flags FILE`): one JSON line per response an annotator flagged as harmful,
-`{"prompt": TEXT or MESSAGES, "response": TEXT or MESSAGES, "model": NAME, "harmful": true, "annotator": NAME,
-"time": ISO 8601 UTC}`, where `model` is the name the candidates give the response's source (the model path or hub
-name it was sampled from, the compared model or the reference in compare mode, or a candidates file's "models"
-entry). A response flagged by two annotators gives two rows. `rlhfkit eval`'s red-team report counts these rows as
-human red-team judgements.
+Harmful flags (`--export-flags FILE`): one JSON line per response an annotator saw on a judged item (skips left out),
+`{"prompt": TEXT or MESSAGES, "response": TEXT or MESSAGES, "model": NAME, "harmful": BOOL, "annotator": NAME,
+"time": ISO 8601 UTC}`: `"harmful": true` for a response they flagged, false for one they saw and did not flag (so
+that a harmful rate has its denominator). `model` is the name the candidates give the response's source (the model
+path or hub name it was sampled from, the compared model or the reference in compare mode, or a candidates file's
+"models" entry). A response two annotators judged gives two rows. `rlhfkit eval`'s red-team report
+(`red_team.human_flags`) counts these rows as human red-team judgements.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def preference_rows(judgements: Sequence[Judgement]) -> list[dict]:
 
 
 def flag_rows(judgements: Sequence[Judgement]) -> list[dict]:
-    """A row per response flagged harmful (module docstring)."""
+    """A row per response seen on a judged item, flagged harmful or not (module docstring)."""
     rows = []
     for j in judgements:
-        for side in j.harmful:
-            c = j.pair.first if side == "first" else j.pair.second
-            rows.append({"prompt": j.pair.prompt, "response": c.content, "model": c.model, "harmful": True,
+        if j.choice == "skip":
+            continue
+        for side, c in (("first", j.pair.first), ("second", j.pair.second)):
+            rows.append({"prompt": j.pair.prompt, "response": c.content, "model": c.model, "harmful": side in j.harmful,
                          "annotator": j.annotator, "time": iso_time(j.time)})
     return rows
 

@@ -148,8 +148,10 @@ def test_export_rows_follow_the_judgement_not_the_screen(tmp_path):
         ("prompt 0", "bad 0", "good 0", "sft"), ("prompt 1", "good 1", "bad 1", "policy")]  # the tie is left out
     assert rows[0]["annotator"] == "ann" and rows[0]["time"].endswith("+00:00")
     flags = flag_rows(store.judgements())
-    assert [(f["response"], f["model"]) for f in flags] == [("good 0", "policy"), ("good 2", "policy"), ("bad 2", "sft")]
-    assert set(flags[0]) == {"prompt", "response", "model", "harmful", "annotator", "time"} and flags[0]["harmful"] is True
+    assert [(f["response"], f["model"], f["harmful"]) for f in flags] == [
+        ("good 0", "policy", True), ("bad 0", "sft", False), ("good 1", "policy", False), ("bad 1", "sft", False),
+        ("good 2", "policy", True), ("bad 2", "sft", True)]
+    assert set(flags[0]) == {"prompt", "response", "model", "harmful", "annotator", "time"}
 
 
 def test_pairs_are_balanced_and_every_two_responses_pair_up():
@@ -177,3 +179,19 @@ def test_candidates_file_errors_name_the_line(tmp_path):
     path.write_text(json.dumps({"prompt": "q", "responses": [tool_turns, {"response": "no", "model": "sft"}]}))
     (group,) = read_candidates(str(path))
     assert group.responses[0].content == tool_turns and group.responses[1] == Candidate("no", "sft")
+
+
+def test_flag_export_is_what_the_red_team_report_reads(tmp_path):
+    from rlhfkit.evaluation.red_team import human_figures, read_human_flags
+    from rlhfkit.label.export import write_jsonl
+
+    store = _store(tmp_path, [_pair(0), _pair(1), _pair(2)])
+    for choice, harmful in [("first", ("first",)), ("second", ()), ("skip", ("second",))]:
+        h = store.next_item("ann")
+        store.judge("ann", h.item, h.token, choice, harmful)
+    path = write_jsonl(flag_rows(store.judgements()), str(tmp_path / "flags.jsonl"))
+    sides = human_figures(read_human_flags(path), "policy", "sft")
+    # Two judged items (the skip is left out): the policy's 2 responses, 1 flagged; the reference's 2, none flagged.
+    assert (sides["policy"].flags, sides["policy"].judged_responses, sides["policy"].harmful_rate) == (1, 2, 0.5)
+    assert (sides["reference"].flags, sides["reference"].judged_responses, sides["reference"].harmful_rate) == (0, 2, 0.0)
+    assert sides["unmatched"] == {}
