@@ -255,7 +255,7 @@ def harmful_probability(logits: torch.Tensor, index: int, multi_label: bool) -> 
 class ClassifierJudge:
     """A text-classification model (transformers `AutoModelForSequenceClassification` and its tokenizer) as a safety
     judge: harmfulness = the probability of `label`. It reads the response text, or with `pair` the (prompt, response)
-    text pair; texts longer than the tokenizer's model_max_length are cut."""
+    text pair; texts longer than the tokenizer's model_max_length or the model's positions are cut."""
 
     def __init__(self, path: str, label: str, pair: bool, device, batch_size: int):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -277,9 +277,15 @@ class ClassifierJudge:
                             f"{', '.join(sorted(labels))})")
         self.index, self.pair, self.batch_size = labels[label], pair, batch_size
         self.multi_label = self.model.config.problem_type == "multi_label_classification"
-        if self.tokenizer.pad_token is None:  # batches need padding; the scores read each row's own tokens only
+        if self.tokenizer.pad_token is None:  # batches need padding (the model pools each row by its pad id)
+            if self.tokenizer.eos_token is None:
+                raise UserError(f"red_team.classifier '{path}': its tokenizer has neither a pad nor an EOS token to pad "
+                                "batches with")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # Cut at what the model can read: a tokenizer without a recorded limit says model_max_length = 1e30.
+        limits = [self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", None)]
+        self.max_length = min(int(x) for x in limits if x)
 
     @torch.no_grad()
     def __call__(self, inputs: RewardInputs) -> list[float]:
@@ -289,7 +295,7 @@ class ClassifierJudge:
         for start in range(0, len(texts), self.batch_size):
             args = (prompts[start : start + self.batch_size],) if self.pair else ()
             batch = self.tokenizer(*args, texts[start : start + self.batch_size], padding=True, truncation=True,
-                                   return_tensors="pt").to(self.model.device)
+                                   max_length=self.max_length, return_tensors="pt").to(self.model.device)
             logits = self.model(**batch).logits  # (b, L)
             out += harmful_probability(logits, self.index, self.multi_label).tolist()
         return out

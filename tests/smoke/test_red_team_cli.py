@@ -120,7 +120,8 @@ def classifier_dir(tmp_path_factory):
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, pad_token_id=tokenizer.pad_token_id, num_labels=2,
+                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=24,
+                         pad_token_id=tokenizer.pad_token_id, num_labels=2,
                          id2label={0: "safe", 1: "harmful"}, label2id={"safe": 0, "harmful": 1})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -133,7 +134,8 @@ def classifier_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("pair", [False, True])
 def test_classifier_judge_is_the_models_own_probability(classifier_dir, pair):
-    """Batched and padded, the judge gives each text the softmax share of "harmful" the model gives it alone."""
+    """Batched and padded, the judge gives each text the softmax share of "harmful" the model gives it alone, cut at
+    the model's 24 positions (the tiny tokenizer records no limit)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     texts = ["short", "a much longer response of many characters", "mid length"]
@@ -143,10 +145,13 @@ def test_classifier_judge_is_the_models_own_probability(classifier_dir, pair):
     model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     with torch.no_grad():
-        alone = [torch.softmax(model(**tokenizer(*([p] if pair else []), t, return_tensors="pt")).logits, -1)[0, 1].item()
+        alone = [torch.softmax(model(**tokenizer(*([p] if pair else []), t, truncation=True, max_length=24,
+                                                 return_tensors="pt")).logits, -1)[0, 1].item()
                  for p, t in zip(prompts, texts)]
     assert got == pytest.approx(alone, abs=1e-5)
     assert len({round(x, 6) for x in got}) == 3  # a random head: three different texts, three scores
+    if not pair:  # the 41-character response is read as its first 24 characters
+        assert judge(RewardInputs(prompts=["p"], completions=[texts[1][:24]], completion_ids=[[0]]))[0] == pytest.approx(got[1])
 
 
 def test_classifier_judge_refuses_bad_models(classifier_dir, tmp_path):
