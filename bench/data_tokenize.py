@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from results import record
+
 WORDS = ["the", "a", "film", "book", "song", "lamp", "chair", "game", "story", "plan", "recipe", "was", "is", "very",
          "quite", "rather", "bright", "dull", "warm", "cold", "good", "bad", "how", "why", "what", "can", "you", "tell",
          "me", "about", "please", "thanks", "sure", "here", "it"]
@@ -83,6 +85,14 @@ def main() -> None:
         print(f"first run (tokenize): {first['seconds']:7.1f} s")
         print(f"cached rerun:         {cached['seconds']:7.1f} s")
         print(f"ratio:                {first['seconds'] / cached['seconds']:7.1f}x")
+        record("data_tokenize", "Tokenising a preference file the size of HH-RLHF", ["run", "wall time"],
+               [[f"first run: read, validate and tokenise {args.pairs} synthetic HH-RLHF pairs ({size:.0f} MiB, "
+                 f"{first['tokens'] / 1e6:.0f}M tokens, {args.num_proc} process(es))", f"{first['seconds']:.1f} s"],
+                ["rerun: the same file and settings, read from the cache",
+                 f"{cached['seconds']:.1f} s ({first['seconds'] / cached['seconds']:.0f}× faster)"]],
+               command="python bench/data_tokenize.py" + (f" --pairs {args.pairs}" if args.pairs != 160_000 else "")
+               + (f" --num-proc {args.num_proc}" if args.num_proc != 1 else ""),
+               notes=["Tiny character-level tokenizer; each run in its own process, timed after the imports."])
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 
+from results import record
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["logging.progress_bar=false", "optim.adam_eps=1e-4", "max_steps=3"]
 GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]
@@ -200,6 +202,12 @@ def main() -> int:
         r = results[name]
         detail = r.get("why") or r.get("error") or json.dumps(r.get("compare")) if r["status"] != "PASS" or "compare" in r else ""
         print(f"{r['status']:4} {name:13} {r.get('seconds', '')!s:>6}s  {r.get('launch') or ''}  {detail or ''}", flush=True)
+    # The docs' table, into --out (the device's files come back from there): copy scaleout.json/.md to docs/results/.
+    record("scaleout", "Sharded engines on one GPU against the plain run", ["run", "status", "launch", "seconds", "detail"],
+           [[name, results[name]["status"], results[name].get("launch") or "", results[name].get("seconds", ""),
+             results[name].get("why") or results[name].get("error") or json.dumps(results[name].get("compare") or "")]
+            for name in names], command="python3 bench/device_scaleout.py --out DIR", directory=opts.out,
+           notes=["PASS: metrics within 1e-3 and saved weights within 1e-4 of the same run without accelerate."])
     return 0 if all(results[n]["status"] in ("PASS", "SKIP") for n in names) else 1
 
 

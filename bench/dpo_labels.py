@@ -26,12 +26,18 @@ import os
 import time
 
 import torch
+from results import record
 
 from rlhfkit.config import ModelConfig
 from rlhfkit.evaluation.metrics import win_rate
 from rlhfkit.tasks import reviews
 from rlhfkit.tasks.demo import Demo, DemoSize, Policy, _read_jsonl, _train, _write_jsonl
 
+LABELS = {"annotators": "the demo's: two disjoint pairs per train prompt, annotators' labels",
+          "gold": "the same pairs ordered by the gold judge (gold ties dropped)",
+          "annotators-3ep": "the demo's pairs, three epochs",
+          "all-gold": "every labelled pair of the train prompts (six per prompt), gold order",
+          "all-annotators": "every labelled pair of the train prompts, annotators' labels"}
 SEED = 0  # the demo's default seed: its evaluation samples the trained policies under seed + 3
 
 
@@ -98,6 +104,15 @@ def main() -> None:
         results[name] = evaluate(os.path.join(out, name), path, size, sft, sft_gold, pairs, flips, epochs, time.time() - t0)
     with open(os.path.join(out, "dpo_labels.json"), "w", encoding="utf-8") as f:
         json.dump({"demo_dir": demo, "variants": results}, f, indent=2)
+    if not args.only:  # the docs' table holds every variant
+        record("dpo_labels", "What holds the demo's offline DPO back",
+               ["DPO variant", "pairs", "labels against the gold order", "epochs", "gold win rate vs SFT", "gold reward",
+                "KL to SFT (nats)"],
+               [[LABELS[name], r["pairs"], r["pairs_against_gold"], f"{r['epochs']:g}", f"{r['win_rate_gold']:.1%}",
+                 f"{r['gold_reward']:.3f}", f"{r['kl_to_sft']:.3g}"] for name, r in results.items()],
+               command=f"python bench/dpo_labels.py {demo}",
+               notes=["DPO retrained on the demo's SFT model with the demo's settings, only the pairs, labels or epochs "
+                      "changed, evaluated as the demo evaluates."])
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ dominate a 135M model on a few hundred tokens, and LoRA's dropout (lora.dropout 
 adapted layer's input: at 4 pairs of <= 179 tokens we measured 3.8 GB of saved activations for LoRA against 2.8 GB for
 full fine-tuning, enough for LoRA's peak to be the larger one.
 
-Measured (2 CPU cores, SmolLM2-135M-Instruct in fp32, 2 pairs of <= 153 tokens; MB above imports, ratio to LoRA):
-    gradient checkpointing on:   lora 1759   full 3034 (1.72x)   full+precompute 2529 (1.44x)
-    gradient checkpointing off:  lora 2891   full 3810 (1.32x)   full+precompute 3186 (1.10x)
+The table goes to docs/results/dpo_memory[_no_checkpointing].json and .md (bench/results.py), which the docs include.
 
 Each setup runs the real `PreferenceTrainer` in its own subprocess, so one setup's allocations can't hide in another's
 peak. On CPU the figure is the process's peak resident set size (`resource.getrusage` ru_maxrss), reported with the
@@ -35,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from results import record
 
 SETUPS = {
     "lora": ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"],
@@ -173,6 +173,17 @@ def main() -> None:
               f"{r['above_imports_mb']:>18.0f}{r['step_s']:>9.2f}" + (f"{r['cuda_peak_mb']:>14.0f}" if key == "cuda_peak_mb" else ""))
     for other in ("full", "full+precompute"):
         print(f"{other} / lora ({key}): {results[other][key] / results['lora'][key]:.2f}x")
+    labels = {"lora": "LoRA (the shared base is the reference)", "full": "full fine-tuning + a reference copy",
+              "full+precompute": "full fine-tuning, `precompute_ref_logprobs`"}
+    record("dpo_memory" + ("_no_checkpointing" if args.no_checkpointing else ""),
+           "Peak memory of DPO optimizer steps: LoRA against full fine-tuning",
+           ["setup", "CUDA peak (MB)" if key == "cuda_peak_mb" else "peak RSS above imports (MB)", "ratio to LoRA"],
+           [[labels.get(setup, setup), f"{r[key]:.0f}", f"{r[key] / results['lora'][key]:.2f}×"]
+            for setup, r in results.items()],
+           command="python " + " ".join(sys.argv),
+           notes=[f"{name}, {results['full']['params'] / 1e6:.1f}M parameters, fp32; two DPO steps (AdamW state "
+                  f"included) on {args.batch} pairs of up to {results['full']['tokens']} tokens, gradient checkpointing "
+                  f"{'off' if args.no_checkpointing else 'on'}; each setup in its own process."])
 
 
 if __name__ == "__main__":

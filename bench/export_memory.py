@@ -8,10 +8,9 @@ memory during the export (`torch.cuda.max_memory_allocated`, with CUDA), and the
 resident set (`resource.getrusage` ru_maxrss) over the RSS just before the export. Both variants write the same
 files (tests/unit/test_export.py).
 
-Measured on CPU (2 cores, --size medium, 97 MB of fp32 weights): deepcopy 186 MB RSS growth, cpu_copy 209 MB. On a CPU
-both variants make one copy in the same memory, so the CPU figure does not move; the change is on an accelerator,
-where the deep copy adds the whole model (+97 MB here) to the device and the CPU copy adds none
-(tests/unit/test_export.py asserts < 10% of the model on CUDA).
+On a CPU both variants make one copy in the same memory, so the figures are alike; the difference is on an
+accelerator, where the deep copy adds the whole model to the device and the CPU copy adds none
+(tests/unit/test_export.py asserts < 10% of the model on CUDA). The table goes to docs/results/export_memory[_cuda].md.
 
     python bench/export_memory.py                 # CUDA when available, else CPU
     python bench/export_memory.py --size tiny --device cpu
@@ -26,6 +25,8 @@ import resource
 import subprocess
 import sys
 import tempfile
+
+from results import record
 
 SIZES = {"tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4),
          "medium": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8)}
@@ -97,11 +98,21 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.child[0], args.size, args.device, args.child[1])))
         return
+    rows, labels = [], {"deepcopy": "peft merge on a deep copy of the model where it lies",
+                        "cpu_copy": "merge on a CPU copy (`models.cpu_copy`, what rlhfkit does)"}
     with tempfile.TemporaryDirectory() as workdir:
         for variant in ("deepcopy", "cpu_copy"):
             cmd = [sys.executable, __file__, "--size", args.size, "--device", args.device, "--child", variant, workdir]
             line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             print(line)
+            r = json.loads(line)
+            rows.append([labels[variant], f"{r['rss_peak_growth_mb']:.0f}"]
+                        + ([f"{r['accelerator_peak_growth_mb']:.0f}"] if args.device == "cuda" else []))
+    record("export_memory" + ("_cuda" if args.device == "cuda" else ""), "Peak memory of a merged LoRA export",
+           ["export", "peak RSS growth (MB)"] + (["accelerator peak growth (MB)"] if args.device == "cuda" else []), rows,
+           command=f"python bench/export_memory.py --size {args.size} --device {args.device}",
+           notes=[f"A random Llama with random adapters ({r['model_mb']:.0f} MB of fp32 weights), each variant in its own "
+                  "process; both write the same files."])
 
 
 if __name__ == "__main__":

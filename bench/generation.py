@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from results import record
 
 SHAPES = {
     "cpu": {"model": "tiny", "rows": 8, "prompt_len": 24, "new_tokens": 16, "calls": 30, "warmup": 3},
@@ -91,12 +92,23 @@ def main() -> int:
     print(f"shape {args.shape} ({device}): {shape['rows']} rows, prompts of {shape['prompt_len']} tokens (left-padded), "
           f"{shape['new_tokens']} new tokens; median of {shape['calls'] - shape['warmup']} calls")
     base = statistics.median(times["hf"])
+    rows = []
     for name in names:
         med = statistics.median(times[name])
         work = max(tokens[name])
         print(f"  {name:<16} {med:8.4f} s/call  {work / med:10.0f} new tokens/s  {base / med:5.2f}x hf")
+        rows.append([f"`generation.engine={engines[name]['engine']}`" + (", `compile=true`" if "compile" in engines[name] else ""),
+                     f"{med:.4f}", f"{work / med:.0f}", f"{base / med:.2f}×"])
     if len({frozenset(v) for v in tokens.values()}) != 1:
         print("  (the engines' token counts differ: not the same work)", tokens)
+        return 1
+    record("generation" + ("" if args.shape == "cpu" else f"_{args.shape}"),
+           "Sampling: rlhfkit's decode loop against transformers' `generate`",
+           ["engine", "s per call", "new tokens/s", "speed-up over `generate`"], rows,
+           command=f"python bench/generation.py --shape {args.shape}",
+           notes=[f"{shape['rows']} rows, prompts of {shape['prompt_len']} tokens (left-padded), {shape['new_tokens']} new "
+                  f"tokens, {device}; median of {shape['calls'] - shape['warmup']} calls after warm-up, engines taking "
+                  "turns; the same tokens under one seed."])
     return 0
 
 

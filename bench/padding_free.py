@@ -13,10 +13,7 @@ sliding-window attention, or `--dense-mask` here, transformers' block-diagonal m
 (N, N) product per row and, on a small model, costs more than the padding saved. Timings on a shared machine are
 noisy: compare the ratios of one run, not figures across runs.
 
-Measured (2 CPU cores shared with other jobs, OMP_NUM_THREADS=1, defaults; speedup = padded ÷ padding-free s/step;
-padded share 34-37%), three runs:
-    sft 1.91x 1.33x 1.55x    rm 1.74x 1.63x 1.68x    dpo 1.81x 1.71x 1.97x
-    --dense-mask (one run):  sft 0.44x    rm 0.25x    dpo 0.27x
+The table goes to docs/results/padding_free[_dense_mask].json and .md (bench/results.py), which the docs include.
 
     OMP_NUM_THREADS=1 python bench/padding_free.py                        # sft, rm, dpo; 8 sequences/pairs per step
     python bench/padding_free.py --stages dpo --steps 20 --batch 16 --max-len 512
@@ -36,6 +33,8 @@ import string
 import sys
 import tempfile
 import time
+
+from results import record
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,7 +75,7 @@ def build(stage: str, data: str, out: str, padding_free: bool, args):
     with contextlib.redirect_stderr(io.StringIO()):  # tokenizer/weights progress bars
         trainer.setup()
     if padding_free and args.dense_mask:  # back to transformers' block-diagonal mask over sdpa
-        models = [trainer.accelerator.unwrap_model(trainer.model), getattr(getattr(trainer, "reference", None), "model", None)]
+        models = [trainer.run.accelerator.unwrap_model(trainer.model), getattr(getattr(trainer, "reference", None), "model", None)]
         for model in filter(None, models):
             model.set_attn_implementation("sdpa")
     return trainer
@@ -84,7 +83,9 @@ def build(stage: str, data: str, out: str, padding_free: bool, args):
 
 def step_tokens(trainer, step: int) -> tuple[int, int]:
     """(real tokens, padded positions) of optimizer step `step`: Σ lengths, and Σ over micro-batches of B × T."""
-    order, positions = trainer.micro_batch_positions(step)
+    from rlhfkit.trainers.offline import micro_batch_positions
+
+    order, positions = micro_batch_positions(trainer.run, step, len(trainer.train_set), trainer.steps_per_epoch)
     real = padded = 0
     for mine in positions:
         examples = [trainer.train_set[order[p]] for p in mine]
@@ -115,7 +116,7 @@ def bench_stage(stage: str, workdir: str, args) -> dict:
     real = statistics.median(r for r, _ in tokens)
     pad_share = 1 - sum(r for r, _ in tokens) / sum(p for _, p in tokens)
     for trainer in trainers.values():
-        trainer.run_lock.release()
+        trainer.run.lock.release()
     s = {pf: statistics.median(t) for pf, t in times.items()}
     return {"stage": stage, "padded_s": s[False], "free_s": s[True], "tokens": real, "pad_share": pad_share,
             "padded_tok_s": real / s[False], "free_tok_s": real / s[True], "speedup": s[False] / s[True]}
@@ -142,11 +143,21 @@ def main() -> None:
           + ("; padding-free attention: one (N, N) masked sdpa per row" if args.dense_mask else ""))
     print(f"{'stage':6} {'padded s/step':>13} {'free s/step':>11} {'padded tok/s':>12} {'free tok/s':>10} "
           f"{'padded share':>12} {'speedup':>7}")
+    rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for stage in args.stages.split(","):
             r = bench_stage(stage, workdir, args)
             print(f"{stage:6} {r['padded_s']:13.3f} {r['free_s']:11.3f} {r['padded_tok_s']:12.0f} {r['free_tok_s']:10.0f} "
                   f"{r['pad_share']:12.0%} {r['speedup']:6.2f}x", flush=True)
+            rows.append([stage, f"{r['padded_s']:.3f}", f"{r['free_s']:.3f}", f"{r['pad_share']:.0%}", f"{r['speedup']:.2f}×"])
+    record("padding_free" + ("_dense_mask" if args.dense_mask else ""),
+           "Padded against padding-free batches (`data.padding_free`)",
+           ["stage", "padded s/step", "padding-free s/step", "padded share", "speed-up"], rows,
+           command=f"OMP_NUM_THREADS={torch.get_num_threads()} python " + " ".join(sys.argv),
+           notes=[f"Tiny model, {args.batch} sequences (or pairs) per step, lengths uniform in [{args.min_len}, "
+                  f"{args.max_len}]; median of {args.steps} steps after {args.warmup} warm-up, the two layouts taking "
+                  "turns" + ("; padding-free attention as one (N, N) masked sdpa per row (`--dense-mask`)."
+                             if args.dense_mask else "; padding-free attention per sequence.")])
 
 
 if __name__ == "__main__":

@@ -775,6 +775,8 @@ def main(argv: list[str] | None = None) -> None:
         print(summary(results, cuda))
         if failed:
             raise SystemExit(f"failed: {', '.join(failed)}")
+        if "all" in args.method and not args.set and not args.libs:  # the docs' table: every method, as shipped
+            record_table(results, cuda, args.shape, shape, device)
     finally:
         if args.keep:
             print(f"kept {root}")
@@ -805,6 +807,25 @@ def git_state() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "(not a git checkout)"
     return f"at {head}" + (" + uncommitted changes in rlhfkit/" if dirty else "")
+
+
+def record_table(results: dict, cuda: bool, shape_name: str, shape: dict, device: str) -> None:
+    """docs/results/vs_trl[_gpu].json and .md (bench/results.py): one row per method and peer."""
+    from results import record
+
+    rows = []
+    for method, res in results.items():
+        ours = res["rlhfkit"]
+        rows += [[f"{method} ({LABEL[lib]})", f"{ours['s_step']:.4f}", f"{r['s_step']:.4f}",
+                  f"{r['s_step'] / ours['s_step']:.2f}×", f"{ours['peak_mb']:.0f} / {r['peak_mb']:.0f}"]
+                 for lib, r in res.items() if lib != "rlhfkit"]
+    record("vs_trl" + ("" if shape_name == "cpu" else f"_{shape_name}"), "rlhfkit against TRL on the same work",
+           ["method (peer)", "rlhfkit s/step", "TRL s/step", "TRL / rlhfkit",
+            f"peak {'GPU' if cuda else 'RSS'} MB, rlhfkit / TRL"], rows,
+           command="python bench/vs_trl.py" + ("" if shape_name == "cpu" else f" --shape {shape_name}"),
+           notes=[f"Shape {shape_name} ({', '.join(f'{k}={v}' for k, v in shape.items())}) on {device}; medians after "
+                  "warm-up, the libraries taking turns; the work (forwards, positions, generated tokens, backward calls, "
+                  "optimizer steps) counted identical on both sides."])
 
 
 def summary(results: dict, cuda: bool) -> str:
