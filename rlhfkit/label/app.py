@@ -69,78 +69,90 @@ def _annotator(value) -> str:
     return value
 
 
-def make_app(store: Store, token: str | None = None) -> Starlette:
-    """The server for `store`; with `token`, every request must carry it."""
+async def _body(request: Request) -> dict:
+    try:
+        data = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise Rejected(400, "malformed body: expected a JSON object") from None
+    if not isinstance(data, dict):
+        raise Rejected(400, "malformed body: expected a JSON object")
+    return data
 
-    def progress(annotator: str | None = None) -> dict:
-        p = store.progress()
+
+def _refusing(endpoint):
+    """The endpoint, with a `Rejected` answered as its 4xx."""
+
+    async def wrapped(request: Request):
+        try:
+            return await endpoint(request)
+        except Rejected as exc:
+            return _error(exc.status, str(exc))
+
+    return wrapped
+
+
+class Routes:
+    """The endpoints over one store (module docstring)."""
+
+    def __init__(self, store: Store, token: str | None):
+        self.store, self.token = store, token
+
+    def progress(self, annotator: str | None = None) -> dict:
+        p = self.store.progress()
         out = {"done": p.done, "total": p.total, "annotators": p.per_annotator}
         return out if annotator is None else {**out, "mine": p.per_annotator.get(annotator, 0)}
 
-    def payload(handed: Handed | None, annotator: str) -> dict:
+    def payload(self, handed: Handed | None, annotator: str) -> dict:
+        """What the page shows: the prompt and the two responses as left (a) and right (b); never their models."""
         if handed is None:
-            return {"done": True, "progress": progress(annotator)}
+            return {"done": True, "progress": self.progress(annotator)}
         pair = handed.pair
         left, right = (pair.second, pair.first) if pair.swap else (pair.first, pair.second)
         return {"item": handed.item, "token": handed.token, "prompt": pair.prompt, "a": left.content,
-                "b": right.content, "progress": progress(annotator)}
+                "b": right.content, "progress": self.progress(annotator)}
 
-    async def body(request: Request) -> dict:
-        try:
-            data = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            raise Rejected(400, "malformed body: expected a JSON object") from None
-        if not isinstance(data, dict):
-            raise Rejected(400, "malformed body: expected a JSON object")
-        return data
-
-    async def page(request: Request):
+    async def page(self, request: Request):
         response = FileResponse(os.path.join(STATIC, "index.html"), headers=_HEADERS)
-        if token is not None and "token" in request.query_params:
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        if self.token is not None and "token" in request.query_params:
+            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
         return response
 
-    async def item(request: Request):
-        try:
-            who = _annotator(request.query_params.get("annotator"))
-            return JSONResponse(payload(await run_in_threadpool(store.next_item, who), who), headers=_HEADERS)
-        except Rejected as exc:
-            return _error(exc.status, str(exc))
+    async def item(self, request: Request):
+        who = _annotator(request.query_params.get("annotator"))
+        return JSONResponse(self.payload(await run_in_threadpool(self.store.next_item, who), who), headers=_HEADERS)
 
-    async def judge(request: Request):
-        try:
-            data = await body(request)
-            who = _annotator(data.get("annotator"))
-            item_id, tok, choice, harmful = (data.get(k) for k in ("item", "token", "choice", "harmful"))
-            if not isinstance(item_id, int) or isinstance(item_id, bool) or not isinstance(tok, str):
-                raise Rejected(400, "malformed body: 'item' must be an integer and 'token' a string")
-            if choice not in _PAGE_TO_PAIR:
-                raise Rejected(422, f"unknown choice {choice!r}; expected one of {', '.join(_PAGE_TO_PAIR)}")
-            harmful = [] if harmful is None else harmful
-            if not isinstance(harmful, list) or any(h not in ("a", "b") for h in harmful):
-                raise Rejected(422, "harmful: expected a list of sides, 'a' and/or 'b'")
-            swap = (await run_in_threadpool(store.pair, item_id)).swap
-            sides = {"a": "second" if swap else "first", "b": "first" if swap else "second"}
-            pair_choice = _PAGE_TO_PAIR[choice]
-            if swap and pair_choice in ("first", "second"):
-                pair_choice = "second" if pair_choice == "first" else "first"
-            handed = await run_in_threadpool(store.judge, who, item_id, tok, pair_choice, tuple(sides[h] for h in harmful))
-            return JSONResponse({"saved": True, "next": payload(handed, who)}, headers=_HEADERS)
-        except Rejected as exc:
-            return _error(exc.status, str(exc))
+    async def judge(self, request: Request):
+        data = await _body(request)
+        who = _annotator(data.get("annotator"))
+        item_id, tok, choice, harmful = (data.get(k) for k in ("item", "token", "choice", "harmful"))
+        if not isinstance(item_id, int) or isinstance(item_id, bool) or not isinstance(tok, str):
+            raise Rejected(400, "malformed body: 'item' must be an integer and 'token' a string")
+        if choice not in _PAGE_TO_PAIR:
+            raise Rejected(422, f"unknown choice {choice!r}; expected one of {', '.join(_PAGE_TO_PAIR)}")
+        harmful = [] if harmful is None else harmful
+        if not isinstance(harmful, list) or any(h not in ("a", "b") for h in harmful):
+            raise Rejected(422, "harmful: expected a list of sides, 'a' and/or 'b'")
+        # The page's left/right onto the pair's first/second.
+        swap = (await run_in_threadpool(self.store.pair, item_id)).swap
+        side = {"a": "second" if swap else "first", "b": "first" if swap else "second"}
+        pair_choice = side.get(choice, _PAGE_TO_PAIR[choice])
+        handed = await run_in_threadpool(self.store.judge, who, item_id, tok, pair_choice, tuple(side[h] for h in harmful))
+        return JSONResponse({"saved": True, "next": self.payload(handed, who)}, headers=_HEADERS)
 
-    async def undo(request: Request):
-        try:
-            who = _annotator((await body(request)).get("annotator"))
-            return JSONResponse({"next": payload(await run_in_threadpool(store.undo, who), who)}, headers=_HEADERS)
-        except Rejected as exc:
-            return _error(exc.status, str(exc))
+    async def undo(self, request: Request):
+        who = _annotator((await _body(request)).get("annotator"))
+        return JSONResponse({"next": self.payload(await run_in_threadpool(self.store.undo, who), who)}, headers=_HEADERS)
 
-    async def progress_route(request: Request):
-        return JSONResponse(progress(), headers=_HEADERS)
+    async def progress_route(self, request: Request):
+        return JSONResponse(self.progress(), headers=_HEADERS)
 
-    routes = [Route("/", page), Route("/api/item", item), Route("/api/judge", judge, methods=["POST"]),
-              Route("/api/undo", undo, methods=["POST"]), Route("/api/progress", progress_route),
+
+def make_app(store: Store, token: str | None = None) -> Starlette:
+    """The server for `store`; with `token`, every request must carry it."""
+    r = Routes(store, token)
+    routes = [Route("/", _refusing(r.page)), Route("/api/item", _refusing(r.item)),
+              Route("/api/judge", _refusing(r.judge), methods=["POST"]),
+              Route("/api/undo", _refusing(r.undo), methods=["POST"]), Route("/api/progress", _refusing(r.progress_route)),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     app = Starlette(routes=routes)
     app.add_middleware(TokenCheck, token=token)

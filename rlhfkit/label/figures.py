@@ -14,6 +14,9 @@ from rlhfkit.label.store import Judgement
 
 # "both bad" says neither response is better: for a win rate it is a tie.
 _TIES = ("tie", "both_bad")
+# In compare mode the pair's first response is the compared model's, the second the reference's.
+_LEGEND = {"first": "first preferred (compare: the model)", "second": "second preferred (compare: the reference)",
+           "tie": "tie", "both_bad": "both bad", "skip": "skip"}
 
 
 def cohen_kappa(a: Sequence[str], b: Sequence[str]) -> float | None:
@@ -116,7 +119,7 @@ def plot_figures(counts: dict[str, dict[str, int]], agree: Agreement, path: str,
     bottom = [0] * len(names)
     for choice in choices:
         values = [counts.get(n, {}).get(choice, 0) for n in names]
-        ax.bar(names, values, bottom=bottom, label=choice.replace("_", " "))
+        ax.bar(names, values, bottom=bottom, label=_LEGEND[choice])
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel("judgements")
     title = f"overlap: {agree.items} items"
