@@ -199,22 +199,24 @@ def _cell(text: str) -> str:
 def _table(section: Section) -> list[str]:
     rows = ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
     for k in section.keys:
-        rows.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.range)} | {_cell(k.doc)} |")
+        meaning = k.doc[:1].upper() + k.doc[1:]
+        rows.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.range)} | {_cell(meaning)} |")
     return rows
 
 
 def _anchor(section: Section, stages: list[str]) -> str:
-    """A stable anchor: the prefix, plus the stages for a section whose class differs by stage (`algo`, top level)."""
-    return (section.prefix.replace(".", "-") or "top") + ("" if _shared(section) else "-" + "-".join(stages))
+    """A stable anchor: the prefix, plus the first stage for a table only some stages share (`algo-ppo`, `top-sft`)."""
+    return (section.prefix.replace(".", "-") or "top") + ("" if _shared(section) else "-" + stages[0])
 
 
 def _shared(section: Section) -> bool:
     """A section whose class is the same wherever the prefix appears (model, data, ...): listed once."""
-    return section.prefix != "" and section.prefix != "algo"
+    return section.prefix not in ("", "algo")
 
 
 def page() -> str:
-    """docs/reference/config.md: every stage's keys, the sections they share listed once."""
+    """docs/reference/config.md: every stage's keys; a table that several stages share (a section, the same top-level
+    keys) is listed once."""
     groups: dict[type, list[str]] = {}
     for stage in STAGES:  # stages of one config class share its keys (ppo, rloo, grpo, reinforce_pp)
         groups.setdefault(config_class(stage), []).append(stage)
@@ -226,22 +228,24 @@ def page() -> str:
            "stage's keys; `rlhfkit <stage> --print-config` prints the resolved values of a config.", "",
            "## Stages", ""]
     shared: dict[str, Section] = {}
-    own: list[tuple[Section, list[str]]] = []
+    own: dict[tuple, tuple[Section, list[str]]] = {}  # (prefix, keys) -> the section and every stage that has it
     for cls, stages in groups.items():
-        parts = sections(cls, "", stage_defaults(stages[0]))
         links = []
-        for s in parts:
+        for s in sections(cls, "", stage_defaults(stages[0])):
             if not s.keys:
                 continue
             if _shared(s):
                 shared.setdefault(s.prefix, s)
                 assert shared[s.prefix].cls is s.cls, f"{s.prefix} is declared by two classes"
+                anchor = _anchor(s, stages)
             else:
-                own.append((s, stages))
-            links.append(f"[`{s.prefix or 'top level'}`](#{_anchor(s, stages)})")
+                first, users = own.setdefault((s.prefix, s.keys), (s, []))
+                users.extend(stages)
+                anchor = _anchor(first, users)
+            links.append(f"[`{s.prefix or 'top level'}`](#{anchor})")
         out += [f"- **{', '.join(f'`{s}`' for s in stages)}**: " + ", ".join(links)]
     out += ["", "## Keys of each stage", ""]
-    for s, stages in own:
+    for s, stages in own.values():
         title = f"`{s.prefix}.*`" if s.prefix else "top-level keys"
         out += [f"### {title}: {', '.join(stages)} {{#{_anchor(s, stages)}}}", ""]
         out += ([s.doc, ""] if s.doc else []) + _table(s) + [""]
