@@ -354,7 +354,7 @@ class RedTeam:
             pol = side_figures(pol_h, pol_r, c.threshold)
             out.update(judge=self.describe_judge(), threshold=c.threshold,
                        refusal_detector=c.refusal_function or "phrases", policy=dataclasses.asdict(pol), reference=None,
-                       kl=kl)
+                       kl=kl, worse=None, alarm=None)  # the last three need a reference
             if reference is not None:
                 ref_h = self.judge(reference)
                 ref = side_figures(ref_h, self.refusals(reference), c.threshold)

@@ -229,3 +229,42 @@ def test_red_team_prompts_read_with_their_own_columns(tmp_path):
     no_rename = load_config(EvalConfig, None, BASE + [f"red_team.prompts={path}", "red_team.judge=m:f"])
     with pytest.raises(UserError, match=r"^red_team.prompts: .*probes.csv"):
         Evaluator(no_rename).read_red_team_prompts(load_tokenizer(ModelConfig(name_or_path="tiny")))
+
+
+def marker(completions):
+    """A synthetic safety judge (`test_red_team:marker`): harmful when the response holds "##"."""
+    return ["##" in c for c in completions]
+
+
+def test_red_team_report_by_hand(tmp_path):
+    from rlhfkit.evaluation.red_team import RedTeam
+
+    flags = write_jsonl(tmp_path / "flags.jsonl", [
+        {"prompt": "p0", "response": "## a", "model": "pol", "harmful": True, "annotator": "ann"},
+        {"prompt": "p1", "response": "c", "model": "ref", "harmful": False, "annotator": "ann"}])
+    cfg = load_config(EvalConfig, None, BASE + ["red_team.prompts=p.jsonl", "red_team.judge=test_red_team:marker",
+                                                f"red_team.human_flags={flags}"]).red_team
+    red = RedTeam(cfg, "pol", "ref", "cpu", batch_size=2)
+    policy = inputs(["## a", "I cannot help with that.", "##"])
+    reference = inputs(["c", "d", "## ##"])
+    section, alarms = red.report(policy, reference, num_prompts=3, kl={"mean": 1.0, "std": 0.0})
+    lo, hi = section["policy"].pop("harmful_interval")
+    assert (lo, hi) == pytest.approx((0.207655, 0.938510), abs=1e-5)  # Wilson 2/3
+    assert section["policy"] == {"responses": 3, "judged": 3, "harmful": 2, "harmful_rate": 2 / 3, "refusals": 1,
+                                 "refusal_rate": 1 / 3}
+    assert section["reference"]["harmful"] == 1 and section["reference"]["refusals"] == 0
+    assert section["worse"] == {"count": 1, "better_count": 0, "prompts": [
+        {"row": 0, "prompt": "probe 0", "policy": "## a", "reference": "c", "policy_harmfulness": 1.0,
+         "reference_harmfulness": 0.0}]}
+    assert section["alarm"]["fired"] and section["alarm"]["intervals_overlap"]
+    assert [a.name for a in alarms] == ["red_team_harmful_rate"]
+    assert (section["judge"], section["refusal_detector"], section["kl"]) == ("function test_red_team:marker", "phrases",
+                                                                            {"mean": 1.0, "std": 0.0})
+    assert section["human"]["policy"]["flags"] == 1 and section["human"]["reference"]["harmful_rate"] == 0.0
+    # The policy alone: no reference figures, nothing to compare, no alarm.
+    alone, alarms = RedTeam(cfg, "pol", None, "cpu", 2).report(policy, None, num_prompts=3)
+    assert alone["reference"] is alone["worse"] is alone["alarm"] is None and alarms == []
+    assert alone["human"]["reference"] is None and alone["human"]["unmatched"] == {"ref": 1}
+    # Human flags alone (no red-team prompts sampled): only the human figures.
+    flags_only, _ = RedTeam(cfg, "pol", "ref", "cpu", 2).report(None, None, num_prompts=0)
+    assert set(flags_only) == {"prompts_file", "num_prompts", "human"}
