@@ -46,6 +46,7 @@ class LabelOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
+    lease: float = 30.0  # minutes an open item stays its annotator's before another may take it
     export: str | None = None
     export_flags: str | None = None
     figures: str | None = None
@@ -62,9 +63,11 @@ def run_label(opts: LabelOptions) -> None:
         return read_outputs(opts)
     if not 0.0 <= opts.overlap <= 1.0:
         raise UserError(f"--overlap must be a share in [0, 1], got {opts.overlap}")
+    if opts.lease <= 0:
+        raise UserError(f"--lease must be a positive number of minutes, got {opts.lease}")
     token = access_token(opts.host, opts.token)
     check_port_free(opts.host, opts.port)
-    store = Store(opts.db)
+    store = Store(opts.db, lease_s=60 * opts.lease)
     prepare(store, opts)
     serve(store, opts.host, opts.port, token)
 
@@ -297,6 +300,8 @@ def add_label_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs a token)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--token", help="access token every request must carry (default: random beyond the loopback)")
+    srv.add_argument("--lease", type=float, default=30.0, metavar="MINUTES",
+                     help="an item left open this long may go to another annotator (default 30)")
     out = p.add_argument_group("outputs (no server; works while one runs)")
     out.add_argument("--export", metavar="FILE", help="preference pairs as JSON lines for rlhfkit rm / dpo")
     out.add_argument("--export-flags", metavar="FILE", help="each response seen, flagged harmful or not, as JSON lines "

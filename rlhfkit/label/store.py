@@ -8,7 +8,9 @@ kill -9 of the server. Several processes may open one database: the server write
 Who gets what: an annotator keeps at most one open (handed, not yet judged) item, which a restart or a page reload
 hands back, so each resumes where they stopped. Otherwise they get the first item, in order, that they have not
 held and that fewer annotators hold than it needs (one; two on the overlap). The choice and the assignment are one
-transaction, so two annotators asking at once never get the same single-annotator item.
+transaction, so two annotators asking at once never get the same single-annotator item. An open item left alone
+longer than the lease (someone went home) may be handed to another annotator; its first holder's submission is then
+refused and they get a new item.
 
 A submission names its item and the token it was handed with: a replayed submission (already judged) or a stale one
 (the item was undone and handed again under a new token) is refused and changes nothing.
@@ -43,6 +45,10 @@ CREATE TABLE IF NOT EXISTS judgements (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, item INTEGER NOT NULL REFERENCES items(id), annotator TEXT NOT NULL,
     choice TEXT NOT NULL, harmful TEXT NOT NULL, time REAL NOT NULL, UNIQUE (item, annotator));
 """
+
+
+# SQL: assignment `a` has its judgement.
+_JUDGED = "EXISTS (SELECT 1 FROM judgements j WHERE j.item = a.item AND j.annotator = a.annotator)"
 
 
 class Rejected(Exception):
@@ -82,8 +88,8 @@ class Progress:
 class Store:
     """One labelling database. Thread-safe: one connection, one lock (the server's routes run in a thread pool)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, lease_s: float = 1800.0):
+        self.path, self.lease_s = path, lease_s
         self._lock = threading.Lock()
         folder = os.path.dirname(os.path.abspath(path))
         try:
@@ -92,6 +98,8 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            # A read-only file opens without complaint and fails at the first judgement: write once now instead.
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', '1')")
         except (OSError, sqlite3.Error) as exc:
             raise UserError(f"database '{path}' cannot be opened for writing ({exc})") from None
 
@@ -165,19 +173,26 @@ class Store:
             return self._next(db, annotator)
 
     def _next(self, db: sqlite3.Connection, annotator: str) -> Handed | None:
-        row = db.execute("""SELECT a.item, a.token FROM assignments a WHERE a.annotator = ? AND NOT EXISTS (
-                              SELECT 1 FROM judgements j WHERE j.item = a.item AND j.annotator = a.annotator)
-                            ORDER BY a.time DESC LIMIT 1""", (annotator,)).fetchone()
-        if row is None:
-            free = db.execute("""SELECT i.id FROM items i WHERE
-                                   (SELECT COUNT(*) FROM assignments a WHERE a.item = i.id) < i.needed
-                                   AND NOT EXISTS (SELECT 1 FROM assignments a WHERE a.item = i.id AND a.annotator = ?)
-                                 ORDER BY i.id LIMIT 1""", (annotator,)).fetchone()
-            if free is None:
-                return None
-            row = (free[0], secrets.token_urlsafe(12))
-            db.execute("INSERT INTO assignments VALUES (?, ?, ?, ?)", (row[0], annotator, row[1], time.time()))
-        return Handed(row[0], row[1], self._pair(db, row[0]))
+        now = time.time()
+        row = db.execute(f"""SELECT a.item, a.token FROM assignments a WHERE a.annotator = ? AND NOT {_JUDGED}
+                             ORDER BY a.time DESC LIMIT 1""", (annotator,)).fetchone()
+        if row is not None:  # still theirs: the lease starts again
+            db.execute("UPDATE assignments SET time = ? WHERE item = ? AND annotator = ?", (now, row[0], annotator))
+            return Handed(row[0], row[1], self._pair(db, row[0]))
+        # Holders of an item: those who judged it, and those handed it within the lease.
+        cutoff = now - self.lease_s
+        free = db.execute(f"""SELECT i.id FROM items i WHERE
+                                (SELECT COUNT(*) FROM assignments a WHERE a.item = i.id AND (a.time > ? OR {_JUDGED}))
+                                < i.needed
+                                AND NOT EXISTS (SELECT 1 FROM assignments a WHERE a.item = i.id AND a.annotator = ?)
+                              ORDER BY i.id LIMIT 1""", (cutoff, annotator)).fetchone()
+        if free is None:
+            return None
+        db.execute(f"DELETE FROM assignments WHERE item = ? AND time <= ? AND NOT {_JUDGED.replace('a.', 'assignments.')}",
+                   (free[0], cutoff))
+        token = secrets.token_urlsafe(12)
+        db.execute("INSERT INTO assignments VALUES (?, ?, ?, ?)", (free[0], annotator, token, now))
+        return Handed(free[0], token, self._pair(db, free[0]))
 
     def judge(self, annotator: str, item: int, token: str, choice: str, harmful: tuple[str, ...] = ()) -> Handed | None:
         """Records a judgement, committed before returning, and hands the annotator their next item. Raises
@@ -190,7 +205,8 @@ class Store:
             self._pair(db, item)
             held = db.execute("SELECT token FROM assignments WHERE item = ? AND annotator = ?", (item, annotator)).fetchone()
             if held is None:
-                raise Rejected(409, f"item {item} was not handed to {annotator!r}")
+                raise Rejected(409, f"item {item} is not handed to {annotator!r} (or was left past the lease and handed "
+                                    "to someone else: reload the page)")
             if db.execute("SELECT 1 FROM judgements WHERE item = ? AND annotator = ?", (item, annotator)).fetchone():
                 raise Rejected(409, f"item {item} is already judged by {annotator!r} (a replayed submission)")
             if not secrets.compare_digest(held[0], token):

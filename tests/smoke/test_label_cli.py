@@ -106,6 +106,7 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path, capsys):
     cands.write_text(json.dumps({"prompt": "q", "responses": ["c", "d"]}) + "\n")  # other candidates, same --db
     assert "was made for other candidates" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--port", "0"])
     assert "does not exist" in _one_error_line(capsys, ["label", "--db", str(tmp_path / "no.db"), "--export", "x.jsonl"])
+    assert "--lease must be" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--lease", "0"])
     assert "--overlap must be" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--overlap", "2"])
     assert "only generation.* overrides" in _one_error_line(capsys, ["label", "--db", db, "--model", "tiny", "--prompts",
                                                                      PROMPTS, "optim.lr=1", "--port", "0"])

@@ -3,6 +3,7 @@ submission checks, restart, and the export formats, against hand-computed values
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -121,6 +122,25 @@ def test_replayed_stale_and_unknown_submissions_change_nothing(tmp_path):
     assert store.next_item("b").item == nxt.item  # released by a's undo
     store.judge("a", again.item, again.token, "tie")
     assert [(j.item, j.choice) for j in store.judgements()] == [(0, "tie")]
+
+
+def test_an_item_left_past_the_lease_goes_to_someone_else(tmp_path):
+    store = Store(str(tmp_path / "l.db"), lease_s=1.0)
+    store.create([_pair(i) for i in range(3)], "fp", "test pairs", "compare")
+    left = store.next_item("alice")
+    h = store.next_item("bob")
+    assert (left.item, h.item) == (0, 1)
+    h = store.judge("bob", 1, h.token, "first")
+    assert h.item == 2 and store.judge("bob", 2, h.token, "first") is None  # item 0 is alice's within the lease
+    time.sleep(1.2)
+    taken = store.next_item("bob")
+    assert taken.item == 0  # past the lease
+    with pytest.raises(Rejected) as e:
+        store.judge("alice", 0, left.token, "first")
+    assert e.value.status == 409 and "left past the lease" in str(e.value)
+    assert store.next_item("alice") is None
+    store.judge("bob", 0, taken.token, "tie")
+    assert [(j.item, j.annotator) for j in store.judgements()] == [(1, "bob"), (2, "bob"), (0, "bob")]
 
 
 def test_restart_resumes_each_annotator_and_refuses_other_candidates(tmp_path):
