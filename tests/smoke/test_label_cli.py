@@ -61,6 +61,31 @@ def test_bad_requests_get_a_4xx_and_change_nothing(store):
     assert client.get("/api/progress").json() == {"done": 0, "total": 3, "annotators": {}}
 
 
+def test_two_annotators_at_once_through_the_routes(tmp_path):
+    import threading
+
+    store = Store(str(tmp_path / "two.db"))
+    store.create([Pair(f"p{i}", Candidate("x", "m1"), Candidate("y", "m2"), overlap=i < 4) for i in range(20)], "fp", "t", "collect")
+    client = TestClient(make_app(store))
+    judged: dict[str, list[int]] = {"ann": [], "bob": []}
+
+    def annotate(who: str) -> None:
+        item = client.get("/api/item", params={"annotator": who}).json()
+        while not item.get("done"):
+            judged[who].append(item["item"])
+            r = client.post("/api/judge", json={"annotator": who, "item": item["item"], "token": item["token"], "choice": "b"})
+            item = r.json()["next"]
+
+    threads = [threading.Thread(target=annotate, args=(who,)) for who in judged]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(judged["ann"]) & set(judged["bob"]) == {0, 1, 2, 3}  # the overlap, and nothing else, twice
+    assert sorted(judged["ann"] + judged["bob"]) == sorted(list(range(20)) + [0, 1, 2, 3])
+    assert client.get("/api/progress").json()["done"] == 24
+
+
 def test_every_request_needs_the_token(store):
     token = "t" * 24
     client = TestClient(make_app(store, token))
