@@ -21,8 +21,12 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlhfkit.errors import UserError
+
+if TYPE_CHECKING:
+    from rlhfkit.config import GenerationConfig
 
 Content = str | list[dict]  # text, or chat messages
 ROLES = ("system", "user", "assistant", "tool")
@@ -187,7 +191,7 @@ class SamplingSpec:
 
     model: str
     prompts: str
-    generation: object  # config.GenerationConfig
+    generation: GenerationConfig
     reference: str | None = None
     seed: int = 0
     batch_size: int = 8
@@ -218,7 +222,11 @@ def sample_groups(spec: SamplingSpec) -> list[Group]:
     policy = load_causal_lm(cfg, tokenizer, trainable=False).to(device)
     reference = None
     if spec.reference is not None:
-        reference = load_causal_lm(ModelConfig(name_or_path=spec.reference), tokenizer, trainable=False).to(device)
+        ref_cfg = ModelConfig(name_or_path=spec.reference)
+        if load_tokenizer(ref_cfg).get_vocab() != tokenizer.get_vocab():  # the two sample from one batch of prompt ids
+            raise UserError(f"--compare '{spec.reference}' has a different tokenizer from --model '{spec.model}': compare "
+                            "mode samples both from the same prompt tokens, so they must share one")
+        reference = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
     pol, ref, _ = sample(policy, reference, tokenizer, prompts, spec.generation, spec.batch_size, spec.seed)
     texts = describe(concat_rollouts(pol, tokenizer.pad_token_id), tokenizer)["texts"]
     k = spec.generation.num_samples
