@@ -59,7 +59,14 @@ class LabelOptions:
 
 
 def run_label(opts: LabelOptions) -> None:
+    if opts.reward_model and not (opts.figures or opts.result):
+        raise UserError("--reward-model is read by --figures (its accuracy on the labels) or --result (its scores)")
     if opts.reads:
+        making = [f"--{name.replace('_', '-')}" for name in ("candidates", "model", "compare", "prompts", "config", "token",
+                                                             "num_samples", "max_prompts") if getattr(opts, name) is not None]
+        if making or opts.overrides:
+            raise UserError(f"--export, --export-flags, --figures and --result read an existing --db: "
+                            f"{', '.join(making) or opts.overrides[0]} does not apply")
         return read_outputs(opts)
     if not 0.0 <= opts.overlap <= 1.0:
         raise UserError(f"--overlap must be a share in [0, 1], got {opts.overlap}")
@@ -177,6 +184,8 @@ def read_outputs(opts: LabelOptions) -> None:
     if not os.path.isfile(opts.db):
         raise UserError(f"database '{opts.db}' does not exist")
     store = Store(opts.db)
+    if opts.result and store.meta("mode") != "compare":
+        raise UserError(f"--result needs a compare-mode database (--compare); '{opts.db}' collects preferences")
     judgements = store.judgements()
     if opts.export:
         rows = preference_rows(judgements)
@@ -194,12 +203,11 @@ def read_outputs(opts: LabelOptions) -> None:
             accuracy = sum(c > r for c, r in scored) / len(scored)
         counts, agree = per_annotator(judgements), agreement(judgements)
         figures = {"per_annotator": counts, "agreement": dataclasses.asdict(agree), "reward_model": opts.reward_model,
-                   "reward_model_accuracy": accuracy, "pairs": len(rows)}
+                   "reward_model_accuracy": accuracy, "pairs": len(rows),
+                   "reward_model_pairs": len(scored)}  # pairs with an empty response have no score
         atomic_write_text(os.path.join(opts.figures, "label_figures.json"), json.dumps(figures, indent=2) + "\n")
         print(plot_figures(counts, agree, os.path.join(opts.figures, "label_figures.png"), accuracy))
     if opts.result:
-        if store.meta("mode") != "compare":
-            raise UserError(f"--result needs a compare-mode database (--compare); '{opts.db}' collects preferences")
         print(write_result(judgements, opts.result, opts.reward_model))
 
 

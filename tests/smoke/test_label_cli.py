@@ -132,6 +132,10 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path, capsys):
     assert "was made for other candidates" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--port", "0"])
     assert "does not exist" in _one_error_line(capsys, ["label", "--db", str(tmp_path / "no.db"), "--export", "x.jsonl"])
     assert "--lease must be" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--lease", "0"])
+    assert "--candidates does not apply" in _one_error_line(capsys, ["label", "--db", db, "--export", "x.jsonl",
+                                                                      "--candidates", str(cands)])
+    assert "--reward-model is read by" in _one_error_line(capsys, ["label", "--db", db, "--export", "x.jsonl",
+                                                                   "--reward-model", "rm"])
     assert "--overlap must be" in _one_error_line(capsys, ["label", "--db", db, "--candidates", str(cands), "--overlap", "2"])
     assert "only generation.* overrides" in _one_error_line(capsys, ["label", "--db", db, "--model", "tiny", "--prompts",
                                                                      PROMPTS, "optim.lr=1", "--port", "0"])
