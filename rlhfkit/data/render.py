@@ -18,18 +18,17 @@ class Encoder:
     shift the loss mask. `plain` records that the current record had messages rendered without a template (the
     caller resets it per record and warns once per source).
 
-    `tools` (JSON schemas) are rendered with every record that has no `tools` column of its own. A record with
-    tools or tool calls is refused, in one line that names the fix, when the template would render them as if they
-    were not there (checked on the first such record: the template renders it the same with and without them).
+    A record's `tools` (JSON schemas) are rendered with each of its prefixes. A record with tools or tool calls is
+    refused, in one line that names the fix, when the template would render them as if they were not there (checked
+    on the first such record: the template renders it the same with and without them).
     """
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
+    def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token: set one, so that every response can end at it")
         self.tok = tokenizer
         self.template = bool(getattr(tokenizer, "chat_template", None))
         self.plain = False
-        self.tools = tools
         self.checked: set[str] = set()  # "tools", "tool_calls": what the template was seen to render
 
     def ids(self, text: str, special: bool = False) -> list[int]:
@@ -47,9 +46,6 @@ class Encoder:
             return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises on conversations the template refuses (roles, order): bad data
             raise DataError(f"{where}: the tokenizer's chat template failed on this conversation: {first_line(e)}") from e
-
-    def tools_of(self, example: Canonical) -> list[dict] | None:
-        return example.tools if example.tools is not None else self.tools
 
     def check_tools(self, messages: list[dict], tools: list[dict] | None, where: str) -> None:
         """Refuses a chat template that would drop the conversation's tools or its assistant turns' tool calls."""
@@ -85,12 +81,11 @@ class Encoder:
 
     def prompt(self, example: Canonical, where: str) -> list[int]:
         messages = self.as_messages(example.prompt, None, example.hh)
-        tools = self.tools_of(example)
         if messages is None:
-            self.check_tools([], tools, where)
+            self.check_tools([], example.tools, where)
             return self.ids(example.prompt, special=True)
-        self.check_tools(messages[0], tools, where)
-        return self.ids(self.render(messages[0], True, where, tools), special=not self.template)
+        self.check_tools(messages[0], example.tools, where)
+        return self.ids(self.render(messages[0], True, where, example.tools), special=not self.template)
 
     def pair(self, example: Canonical, response, where: str) -> tuple[list[int], list[int], list[int]]:
         """(prompt ids, response ids, action mask) for one response of the example. The action mask is 1 on the
@@ -98,13 +93,13 @@ class Encoder:
         0 on what lies between them: tool results, other turns, and the headers that open the next assistant turn."""
         messages = self.as_messages(example.prompt, response, example.hh)
         if messages is None:
-            self.check_tools([], self.tools_of(example), where)
+            self.check_tools([], example.tools, where)
             response_ids = self.ids(response) + [self.tok.eos_token_id]
             return self.ids(example.prompt, special=True), response_ids, [1] * len(response_ids)
         prompt, response = messages
         turns = prompt + response
         spans = [(j, j + 1) for j in range(len(prompt), len(turns)) if turns[j]["role"] == "assistant"]
-        (prompt_ids, _), *segments = self.spans(turns, spans, where, self.tools_of(example))
+        (prompt_ids, _), *segments = self.spans(turns, spans, where, example.tools)
         response_ids = [t for ids, _ in segments for t in ids]
         return prompt_ids, response_ids, [int(is_response) for ids, is_response in segments for _ in ids]
 

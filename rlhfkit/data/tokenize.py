@@ -89,12 +89,11 @@ class TruncationStats:
 
 def tokenize_records(
     records: list[dict] | datasets.Dataset, kind: str, tokenizer, cfg: DataConfig, source: str,
-    cache_file: str | None = None, tools: list[dict] | None = None,
+    cache_file: str | None = None,
 ) -> tuple[list[Example], TruncationStats]:
     """Validates and tokenizes `kind` records into typed examples (package docstring): the format is detected from
     the first record's keys, each record is validated as it is tokenized. Counts what was cut or dropped, and warns
-    about what the counts alone don't say; `source` names the data in every message. `tools` (JSON schemas) are
-    rendered with every record that has no `tools` column of its own.
+    about what the counts alone don't say; `source` names the data in every message.
 
     One `datasets.Dataset.map` of `_encode` over the records (RLHFKIT_DATA_NUM_PROC worker processes); with a
     `cache_file` (`build_datasets` names one per data, tokenizer and settings) it reads a finished map back from
@@ -105,7 +104,7 @@ def tokenize_records(
     from datasets.fingerprint import generate_random_fingerprint
 
     fmt = detect(records, kind, source, cfg.columns)
-    encoder = Encoder(tokenizer, tools)
+    encoder = Encoder(tokenizer)
     if isinstance(records, list):  # arbitrary JSON records, one text column: Arrow needs one type per column
         records = datasets.Dataset.from_dict({_RECORD: [json.dumps(r, default=str) for r in records]})
     if cache_file:
@@ -185,7 +184,7 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
         input_ids = encoder.text(example.text)
         columns = _fit_sequence(input_ids, list(input_ids), cfg.max_length, flags)
     elif example.turns is not None:  # SFT conversation: the first segment is the prompt
-        segments = encoder.conversation(example.turns, where, encoder.tools_of(example))
+        segments = encoder.conversation(example.turns, where, example.tools)
         segments[0] = (fit_prompt(segments[0][0]), False)
         input_ids = [t for ids, _ in segments for t in ids]
         labels = [t if is_response else IGNORE_INDEX for ids, is_response in segments for t in ids]
@@ -249,10 +248,8 @@ def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Exam
     return examples, stats
 
 
-def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int,
-                   tools: list[dict] | None = None) -> tuple[list[Example], list[Example] | None]:
+def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
     """Tokenized (train, eval) examples: eval from cfg.eval, else a seeded cfg.eval_fraction of train, else None.
-    `tools` (JSON schemas) are rendered with every record that has no `tools` column of its own.
 
     Each split is tokenized once per data, tokenizer and settings, then read back from the cache (package docstring).
     The held-out fraction is drawn from the tokenized train examples, so error messages keep the file's own record
@@ -261,9 +258,9 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int,
     if cfg.subset and all(is_local_file(source) for source in (cfg.train, cfg.eval) if source):
         raise DataError(f"data.subset={cfg.subset!r} names a configuration of a hub dataset, but data.train '{cfg.train}' "
                         f"is a local file{f' and so is data.eval {cfg.eval!r}' if cfg.eval else ''}")
-    train = _tokenized_split(kind, cfg.train, cfg.train_split, cfg, tokenizer, tools)
+    train = _tokenized_split(kind, cfg.train, cfg.train_split, cfg, tokenizer)
     if cfg.eval:
-        return train, _tokenized_split(kind, cfg.eval, cfg.eval_split, cfg, tokenizer, tools)
+        return train, _tokenized_split(kind, cfg.eval, cfg.eval_split, cfg, tokenizer)
     if cfg.eval_fraction <= 0:
         return train, None
     n_eval = max(1, round(cfg.eval_fraction * len(train)))
@@ -277,26 +274,25 @@ def build_datasets(kind: str, cfg: DataConfig, tokenizer, seed: int,
     return [ex for j, ex in enumerate(train) if j not in held_out], [ex for j, ex in enumerate(train) if j in held_out]
 
 
-def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer,
-                     tools: list[dict] | None) -> list[Example]:
+def _tokenized_split(kind: str, source: str, split: str, cfg: DataConfig, tokenizer) -> list[Example]:
     import datasets
 
     fingerprint, read = open_source(source, cfg.subset, split, cfg.max_samples)
-    cache_file = _cache_file(kind, fingerprint, cfg, tokenizer, tools)
+    cache_file = _cache_file(kind, fingerprint, cfg, tokenizer)
     if cache_file and os.path.exists(cache_file):  # tokenized before: the records need not even be read
         logger.info(f"{source}: reading the tokenized examples back from {cache_file}")
         examples, stats = _examples(datasets.Dataset.from_file(cache_file), kind, source)
     else:  # (a map cached by worker processes is in shard files: the map reads them back)
-        examples, stats = tokenize_records(read(), kind, tokenizer, cfg, source, cache_file, tools)
+        examples, stats = tokenize_records(read(), kind, tokenizer, cfg, source, cache_file)
     cut = stats.prompts_truncated or stats.responses_truncated or stats.dropped
     logger.log(logging.WARNING if cut else logging.INFO, stats.summary(source))
     return examples
 
 
-def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer, tools: list[dict] | None) -> str | None:
+def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer) -> str | None:
     """Where the tokenized rows of these records are cached: a file named by a datasets fingerprint of everything
-    that shapes them (the chat template renderer's and tokenizer library's versions too, and the run's tools);
-    None when datasets caching is off."""
+    that shapes them (the chat template renderer's and tokenizer library's versions too); None when datasets caching
+    is off."""
     import datasets
     import tokenizers
     import transformers
@@ -305,8 +301,7 @@ def _cache_file(kind: str, fingerprint: str, cfg: DataConfig, tokenizer, tools: 
     if not datasets.is_caching_enabled():
         return None
     key = Hasher.hash([_source_hash(), transformers.__version__, tokenizers.__version__, kind, fingerprint,
-                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, sorted(cfg.columns.items()), tokenizer,
-                       json.dumps(tools, sort_keys=True)])
+                       cfg.max_length, cfg.max_prompt_length, cfg.truncation, sorted(cfg.columns.items()), tokenizer])
     return os.path.join(cache_dir(), "data", f"{kind}-{key}.arrow")
 
 

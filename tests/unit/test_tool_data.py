@@ -52,9 +52,9 @@ def spans(tok, *parts: tuple[str, bool]) -> tuple[list[int], list[bool]]:
     return ids, flags
 
 
-def tokenize(records, kind, tok, tools=None, **cfg):
+def tokenize(records, kind, tok, **cfg):
     cfg = DataConfig(train="d.jsonl", **{"max_length": 2048, "max_prompt_length": 1024, **cfg})
-    return tokenize_records(records, kind, tok, cfg, "d.jsonl", tools=tools)[0]
+    return tokenize_records(records, kind, tok, cfg, "d.jsonl")[0]
 
 
 def test_sft_messages_train_the_calls_and_answers_not_the_results_or_headers(tok):
@@ -109,15 +109,15 @@ def test_implicit_prompt_pairs_with_tool_turns_and_unpaired(tok):
     assert batch.kl_labels[1].tolist()[n:] == [t if m else -100 for t, m in zip(completion, trained)]  # bad's partner
 
 
-def test_run_tools_render_with_prompts_without_their_own(tok, tmp_path):
-    """build_datasets(tools=...) (the online stages' registered tools) renders every prompt that has no tools
-    column with them; a record's own column wins."""
+def test_prompt_records_render_their_tools(tok, tmp_path):
+    """A prompt record's tools column is rendered in its prompt (a JSON string as a list), and stays one of the
+    columns reward functions receive, as TRL passes it."""
     path = tmp_path / "p.jsonl"
-    other = {"type": "function", "function": {"name": "neg", "parameters": {"type": "object", "properties": {}}}}
-    path.write_text(json.dumps({"prompt": [USER]}) + "\n" + json.dumps({"prompt": [USER], "tools": [other]}) + "\n")
-    (first, second), _ = build_datasets("prompt", DataConfig(train=str(path), max_prompt_length=1024), tok, 0, tools=[ADD])
+    path.write_text(json.dumps({"prompt": [USER], "tools": json.dumps([ADD])}) + "\n" + json.dumps({"prompt": [USER]}) + "\n")
+    (first, second), _ = build_datasets("prompt", DataConfig(train=str(path), max_prompt_length=1024), tok, 0)
     assert first["prompt_ids"] == spans(tok, (system_turn(tok) + PROMPT, False))[0]
-    assert '"name": "neg"' in tok.decode(second["prompt_ids"]) and '"name": "add"' not in tok.decode(second["prompt_ids"])
+    assert first["columns"] == {"tools": json.dumps([ADD])}
+    assert second["prompt_ids"] == spans(tok, (PROMPT, False))[0]
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_a_template_that_drops_tools_or_calls_is_refused():
                                         r"tool_calls .*: " + FIX):
         tokenize([{"messages": [USER, ANSWER]}, {"messages": CONVERSATION}], "sft", own)
     with pytest.raises(DataError, match=r"^d.jsonl record 0: the tokenizer's chat template ignores `tools`"):
-        tokenize([{"prompt": [USER]}], "prompt", own, tools=[ADD])
+        tokenize([{"prompt": [USER], "tools": [ADD]}], "prompt", own)
     own.chat_template = None
     with pytest.raises(DataError, match=r"^d.jsonl record 0: the tokenizer has no chat template, and a conversation with "
                                         r"tools or tool calls cannot be rendered without one: " + FIX):
