@@ -68,7 +68,6 @@ class OnlineTrainer:
             self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
             self.moments.load_state_dict(json.loads(state["reward_moments"]))
             run.restore_rng(state)
-        self.log = StepLog(run, cfg, self.held_out, self.total_steps, self.start_step)
 
     def build(self, ptx_set) -> None:
         cfg, a, acc, run = self.cfg, self.cfg.algo, self.accelerator, self.run
@@ -144,6 +143,8 @@ class OnlineTrainer:
         with self.run as run:
             self.setup()
             run.begin(self.start_step, self.total_steps, self.prompts.steps_per_epoch)
+            # After `begin`, which drops a resumed run's rows past its checkpoint: the alarms see the rows before it.
+            self.log = StepLog(run, self.cfg, self.held_out, self.total_steps, self.start_step)
             for step in range(self.start_step, self.total_steps):
                 lr, t0 = self.optim.lr, time.perf_counter()
                 made = self.experience(step)  # 1-4

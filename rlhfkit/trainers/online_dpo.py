@@ -101,7 +101,6 @@ class OnlineDPOTrainer:
             state = run.resume([self.model], self.load_models, self.optim)
             self.start_step = int(state["step"])
             run.restore_rng(state)
-        self.log = StepLog(run, cfg, self.held_out, self.total_steps, self.start_step)
 
     # 1-3. Roll out, score, rank, reference ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -190,6 +189,8 @@ class OnlineDPOTrainer:
         with self.run as run:
             self.setup()
             run.begin(self.start_step, self.total_steps, self.prompts.steps_per_epoch)
+            # After `begin`, which drops a resumed run's rows past its checkpoint: the alarms see the rows before it.
+            self.log = StepLog(run, self.cfg, self.held_out, self.total_steps, self.start_step)
             for step in range(self.start_step, self.total_steps):
                 lr, t0 = self.optim.lr, time.perf_counter()
                 sampled, stats = self.make_pairs(step)
