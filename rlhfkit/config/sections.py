@@ -90,7 +90,7 @@ class ModelConfig:
 
 
 # The fields a record of any stage can have (rlhfkit.data's formats): what data.columns may map a column to.
-RECORD_FIELDS = ("prompt", "completion", "chosen", "rejected", "label", "margin", "messages", "text")
+RECORD_FIELDS = ("prompt", "completion", "chosen", "rejected", "label", "margin", "messages", "text", "tools")
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,10 @@ class LoggingConfig:
     # the sampled completions (online stages, rft) as a table or text, the resolved config as the run's config.
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = field(default_factory=list)
     progress_bar: bool = True  # tqdm bar with the live loss
-    # The online stages' step log (ppo, rloo, grpo, reinforce_pp, online_dpo): sample generations to samples.jsonl (and
-    # the trackers' tables) every N steps, besides the first and the last; the console table
-    # (Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR) every N steps.
+    # Online stages (ppo, rloo, grpo, reinforce_pp, online_dpo): write sample generations to samples.jsonl and the
+    # trackers' tables every N steps, besides the first and the last.
     sample_log_steps: PosInt = 10
+    # Online stages: print the console table (Step | Reward | KL | ClipFrac | ValueLoss | PolicyLoss | LR) every N steps.
     table_steps: PosInt = 10
     run_name: str | None = None  # the run's name in TensorBoard, W&B and trackio (default: output_dir's name)
     # The W&B and trackio project the run goes in; None: W&B's own choice (WANDB_PROJECT, else its default), and
@@ -215,6 +215,49 @@ class GenerationConfig:
     def check(self):
         if self.compile and self.engine != "rlhfkit":
             yield "compile", "compiles rlhfkit's decode loop: needs generation.engine=rlhfkit"
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    """Multi-turn episodes with tools (`rollout.tool_loop`, TRL's `tools` and `environment_factory`): the policy calls
+    the registered functions, and the methods of an environment made for each episode, between its turns. Empty (no
+    functions, no environment): single-turn sampling. The Python API's `tools=` / `environment_factory=` fill the first
+    two keys. Needs a chat template that renders tools and a response template that parses calls
+    (model.chat_template: chatml_tools)."""
+
+    KEY_HINTS = {"max_tool_calling_iterations": "TRL's max_tool_calling_iterations is tools.max_calls"}
+    functions: list[str] = field(default_factory=list)  # tools, "module:function" each (type hints + Google-style docstring)
+    # environment_factory: "module:Class" (one instance per episode, `reset(**row)` before it, its public methods as
+    # tools, an optional `get_reward()` as a reward source), or {name: "module:Class"} chosen by each row's
+    # `environment` column.
+    environment: str | dict[str, str] | None = None
+    # Rounds of tool calls per episode (TRL's max_tool_calling_iterations); null: no limit but the length limit
+    # (generation.max_new_tokens bounds the whole completion, tool results included).
+    max_calls: PosInt | None = None
+    timeout_s: Positive = 60.0  # a call running longer is abandoned: an {"error": ...} result and a counted failure
+    max_result_tokens: PosInt = 1024  # a tool result longer than this (policy tokens) is cut there and marked
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.environment)
+
+    @property
+    def references(self) -> list[tuple[str, str]]:
+        """(config key, "module:name") of every function and environment named."""
+        refs = [(f"functions[{i}]", ref) for i, ref in enumerate(self.functions)]
+        envs = self.environment if isinstance(self.environment, dict) else {None: self.environment} if self.environment else {}
+        return refs + [("environment" if name is None else f"environment.{name}", ref) for name, ref in envs.items()]
+
+    def check(self):
+        for key, ref in self.references:
+            if ":" not in ref:
+                yield key, f"must be 'module:name', got {ref!r}"
+        if isinstance(self.environment, dict) and not self.environment:
+            yield "environment", "is an empty mapping: give {name: 'module:Class'} or one 'module:Class'"
+        if not self.enabled:
+            for key, default in (("max_calls", None), ("timeout_s", 60.0), ("max_result_tokens", 1024)):
+                if getattr(self, key) != default:
+                    yield key, "applies only with tools (tools.functions or tools.environment)"
 
 
 @dataclass(frozen=True)
@@ -266,6 +309,8 @@ class RewardConfig:
 class TrainConfig:
     """Keys every training stage shares."""
 
+    KEY_HINTS = {"tools": "tools apply to the online stages that sample episodes (ppo, rloo, grpo, reinforce_pp, "
+                          "online_dpo); to train on tool conversations, give the data a tools column"}
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
