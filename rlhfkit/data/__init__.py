@@ -19,7 +19,9 @@ the source of the modules that make them, so a rerun with the same file, tokeniz
 instead of tokenizing again. The cache lives in $RLHFKIT_CACHE/data (default ~/.cache/rlhfkit/data); delete it to
 reclaim the space, or turn caching off with `datasets.disable_caching()`.
 
-Record formats per kind ("text|messages" = a string or a list of {role, content} dicts, role in system/user/assistant):
+Record formats per kind ("text|messages" = a string or a list of {role, content} dicts, role in system/user/assistant/
+tool; an assistant turn may carry TRL's `tool_calls`, and any conversational record a `tools` column of JSON schemas
+that the chat template renders: see formats.py):
     sft         prompt_completion  {prompt: text|messages, completion: text|messages}
                 messages           {messages}: the loss covers every assistant turn
                 text               {text}: language modelling, the loss covers every token of the raw text and EOS
@@ -44,7 +46,9 @@ processes, the error reported is the first one a worker meets, not necessarily t
 Tokenized examples are typed dicts of python int lists (`SFTExample`, `PreferenceExample`, `UnpairedExample`,
 `PromptExample`); the collators turn lists of them into tensors. They stay plain mutable dicts because trainers
 index them (`train_set[i]`) and may add fields (the preference trainer's precomputed reference log-probs). Prompts
-end with the generation prompt; responses are their own tokens only and end at the EOS token.
+end with the generation prompt; responses are their own tokens only and end at the EOS token. A response with tool
+turns has an action mask (`chosen_action_mask`, ...): 1 on the assistant's own tokens, 0 on the tool results and
+the headers between turns; the collators turn it into -100 labels (SFT's labels hold it directly).
 """
 
 from rlhfkit.data.collate import (collate_preference, collate_preference_padding_free, collate_prompts, collate_sft,

@@ -120,6 +120,12 @@ def test_prompt_records_render_their_tools(tok, tmp_path):
     assert second["prompt_ids"] == spans(tok, (PROMPT, False))[0]
 
 
+def test_a_tools_column_under_another_name(tok):
+    """data.columns maps a dataset's own column onto `tools`, as onto any other field."""
+    (renamed,) = tokenize([{"messages": CONVERSATION, "functions": [ADD]}], "sft", tok, columns={"tools": "functions"})
+    assert renamed == tokenize([{"messages": CONVERSATION, "tools": [ADD]}], "sft", tok)[0]
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
