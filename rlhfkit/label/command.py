@@ -170,7 +170,8 @@ def serve(store: Store, host: str, port: int, token: str | None) -> None:
         raise UserError(f"rlhfkit label's server needs starlette and uvicorn ({exc}): pip install 'rlhfkit[label]'") from None
 
     p = store.progress()
-    address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "")
+    shown = socket.gethostname() if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host  # all addresses
+    address = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     print(f"rlhfkit label: {p.done}/{p.total} judgements made; open {address}", flush=True)
     uvicorn.Server(uvicorn.Config(make_app(store, token), host=host, port=port, log_level="warning")).run()
 
@@ -214,7 +215,9 @@ def read_outputs(opts: LabelOptions) -> None:
 def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
     """human_eval.json in `out_dir` (beside `rlhfkit eval`'s eval.json): the human win rate, its interval and tie
     rate; the judges' win rates from eval.json when it is there; the reward model's mean score of both models' responses
-    on the same pairs and its own win rate, with the alarm when it prefers what people do not."""
+    on the same pairs and its own win rate, with the alarm when it prefers what people do not. The reward model reads the
+    stored texts as the data pipeline renders them for training (each response closed by EOS), where `rlhfkit eval`
+    scores the sampled ids (a response cut at max_new_tokens has no EOS): the two can differ on truncated responses."""
     from rlhfkit.label.figures import human_win_rate, reward_disagrees
 
     try:
