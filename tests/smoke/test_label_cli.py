@@ -55,6 +55,8 @@ def test_bad_requests_get_a_4xx_and_change_nothing(store):
     r = client.post("/api/judge", json=good)  # replayed
     assert r.status_code == 409 and "already judged" in r.json()["error"] and _state(store) == after
     assert client.get("/api/item", params={"annotator": "<script>"}).status_code == 400
+    # The page may run only its own script, whatever a response holds.
+    assert client.get("/").headers["content-security-policy"].startswith("default-src 'self'; script-src 'self'")
     assert client.post("/api/undo", content=b"nope").status_code == 400 and _state(store) == after
     r = client.post("/api/undo", json={"annotator": "ann"})
     assert r.json()["next"]["item"] == 0 and store.judgements() == []
