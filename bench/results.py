@@ -25,7 +25,8 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 
 
 def machine() -> str:
-    """This machine in words: CPU cores, and the GPU when torch sees one."""
+    """This machine in words: CPU cores, the GPU when torch sees one, and the load average over the last 15 minutes
+    (other jobs on a shared machine slow every figure down)."""
     text = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
     try:
         import torch
@@ -34,7 +35,7 @@ def machine() -> str:
             text += f", {torch.cuda.get_device_name(0)}"
     except ImportError:
         pass
-    return text
+    return text + f" (load average {os.getloadavg()[2]:.1f})"
 
 
 def commit() -> str:
