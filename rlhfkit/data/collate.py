@@ -19,6 +19,8 @@ def _labels(prompt: list[int], response: list[int], action_mask: list[int] | Non
     results, the headers between turns); the token ids elsewhere."""
     if action_mask is None:
         return [IGNORE_INDEX] * len(prompt) + response
+    if len(action_mask) != len(response):  # an example edited without its mask: its labels would be shifted
+        raise ValueError(f"an action mask of {len(action_mask)} tokens for a response of {len(response)}")
     return [IGNORE_INDEX] * len(prompt) + [t if m else IGNORE_INDEX for t, m in zip(response, action_mask)]
 
 

@@ -85,8 +85,8 @@ def varied_pairs(trainer, n=6):
     """Real pairs plus two with a long chosen or rejected response and one with a short prompt."""
     examples = [dict(e) for e in trainer.train_set[:n]]
     a, b, c = (dict(e) for e in examples[:3])
-    a["chosen_ids"] = a["chosen_ids"] * 5
-    b["rejected_ids"] = b["rejected_ids"] * 4
+    a["chosen_ids"], a["chosen_action_mask"] = a["chosen_ids"] * 5, a["chosen_action_mask"] * 5
+    b["rejected_ids"], b["rejected_action_mask"] = b["rejected_ids"] * 4, b["rejected_action_mask"] * 4
     c["prompt_ids"] = c["prompt_ids"][-3:]
     return examples + [a, b, c]
 

@@ -355,6 +355,9 @@ def test_collate_preference_common_length_and_labels():
     free = collate_preference_padding_free(examples)
     assert free.sequences.labels.tolist() == [[-100, -100, 3, -100, 8, 9, -100, -100, 4, -100, 6, -100, 10]]
     assert collate_preference_padding_free(examples, actions_only=False).sequences.labels.tolist()[0][8:11] == [4, 5, 6]
+    examples[0]["rejected_action_mask"] = [1]  # edited apart from its ids: refused, not silently shifted
+    with pytest.raises(ValueError, match="^an action mask of 1 tokens for a response of 3$"):
+        collate_preference(examples, pad_token_id=0)
 
 
 def test_collate_unpaired_pairs_prompt_i_with_next_completion():

@@ -92,7 +92,7 @@ def test_ipo_empty_response_gives_a_finite_hand_checked_loss(tmp_path):
     compute_loss: its average log-ratio counts the empty response as one token, so the loss stays finite."""
     trainer = make_trainer(tmp_path, ["algo.loss_type=ipo", "algo.beta=0.5"])  # 1/(2β) = 1
     examples = [dict(e) for e in trainer.train_set[:2]]
-    examples[0]["chosen_ids"] = []
+    examples[0]["chosen_ids"] = examples[0]["chosen_action_mask"] = []
     batch = trainer.collate(examples)
     trainer.model.train()
     with torch.no_grad():
