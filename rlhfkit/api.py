@@ -47,7 +47,7 @@ class TrainResult:
 def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
           reward_funcs: Any = None, reward_weights: list[float] | None = None, peft_config: Any = None,
           callbacks: list | None = None, config: Any = None, overrides: dict | list[str] | None = None,
-          output_dir: str | None = None) -> TrainResult:
+          output_dir: str | None = None, tools: list | None = None, environment_factory: Any = None) -> TrainResult:
     """Run `rlhfkit <stage>` from Python and return its `TrainResult`.
 
     model: a transformers PreTrainedModel (trained in place), or a hub name / directory / "tiny".
@@ -60,6 +60,11 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
     peft_config: a peft LoraConfig (r, lora_alpha, lora_dropout, target_modules); other non-default fields are refused.
     callbacks: transformers TrainerCallback objects.
     config: a YAML path, a dict or a config object; overrides: {"kl.coef": 0.04} or ["kl.coef=0.04"], applied last.
+    tools: functions the policy may call in multi-turn episodes (TRL's `tools`; online stages): each described to the
+        model by its type hints and Google-style docstring (`rlhfkit.tools`).
+    environment_factory: a class (or a dict name -> class, chosen by each row's `environment` column) making one
+        environment per episode (TRL's `environment_factory`): reset(**row) before it, its public methods as tools, an
+        optional get_reward() as a reward source.
     """
     if stage not in STAGES:
         raise UserError(f"unknown stage '{stage}': one of {', '.join(STAGES)}")
@@ -68,12 +73,15 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
         takes = [s for s in STAGES if s != "eval" and "reward" in {f.name for f in dataclasses.fields(config_class(s))}]
         raise UserError(f"reward_funcs: the {stage} stage learns from its data and takes no reward sources (stages "
                         f"that do: {', '.join(takes)})")
+    tool_keys = _tool_keys(stage, tools, environment_factory)
     given: dict[str, str] = {}  # the cached file of a dataset object -> the argument that passed it
-    data = merge(merge(_config_dict(stage, config), _arguments(model, train_dataset, eval_dataset, reward_funcs,
-                                                               reward_weights, peft_config, output_dir, given)),
+    data = merge(merge(merge(_config_dict(stage, config), tool_keys),
+                       _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config,
+                                  output_dir, given)),
                  parse_overrides(_override_list(overrides)))
     try:
-        return _train(stage, data, model, tokenizer, reward_funcs, reward_weights, callbacks)
+        return _train(stage, data, model, tokenizer, reward_funcs, reward_weights, callbacks,
+                      (tuple(tools or ()), environment_factory))
     except UserError as exc:  # errors name a dataset object's records by the argument, not its cached file
         message = str(exc)
         for path, argument in given.items():
@@ -117,7 +125,8 @@ def _check_kinds(model, tokenizer, reward_funcs, reward_weights, callbacks, over
             check_reward_pair(entry, f"reward_funcs[{i}]")
 
 
-def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weights, callbacks) -> TrainResult:
+def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weights, callbacks,
+           tools: tuple = ((), None)) -> TrainResult:
     if stage == "eval" and any(x is not None and not isinstance(x, str) for x in (model, tokenizer)) or \
             stage == "eval" and (callbacks or any(not isinstance(f, str) for f in _as_list(reward_funcs))):
         raise UserError("rlhfkit.train('eval', ...) takes names (model, reward_funcs as 'module:function' or "
@@ -129,7 +138,7 @@ def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weight
     objects = Objects(model=None if isinstance(model, str) else model, tokenizer=tokenizer,
                       reward_funcs=tuple(_as_list(reward_funcs)),
                       reward_weights=tuple(reward_weights) if reward_weights is not None else None,
-                      callbacks=tuple(callbacks or ()))
+                      callbacks=tuple(callbacks or ()), tools=tools[0], environment_factory=tools[1])
     trainer = trainer_of(stage, cfg, objects if stage != "eval" else None)
     metrics = trainer.fit()
     trained = trainer.run.unwrap(trainer.model) if hasattr(trainer, "model") else None
@@ -193,6 +202,30 @@ def _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights,
     if output_dir is not None:
         data["output_dir"] = os.fspath(output_dir)
     return data
+
+
+def _tool_keys(stage: str, tools, environment_factory) -> dict:
+    """`tools.functions` / `tools.environment` naming the objects (as `module:qualname`, for config.yaml); the run
+    itself uses the objects. A stage without episodes, or an argument of the wrong kind, is one line naming it."""
+    if tools is None and environment_factory is None:
+        return {}
+    if "tools" not in {f.name for f in dataclasses.fields(config_class(stage))}:
+        argument = "tools" if tools is not None else "environment_factory"
+        raise UserError(f"{argument}: the {stage} stage samples no episodes; tools apply to the online stages (ppo, "
+                        "rloo, grpo, reinforce_pp, online_dpo)")
+    if tools is not None and (not isinstance(tools, (list, tuple)) or not all(callable(t) for t in tools)):
+        raise UserError(f"tools: expected a list of functions, got {type(tools).__name__}"
+                        + ("" if not isinstance(tools, (list, tuple)) else " holding something not callable"))
+    factories = environment_factory if isinstance(environment_factory, dict) else {None: environment_factory}
+    if environment_factory is not None and not all(callable(f) for f in factories.values()):
+        raise UserError("environment_factory: expected a class (or a callable returning an environment), or a dict "
+                        "name -> class")
+    name = lambda obj: f"{getattr(obj, '__module__', None) or 'python'}:{getattr(obj, '__qualname__', type(obj).__name__)}"  # noqa: E731
+    keys: dict = {"functions": [name(t) for t in tools or ()]}
+    if environment_factory is not None:
+        keys["environment"] = {k: name(f) for k, f in factories.items()} if None not in factories else name(
+            environment_factory)
+    return {"tools": keys}
 
 
 def _model_name(model) -> str:

@@ -2,7 +2,7 @@
 
 The config still names everything (and is saved with the run as `config.yaml`); an object given here replaces what
 the config's name would have loaded: the policy model and its tokenizer, the reward sources in the caller's order,
-and transformers `TrainerCallback`s. Every field may stay empty: the CLI passes none.
+transformers `TrainerCallback`s, tools and environments. Every field may stay empty: the CLI passes none.
 """
 
 from __future__ import annotations
@@ -25,3 +25,10 @@ class Objects:
     # The online stages' rollout component (`rlhfkit.rollout.RolloutMaker`: prompts in, a `Rollout` out), as a function
     # of the one the config would use: wrap it (a scripted or filtered rollout) or return your own. None: the config's.
     rollout: Any = None
+    # TRL's `tools` and `environment_factory` (`rlhfkit.tools`): callables the policy may call, and a class (or a dict
+    # name -> class) making each episode's environment. Empty: the config's tools.functions / tools.environment.
+    tools: tuple = ()
+    environment_factory: Any = None
+    # The run's `tools.Toolbox`, made once when the run starts (`stages.trainer_of`) from the two above or the config's
+    # names; None without tools. The rollout component and the environments' reward sources share it.
+    toolbox: Any = None

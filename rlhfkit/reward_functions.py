@@ -141,6 +141,14 @@ class RewardFunction:
             raise UserError(f"{self.label} raised {first_line(exc, with_type=True)}{_where(exc)}") from None
         return _as_scores(value, len(inputs.completions), self.label)
 
+    def score(self, rollout, inputs: RewardInputs) -> tuple[Tensor, Tensor]:
+        """As a reward source (`rewards.RewardSource`): (B,) fp32 scores on the rollout's device, NaN where the function
+        returned None, and (B,) bool where it did not."""
+        raw = self(inputs)
+        device = rollout.response_ids.device
+        values = torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=device)
+        return values, torch.tensor([v is not None for v in raw], device=device)
+
 
 def _run(awaitable):
     """The result of an awaitable, on a fresh event loop; in a thread of its own when this thread already runs one
@@ -167,29 +175,13 @@ def trainer_state(global_step: int, max_steps: int):
 
 
 def load_reward_function(ref: str, key: str = "reward.function") -> RewardFunction:
-    """Import the function `ref` = "module:function", named in errors as `key` (its config key).
-
-    Importing runs the module's code, so a config that names a function is code: load configs you trust. The
-    working directory is importable while the module imports (as for `python -m`), then `sys.path` is restored, so
-    the user's own modules never shadow later imports; import what the function needs at the module's top level.
-    """
-    import importlib
-    import os
-    import sys
+    """Import the function `ref` = "module:function", named in errors as `key` (its config key), with
+    `tools.import_ref` (the working directory importable while the module imports: load configs you trust)."""
+    from rlhfkit.tools import import_ref
 
     label = f"{key} '{ref}'"
     module_name, _, name = ref.partition(":")
-    saved = list(sys.path)
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc)})") from None
-    except Exception as exc:  # the module's own code failed at import: the user's to fix
-        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc, with_type=True)})") from None
-    finally:
-        sys.path[:] = saved
-    fn = getattr(module, name, None)
+    fn = import_ref(ref, label, "function")
     if not callable(fn):
         raise UserError(f"{label}: module '{module_name}' has no function '{name}'")
     return RewardFunction(fn, label, name)

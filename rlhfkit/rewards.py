@@ -2,14 +2,16 @@
 Python reward functions, combined with weights into one score per sequence, as TRL's `GRPOTrainer` combines its
 `reward_funcs`.
 
-Three kinds of thing, one name each:
-- a `Scorer` reads token ids (B, T) and returns one float32 score per sequence (B,): `RewardModelScorer` (one
-  reward model) or `EnsembleScorer` (several, mean or min);
-- a reward source scores a rollout's rows (B,): a `RewardFunction` (a Python function under TRL's contract,
-  `rlhfkit.reward_functions`), a `RewardModelSource` (a reward model, re-tokenising the text when its tokenizer is
-  not the policy's) or an `EnsembleSource` (several reward models as one source);
-- `Rewards` is every source of a run with its weight: calling it on a rollout gives `Scores` (the weighted total
-  and each source's own scores, for `rewards/<name>/mean|std`), and `gold` the held-out judge's.
+A reward source gives each row of a rollout a score, `score(rollout, inputs) -> ((B,) scores, (B,) applies)` (the
+`RewardSource` protocol), whatever it is:
+- a `RewardFunction`: a Python function under TRL's contract (`rlhfkit.reward_functions`), which may not apply to a
+  row (it returned None);
+- a `RewardModelSource`: one reward model, reading the rollout's own token ids, or the text re-tokenised when its
+  tokenizer is not the policy's (its forward is a `RewardModelScorer`, token ids in, one score per sequence out);
+- an `EnsembleSource`: several reward models as one source (mean or min).
+`Rewards` is every source of a run with its weight: calling it on a rollout gives `Scores` (the weighted total and each
+source's own scores, for `rewards/<name>/mean|std`), and `gold` the held-out judge's. Evaluation's judges are thin
+adapters over a source (`evaluation.evaluate.SourceJudge`).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from rlhfkit.sharding import place_frozen
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
 
 
-class Scorer(Protocol):
-    """Scores sequences given as token ids of the scorer's own tokenizer."""
+class RewardSource(Protocol):
+    """Scores a rollout's rows from the step's inputs: ((B,) fp32 scores, (B,) bool where the source applies)."""
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
-        """(B, T), (B, T), optional (B, T) 1 on the response tokens -> (B,)."""
+    name: str
+
+    def score(self, rollout, inputs: RewardInputs) -> tuple[Tensor, Tensor]:
         ...
 
 
@@ -116,7 +119,7 @@ def sequence_scores_padding_free(model, batch) -> Tensor:
 
 
 class RewardModelScorer:
-    """A reward model as a `Scorer`; `input_ids` must come from `tokenizer` (the reward model's own)."""
+    """A reward model's forward: token ids of its own `tokenizer` in, one score per sequence out."""
 
     def __init__(self, model, tokenizer=None):
         self.model = model
@@ -127,47 +130,21 @@ class RewardModelScorer:
         return sequence_scores(self.model, input_ids, attention_mask, response_mask)
 
 
-class EnsembleScorer:
-    """Several scorers (reward models sharing one tokenizer) reduced to one score per sequence (`reduce_ensemble`).
-
-    `reduce="mean"` averages; `reduce="min"` takes the most pessimistic member, the conservative ensemble that
-    curbs reward over-optimisation (Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization",
-    arXiv 2310.02743, worst-case optimisation).
-    """
-
-    def __init__(self, scorers: list[Scorer], reduce: Literal["mean", "min"] = "mean"):
-        if not scorers:
-            raise ValueError("EnsembleScorer needs at least one scorer")
-        if reduce not in ("mean", "min"):
-            raise ValueError(f"reduce must be 'mean' or 'min', got {reduce!r}")
-        self.scorers = list(scorers)
-        self.reduce = reduce
-
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor | None = None) -> Tensor:
-        args = (input_ids, attention_mask) if response_mask is None else (input_ids, attention_mask, response_mask)
-        return reduce_ensemble(torch.stack([s(*args) for s in self.scorers]), self.reduce)
-
-
 def reduce_ensemble(scores: Tensor, reduce: str) -> Tensor:
     """(K, B) the scores of K ensemble members -> (B,): their mean, or (reduce "min") the most pessimistic one."""
     return scores.mean(0) if reduce == "mean" else scores.min(0).values
 
 
 def load_reward_scorer(
-    paths: list[str] | str,
-    reduce: Literal["mean", "min"] = "mean",
+    path: str,
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
     quantization: QuantizationConfig | None = None,
-) -> RewardModelScorer | EnsembleScorer:
-    """Frozen reward model(s) saved by the reward stage: one path gives a scorer, several an ensemble; in 4 bits
-    with `quantization.load_in_4bit` (`reward.quantization`)."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    scorers = []
-    for path in paths:
-        cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig())
-        tokenizer = load_tokenizer(cfg)
-        scorers.append(RewardModelScorer(load_reward_model(cfg, tokenizer, trainable=False), tokenizer))
-    return scorers[0] if len(scorers) == 1 else EnsembleScorer(scorers, reduce)
+) -> RewardModelScorer:
+    """A frozen reward model saved by the reward stage, with its tokenizer; in 4 bits with
+    `quantization.load_in_4bit` (`reward.quantization`)."""
+    cfg = ModelConfig(name_or_path=path, dtype=dtype, quantization=quantization or QuantizationConfig())
+    tokenizer = load_tokenizer(cfg)
+    return RewardModelScorer(load_reward_model(cfg, tokenizer, trainable=False), tokenizer)
 
 
 # Score post-processing ----------------------------------------------------------------------------------------
@@ -287,8 +264,12 @@ class RewardModelSource:
                                                != getattr(policy_tokenizer, "chat_template", None))
 
     @torch.no_grad()
-    def __call__(self, rollout, inputs: RewardInputs) -> Tensor:
-        """(B,) fp32 scores of the rollout's rows, on its device."""
+    def score(self, rollout, inputs: RewardInputs) -> tuple[Tensor, Tensor]:
+        """(B,) fp32 scores of the rollout's rows, on its device; a reward model applies to every row."""
+        values = self.values(rollout, inputs)
+        return values, torch.ones_like(values, dtype=torch.bool)
+
+    def values(self, rollout, inputs: RewardInputs) -> Tensor:
         if self.retokenize:
             ids, mask, resp = (t.to(rollout.input_ids.device) for t in self.encode(inputs))
         else:
@@ -326,8 +307,9 @@ class EnsembleSource:
     def __init__(self, members: list[RewardModelSource], reduce: Literal["mean", "min"]):
         self.members, self.reduce, self.name = members, reduce, f"ensemble_{reduce}"
 
-    def __call__(self, rollout, inputs: RewardInputs) -> Tensor:
-        return reduce_ensemble(torch.stack([m(rollout, inputs) for m in self.members]), self.reduce)
+    def score(self, rollout, inputs: RewardInputs) -> tuple[Tensor, Tensor]:
+        values = reduce_ensemble(torch.stack([m.values(rollout, inputs) for m in self.members]), self.reduce)
+        return values, torch.ones_like(values, dtype=torch.bool)
 
 
 def _has_own_tokenizer(path: str) -> bool:
@@ -449,12 +431,14 @@ class Rewards:
 
     def __init__(self, cfg, tokenizer, device, batch_size: int | None = None, policy_name: str = "the policy",
                  dtype: str = "float32", given: Sequence = (), given_weights: Sequence[float] | None = None,
-                 attn_implementation: str | None = None):
+                 attn_implementation: str | None = None, environment_rewards: Sequence = ()):
         """`dtype`: the dtype the reward models load in (a run's `frozen_dtype`: its mixed precision). `given` (the
         Python API's `reward_funcs`): the sources in the caller's order, each a callable, a "module:function" name, a
         reward-model directory, a sequence-classification model object, or a (model object, its tokenizer) pair; they
         replace `cfg.model` and `cfg.function`, weighted by `given_weights` (None: 1 each). `attn_implementation`:
-        the run's `model.attn_implementation`, which the reward models loaded here use too (None: transformers')."""
+        the run's `model.attn_implementation`, which the reward models loaded here use too (None: transformers').
+        `environment_rewards`: the reward functions of the run's environments that define `get_reward()`
+        (`tools.Environments.reward_functions`), appended after the other sources with weight 1 each, as TRL does."""
         self.tokenizer = tokenizer
         self.gold_function = _reward_function(cfg.gold_function, "reward.gold_function") if cfg.gold_function else None
         if given:
@@ -469,12 +453,17 @@ class Rewards:
                             else models) + functions
         for source in models:
             source.scorer.model = place_frozen(source.scorer.model, device)  # ZeRO-3: a sharded inference engine
-        self.names = unique_names([s.name for s in self.sources])
         weights = list((given_weights if given else getattr(cfg, "weights", None)) or [1.0] * len(self.sources))
         if len(weights) != len(self.sources):
             raise UserError(f"config key 'reward.weights': {len(weights)} weights for {len(self.sources)} reward sources "
-                            f"({', '.join(self.names)}): give one per source")
-        self.weights = torch.tensor(weights, dtype=torch.float32)
+                            f"({', '.join(unique_names([s.name for s in self.sources]))}): give one per source")
+        self.sources += [RewardFunction(fn, f"environment {fn.__name__}.get_reward", fn.__name__)
+                         for fn in environment_rewards]
+        if not self.sources:
+            raise UserError("no reward source: give reward.model or reward.function, or an environment with a "
+                            "get_reward() method")
+        self.names = unique_names([s.name for s in self.sources])
+        self.weights = torch.tensor(weights + [1.0] * len(environment_rewards), dtype=torch.float32)
         self._warned = [False]
         self.logs = RewardLogs()  # what the functions log through log_metric / log_extra, until the trainer takes it
 
@@ -483,15 +472,7 @@ class Rewards:
         kind: "prompt", "columns"), repeated for each sample of a prompt by the caller."""
         inputs = reward_inputs(self.tokenizer, rollout, examples, trainer_state, self.logs)
         device = rollout.response_ids.device
-        values, applies = [], []
-        for source in self.sources:
-            if isinstance(source, RewardFunction):
-                raw = source(inputs)
-                values.append(torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=device))
-                applies.append(torch.tensor([v is not None for v in raw], device=device))
-            else:
-                values.append(source(rollout, inputs).to(device))
-                applies.append(torch.ones(len(inputs.completions), dtype=torch.bool, device=device))
+        values, applies = zip(*[(v.to(device), a.to(device)) for v, a in (s.score(rollout, inputs) for s in self.sources)])
         total, unscored = weighted_sum(torch.stack(values, -1), torch.stack(applies, -1), self.weights)
         warn_unscored_once(unscored, inputs, self._warned)
         return Scores(total, dict(zip(self.names, values)), unscored)
@@ -510,5 +491,5 @@ class Rewards:
         or None without one."""
         if self.gold_function is None:
             return None
-        raw = self.gold_function(reward_inputs(self.tokenizer, rollout, examples, trainer_state, self.logs))
-        return torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=rollout.response_ids.device)
+        values, _ = self.gold_function.score(rollout, reward_inputs(self.tokenizer, rollout, examples, trainer_state, self.logs))
+        return values

@@ -6,6 +6,7 @@ imported, so `rlhfkit --help` stays instant and importing this module loads no t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -79,7 +80,11 @@ def trainer_of(stage: str, cfg: Any, objects=None):
         if objects is not None and objects.callbacks:
             raise UserError("callbacks: `eval` trains nothing, so it calls no TrainerCallback; pass none")
         return cls(cfg)
-    return cls(cfg, objects)
+    from rlhfkit.objects import Objects
+    from rlhfkit.rollout.maker import toolbox_of
+
+    objects = objects if objects is not None else Objects()
+    return cls(cfg, dataclasses.replace(objects, toolbox=toolbox_of(cfg, objects)))  # tools checked before any model loads
 
 
 def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = (),

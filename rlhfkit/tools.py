@@ -33,6 +33,36 @@ from rlhfkit.errors import UserError, first_line
 ENVIRONMENT_HOOKS = ("reset", "get_reward")
 
 
+def import_ref(ref: str, label: str, what: str = "object"):
+    """The object `ref` = "module:name" names (tools, environments, reward functions), `label` naming it in errors
+    and `what` saying what was expected ("function", "class").
+
+    Importing runs the module's code, so a config that names one is code: load configs you trust. The working
+    directory is importable while the module imports (as for `python -m`), then `sys.path` is restored, so the user's
+    own modules never shadow later imports; import what the object needs at the module's top level."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, name = ref.partition(":")
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc)})") from None
+    except Exception as exc:  # the module's own code failed at import: the user's to fix
+        raise UserError(f"{label}: cannot import module '{module_name}' ({first_line(exc, with_type=True)})") from None
+    finally:
+        sys.path[:] = saved
+    found = module
+    for part in name.split("."):  # a qualified name: Class.method
+        found = getattr(found, part, None)
+    if found is None:
+        raise UserError(f"{label}: module '{module_name}' has no {what} '{name}'")
+    return found
+
+
 @dataclass(frozen=True)
 class Tool:
     """A registered callable: its name (the function's `__name__`, the one the model calls) and JSON schema."""

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from annotated_types import Gt, Interval
 
 from rlhfkit.config.fields import NonNeg, PosInt, Positive, Seed
-from rlhfkit.config.sections import (AlarmsConfig, DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig, TrainConfig,
-                                     ref_model_check)
+from rlhfkit.config.sections import (AlarmsConfig, DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig,
+                                     ToolsConfig, TrainConfig, ref_model_check)
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,18 @@ class OnlineOptions:
                                            "first reward model's trained head, or from the policy with a new head)")
 
 
+def tools_check(tools: ToolsConfig, reward: RewardConfig, generation: GenerationConfig):
+    """The online stages' rules for tools: the tool loop samples with rlhfkit's decode loop and a dynamic KV cache; a
+    reward source is required, unless an environment is given (its `get_reward()` may be the reward: checked when it
+    is made)."""
+    if not tools.environment:
+        yield from reward.check_has_source()
+    if tools.enabled and generation.engine != "rlhfkit":
+        yield "generation.engine", "must be rlhfkit with tools (the tool loop extends rlhfkit's decode loop's KV cache)"
+    if tools.enabled and generation.compile:
+        yield "generation.compile", "must be false with tools (the tool loop's KV cache grows by each turn's results)"
+
+
 @dataclass(frozen=True)
 class OnlineConfig(TrainConfig):
     """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts. With `data.eval` and/or
@@ -187,12 +199,13 @@ class OnlineConfig(TrainConfig):
     kl: KLConfig = field(default_factory=KLConfig)
     algo: OnlineOptions = field(default_factory=OnlineOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def check(self):
         from rlhfkit.algorithms import ALGORITHMS
 
         yield from super().check()
-        yield from self.reward.check_has_source()
+        yield from tools_check(self.tools, self.reward, self.generation)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
@@ -238,10 +251,11 @@ class OnlineDPOConfig(TrainConfig):
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def check(self):
         yield from super().check()
-        yield from self.reward.check_has_source()
+        yield from tools_check(self.tools, self.reward, self.generation)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         if self.generation.num_samples != 2:
             yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"

@@ -4,10 +4,45 @@ from __future__ import annotations
 
 from rlhfkit.rollout import RolloutMaker
 from rlhfkit.rollout.single_turn import SingleTurn
+from rlhfkit.tools import Toolbox, import_ref
 
 
 def rollout_maker(cfg, tokenizer, objects) -> RolloutMaker:
     """The rollout component of an online run (`cfg`: its config; `objects`: what the Python API was given): one
-    assistant turn per sample; `objects.rollout`, when given, is called with it and returns the component to use."""
-    made = SingleTurn(tokenizer, cfg.generation, cfg.seed)
+    assistant turn per sample, or with tools (`objects.toolbox`) multi-turn episodes (`tool_loop.ToolLoop`);
+    `objects.rollout`, when given, is called with it and returns the component to use."""
+    if objects.toolbox is not None:
+        from rlhfkit.rollout.tool_loop import ToolLoop
+
+        t = cfg.tools
+        made = ToolLoop(tokenizer, cfg.generation, cfg.seed, objects.toolbox, t.max_calls, t.timeout_s,
+                        t.max_result_tokens)
+    else:
+        made = SingleTurn(tokenizer, cfg.generation, cfg.seed)
     return objects.rollout(made) if objects.rollout is not None else made
+
+
+def toolbox_of(cfg, objects) -> Toolbox | None:
+    """The run's tools (`tools.Toolbox`): the Python API's `tools` / `environment_factory` objects, else the config's
+    tools.functions / tools.environment imported; None when the stage has no tools section or none are given. Made
+    once, at start: a function get_json_schema cannot describe, or an environment without reset(), stops the run
+    before any model loads."""
+    tools = getattr(cfg, "tools", None)
+    if tools is None or not (tools.enabled or objects.tools or objects.environment_factory is not None):
+        return None
+    functions = objects.tools or [import_ref(ref, f"config key 'tools.functions[{i}]' '{ref}'", "function")
+                                  for i, ref in enumerate(tools.functions)]
+    factory = objects.environment_factory
+    if factory is None and isinstance(tools.environment, dict):
+        factory = {name: import_ref(ref, f"config key 'tools.environment.{name}' '{ref}'", "class")
+                   for name, ref in tools.environment.items()}
+    elif factory is None and tools.environment:
+        factory = import_ref(tools.environment, f"config key 'tools.environment' '{tools.environment}'", "class")
+    return Toolbox(functions, factory)
+
+
+def environment_rewards(objects) -> list:
+    """The reward functions of the run's environments that define `get_reward()` (TRL: one source per class, weight
+    1), for `rewards.Rewards(environment_rewards=...)`; empty without environments."""
+    box = objects.toolbox if objects is not None else None
+    return box.environments.reward_functions() if box is not None and box.environments is not None else []

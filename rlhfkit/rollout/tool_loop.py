@@ -28,6 +28,7 @@ is not run, and gets its error message as the tool result), assistant turns, and
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -71,12 +72,14 @@ class ToolLoop:
     prompt's last message, as TRL does. A text prompt becomes one user message. The rollout's `prompt_ids` are these
     rendered prompts; the `PromptBatch` given only seeds the sampling (`generation.seed_per_prompt`)."""
 
-    def __init__(self, tokenizer, params: GenerationConfig, seed: int, toolbox: Toolbox, max_calls: int,
+    def __init__(self, tokenizer, params: GenerationConfig, seed: int, toolbox: Toolbox, max_calls: int | None,
                  timeout_s: float, max_result_tokens: int):
+        """`max_calls`: rounds of tool execution per episode, None for no limit but the length (every round appends
+        at least one token, so an episode ends); `timeout_s`, `max_result_tokens`: each call's (`rlhfkit.tools`)."""
         if params.engine != "rlhfkit" or params.compile:
             raise UserError("tools: the tool loop samples with rlhfkit's own decode loop and a dynamic KV cache; set "
                             "generation.engine: rlhfkit and generation.compile: false")
-        if max_calls < 1:
+        if max_calls is not None and max_calls < 1:
             raise UserError(f"tools.max_calls must be at least 1, got {max_calls}")
         check_tool_template(tokenizer, toolbox)
         self.tokenizer, self.params, self.seed, self.toolbox = tokenizer, params, seed, toolbox
@@ -127,7 +130,7 @@ class ToolLoop:
         logits = session.start([e.prompt_ids for e in episodes])
         live = list(range(len(episodes)))  # the episodes of the session's rows, in order
         limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        for round_ in range(self.max_calls + 1):
+        for round_ in itertools.count():
             turns = session.sample_turn(logits, [episodes[i].budget(params.max_new_tokens) for i in live])
             calls = [self.end_turn(episodes[i], ids, lps) for i, (ids, lps) in zip(live, turns)]
             if round_ == self.max_calls:

@@ -1,9 +1,10 @@
 """The multi-turn tool loop (`rollout.tool_loop.ToolLoop`) against hand-rendered episodes on the tiny model (one
 character, one token) with the bundled `chatml_tools` template.
 
-The policy is the tiny model steered by a script (`Scripted`): its logits plus a bias on the token the script wants
-next, sampled with top_k=1, so the episode is fixed while the log-probs stay the model's. The script reads only the
-tokens a forward is given: a prefill or the chunk appended after a turn (prompt, or tool results and header).
+The policy is the tiny model steered by `script` (`tests.scripted.Scripted`): its logits plus BIAS on the token the
+script wants next, sampled with top_k=1, so the episode is fixed while the log-probs stay the model's. The script
+reads only the tokens a forward is given: a prefill or the chunk appended after a turn (prompt, or tool results and
+header).
 """
 
 import re
@@ -18,6 +19,7 @@ from rlhfkit.rewards import reward_inputs
 from rlhfkit.rollout.tool_loop import ToolLoop, tool_figures
 from rlhfkit.tools import Toolbox
 from rlhfkit.types import PromptBatch, ToolCounts
+from tests.scripted import Scripted
 
 BIAS = 8.0
 END = "<|im_end|>"
@@ -72,26 +74,6 @@ def script(text: str) -> str:
     return f"no tool{END}"
 
 
-class Scripted(torch.nn.Module):
-    """The tiny model's logits plus BIAS on the script's next token: a chunk of several tokens starts a turn."""
-
-    def __init__(self, model, tokenizer):
-        super().__init__()
-        self.model, self.tok, self.config = model, tokenizer, model.config
-        self.queues: list[list[int]] = []
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, logits_to_keep=1):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         use_cache=use_cache, logits_to_keep=logits_to_keep)
-        if input_ids.shape[1] > 1:
-            real = attention_mask[:, -input_ids.shape[1]:].bool()
-            self.queues = [self.tok(script(self.tok.decode(ids[m])), add_special_tokens=False)["input_ids"]
-                           for ids, m in zip(input_ids, real)]
-        wanted = [q.pop(0) if q else self.tok.eos_token_id for q in self.queues]
-        out.logits[:, -1, :] += BIAS * torch.nn.functional.one_hot(torch.tensor(wanted), out.logits.shape[-1])
-        return out
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg = ModelConfig(name_or_path="tiny")
@@ -116,7 +98,7 @@ def run(tiny, prompts, tools=(add, fail), env=None, max_new_tokens=200, max_call
     width = max(map(len, ids))
     batch = PromptBatch(torch.tensor([[0] * (width - len(x)) + x for x in ids]),
                         torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]))
-    return loop(Scripted(model, tok), batch, examples, step), examples
+    return loop(Scripted(model, tok, script, BIAS), batch, examples, step), examples
 
 
 def tool_turn(name, content):

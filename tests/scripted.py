@@ -1,0 +1,33 @@
+"""A scripted policy for rollout tests: a real model whose next token a script chooses.
+
+`Scripted(model, tokenizer, script)` adds `bias` to the model's logit of the token the script wants next, so sampling
+with top_k=1 writes the script while the recorded log-probs stay the model's (tilted). The script reads only what a
+forward is given: `script(text)` is called on the real tokens of any forward of several tokens (a prefill, or the
+chunk a multi-turn loop appends after a turn: tool results and the next header) and returns the turn to write; each
+one-token forward then takes its next token, then EOS."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Scripted(torch.nn.Module):
+    def __init__(self, model, tokenizer, script, bias: float = 8.0):
+        super().__init__()
+        self.model, self.tok, self.script, self.bias, self.config = model, tokenizer, script, bias, model.config
+        self.queues: list[list[int]] = []
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, logits_to_keep=1):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep)
+        if input_ids.shape[1] > 1:
+            real = attention_mask[:, -input_ids.shape[1]:].bool()
+            self.queues = [self.tok(self.script(self.tok.decode(ids[m])), add_special_tokens=False)["input_ids"]
+                           for ids, m in zip(input_ids, real)]
+        wanted = torch.tensor([q.pop(0) if q else self.tok.eos_token_id for q in self.queues], device=input_ids.device)
+        out.logits[:, -1, :] += self.bias * torch.nn.functional.one_hot(wanted, out.logits.shape[-1])
+        return out
