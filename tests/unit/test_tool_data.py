@@ -205,3 +205,26 @@ def test_model_chat_template_setting(tmp_path):
     (tmp_path / "bad.response.json").unlink()
     with pytest.raises(UserError, match=r"the template cannot render a user and an assistant turn: "):
         load_tokenizer(ModelConfig(name_or_path="tiny", chat_template=str(tmp_path / "bad.jinja")))
+
+
+@pytest.mark.parametrize("stage", ["dpo", "rm"])
+def test_the_trainers_collate_tool_pairs_as_their_loss_reads_them(tmp_path, stage):
+    """The DPO trainer's batch labels the assistant's own tokens only; the reward model's labels the whole response
+    (its mean pooling reads them), tool results included."""
+    from rlhfkit.config import DPOConfig, RMConfig, load_config
+    from rlhfkit.trainers.preference import PreferenceTrainer
+    from rlhfkit.trainers.reward import RewardTrainer
+
+    cfg_cls, trainer_cls = {"dpo": (DPOConfig, PreferenceTrainer), "rm": (RMConfig, RewardTrainer)}[stage]
+    cfg = load_config(cfg_cls, f"configs/{stage}_tiny.yaml", [
+        f"output_dir={tmp_path}", "logging.progress_bar=false", "model.chat_template=chatml_tools",
+        "data.train=data/tiny/tool_pref.jsonl", "data.eval=null", "data.max_length=1024", "data.max_prompt_length=896"])
+    trainer = trainer_cls(cfg)
+    trainer.setup()
+    (example,) = trainer.train_set[:1]
+    batch = trainer.collate([example])
+    n = len(example["prompt_ids"])
+    labels = batch.chosen_labels[0, n : n + len(example["chosen_ids"])].tolist()
+    chosen, mask = example["chosen_ids"], example["chosen_action_mask"]
+    assert 0 < sum(mask) < len(mask)  # the calculator's result is in the response, off the action mask
+    assert labels == ([t if m else -100 for t, m in zip(chosen, mask)] if stage == "dpo" else chosen)
