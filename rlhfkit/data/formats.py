@@ -267,8 +267,8 @@ def _response(value, name: str, prompt: str | list[dict], where: str) -> str | l
 
 
 def _ends_with_the_assistant(response: list[dict], name: str, where: str) -> None:
-    """A response that ends with a tool's result has a part the policy did not write at its end, which the losses
-    leave out but the reward model would read: refused, so that both see the same response."""
+    """A response ends with the assistant's turn: its tokens stop at the last assistant turn's EOS, so a trailing
+    tool result would be silently dropped (from the losses and the reward model alike): refused instead."""
     if response[-1]["role"] == "tool":
         raise DataError(f"{where}: field '{name}' ends with a tool turn; a response ends with the assistant's turn "
                         "(drop the trailing tool result, or add the assistant's reply to it)")
