@@ -174,16 +174,19 @@ class OnlineOptions:
                                            "first reward model's trained head, or from the policy with a new head)")
 
 
-def tools_check(tools: ToolsConfig, reward: RewardConfig, generation: GenerationConfig):
+def tools_check(tools: ToolsConfig, reward: RewardConfig, generation: GenerationConfig, data: DataConfig):
     """The online stages' rules for tools: the tool loop samples with rlhfkit's decode loop and a dynamic KV cache; a
     reward source is required, unless an environment is given (its `get_reward()` may be the reward: checked when it
-    is made)."""
+    is made); the held-out evaluation samples single turns, so it is refused with tools rather than run without them."""
     if not tools.environment:
         yield from reward.check_has_source()
     if tools.enabled and generation.engine != "rlhfkit":
         yield "generation.engine", "must be rlhfkit with tools (the tool loop extends rlhfkit's decode loop's KV cache)"
     if tools.enabled and generation.compile:
         yield "generation.compile", "must be false with tools (the tool loop's KV cache grows by each turn's results)"
+    if tools.enabled and data.eval:
+        yield "data.eval", ("is not supported with tools yet: the held-out evaluation samples single turns, without the "
+                            "tools, so its figures would not be the agent's; drop data.eval")
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class OnlineConfig(TrainConfig):
         from rlhfkit.algorithms import ALGORITHMS
 
         yield from super().check()
-        yield from tools_check(self.tools, self.reward, self.generation)
+        yield from tools_check(self.tools, self.reward, self.generation, self.data)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
@@ -255,7 +258,7 @@ class OnlineDPOConfig(TrainConfig):
 
     def check(self):
         yield from super().check()
-        yield from tools_check(self.tools, self.reward, self.generation)
+        yield from tools_check(self.tools, self.reward, self.generation, self.data)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         if self.generation.num_samples != 2:
             yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"
