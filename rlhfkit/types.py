@@ -145,6 +145,10 @@ class ToolCounts(_TensorBatch):
     turns: torch.Tensor  # (B,) assistant turns in the episode
     per_tool: torch.Tensor  # (B, K) executed calls of each tool, in the order of `tool_names`
     tool_names: tuple[str, ...] = ()  # the K registered tools (the same on every row)
+    # (B,) per episode, one bool per assistant turn in the order of its completion's assistant messages: the turn ended
+    # (EOS) and every call in it parsed and fits a tool (format accuracy, `evaluation.agent`). Each process's own rows:
+    # a gather of the tensors above leaves it as it is.
+    well_formed: Rows | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ Limits, as TRL's:
 
 Counted per episode (`ToolCounts`): calls run, failures (raised, timed out, unprintable), timeouts, malformed calls
 (a finished turn that does not parse counts one; a call naming no tool or with arguments that do not fit counts one,
-is not run, and gets its error message as the tool result), assistant turns, and calls per tool.
+is not run, and gets its error message as the tool result), assistant turns, and calls per tool; and per turn whether
+it is well formed (it ended with EOS, and every call in it parsed and fits a tool): format accuracy's evidence.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Episode:
     malformed: int = 0
     turns: int = 0
     per_tool: dict[str, int] = field(default_factory=dict)
+    well_formed: list[bool] = field(default_factory=list)  # per turn: it ended and all its calls parse and fit a tool
 
     def budget(self, max_new_tokens: int) -> int:
         return max_new_tokens - len(self.ids)
@@ -165,14 +167,17 @@ class ToolLoop:
             message = None
         if message is None:
             ep.malformed += finished
+            ep.well_formed.append(False)
             ep.messages.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
             return None
         message = {**message, "content": (message.get("content") or "").removesuffix(tok.eos_token)}
         ep.messages.append(message)
         if not finished or not message.get("tool_calls"):
+            ep.well_formed.append(finished)
             return None
         calls = [resolve(*_name_and_arguments(c), ep.tools) for c in message["tool_calls"]]
         ep.malformed += sum(c.tool is None for c in calls)
+        ep.well_formed.append(all(c.tool is not None for c in calls))
         return calls
 
     def record_calls(self, ep: Episode, calls: list[Call], results, limit: int | None) -> list[int] | None:
@@ -212,7 +217,7 @@ class ToolLoop:
             timeouts=as_tensor([e.timeouts for e in episodes]), malformed=as_tensor([e.malformed for e in episodes]),
             turns=as_tensor([e.turns for e in episodes]),
             per_tool=as_tensor([[e.per_tool.get(n, 0) for n in names] for e in episodes]).reshape(len(episodes), len(names)),
-            tool_names=names)
+            tool_names=names, well_formed=Rows(tuple(e.well_formed) for e in episodes))
         return Rollout(
             prompt_ids=as_tensor([left(e.prompt_ids, pad) for e in episodes]),
             prompt_mask=as_tensor([left([1] * len(e.prompt_ids), 0) for e in episodes]),

@@ -72,6 +72,7 @@ LAYERS = [
     "rlhfkit.evaluation.dashboard",
     "rlhfkit.evaluation.report",
     "rlhfkit.evaluation.red_team",  # red-teaming: harmful and refusal rates, safety judges, human flags
+    "rlhfkit.evaluation.agent",  # agents: format accuracy, task completion, the gate before reward modelling
     "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
     "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
     "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
