@@ -12,6 +12,39 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+def fail(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: x
+    """
+    raise ValueError("boom")
+
+
+def inc(n: int) -> int:
+    """Increment.
+
+    Args:
+        n: x
+    """
+    return n + 1
+
+
+def recording(ran: list):
+    """A tool `note(x)` that appends each x it is called with to `ran`: what ran, for tests that nothing did."""
+
+    def note(x: int) -> int:
+        """Note a number.
+
+        Args:
+            x: a number
+        """
+        ran.append(x)
+        return x
+
+    return note
+
+
 class Tally:
     """An environment: reset with the row's `start`, a tool that counts, a reward that reads the count."""
 

@@ -13,44 +13,17 @@ import pytest
 import torch
 
 from rlhfkit import templates
-from rlhfkit.config import GenerationConfig, ModelConfig
+from rlhfkit.config import GenerationConfig, ModelConfig, RewardConfig
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.rewards import reward_inputs
+from rlhfkit.rewards import Rewards, reward_inputs
 from rlhfkit.rollout.tool_loop import ToolLoop, tool_figures
 from rlhfkit.tools import Toolbox
 from rlhfkit.types import PromptBatch, ToolCounts
 from tests.scripted import Scripted
+from tests.smoke.agent_tools import add, fail, inc, recording
 
 BIAS = 8.0
 END = "<|im_end|>"
-
-
-def add(a: int, b: int) -> int:
-    """Add.
-
-    Args:
-        a: x
-        b: y
-    """
-    return a + b
-
-
-def fail(x: int) -> int:
-    """Fail.
-
-    Args:
-        x: x
-    """
-    raise ValueError("boom")
-
-
-def inc(n: int) -> int:
-    """Increment.
-
-    Args:
-        n: x
-    """
-    return n + 1
 
 
 def call(name: str, **arguments) -> str:
@@ -171,15 +144,7 @@ def test_malformed_calls_are_counted_and_never_run(tiny):
     """A turn that does not parse ends its episode (one malformed); an unknown tool or arguments that do not fit the
     schema are answered with the error as the tool result and the episode goes on; none of them runs."""
     ran = []
-
-    def note(x: int) -> int:
-        """Note a number.
-
-        Args:
-            x: a number
-        """
-        ran.append(x)
-        return x
+    note = recording(ran)
 
     broken = '<tool_call>\n{"name": "note", "arguments": {"x": 1,}\n</tool_call>'
     ro, _ = run(tiny, ["raw " + broken, "raw " + call("nope", x=1)[:-len(END)], "raw " + call("note", x='"a"')[:-len(END)]],
@@ -292,6 +257,12 @@ def test_environment_reset_joins_the_prompt_and_its_methods_are_tools(tiny):
     assert ro.tools.tool_names == ("add", "open_vault") and ro.tools.per_tool.tolist() == [[0, 1], [0, 0]]
     (reward,) = Toolbox([add], Vault).environments.reward_functions()
     assert reward(**reward_inputs(tok, ro, examples).keywords()) == [1.0, 0.0]
+    # As a reward source beside a function: named after the class, weight 1, after the others.
+    rewards = Rewards(RewardConfig(), tok, "cpu", given=(lambda completions, **kw: [0.5] * len(completions),),
+                      given_weights=(2.0,), environment_rewards=[reward])
+    scored = rewards(ro, examples)
+    assert rewards.names == ["<lambda>", "Vault"] and rewards.weights.tolist() == [2.0, 1.0]
+    assert scored.total.tolist() == [2.0, 1.0] and scored.per_source["Vault"].tolist() == [1.0, 0.0]
 
 
 def test_seed_per_prompt_gives_a_prompt_the_same_episodes_in_any_batch(tiny):

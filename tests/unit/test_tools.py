@@ -13,6 +13,7 @@ from rlhfkit.errors import UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.tools import (Call, Environments, Toolbox, cap_result, describe, error_content, fit_arguments, resolve,
                            run_calls)
+from tests.smoke.agent_tools import fail, recording
 
 
 def add(a: int, b: int = 1) -> int:
@@ -111,14 +112,6 @@ def test_calls_resolve_by_exact_name_only():
 def test_a_raising_hanging_or_unprintable_tool_becomes_an_error_message_and_a_counted_failure():
     release = threading.Event()
 
-    def boom(x: int) -> int:
-        """Raise.
-
-        Args:
-            x: ignored
-        """
-        raise ValueError("boom")
-
     def hang(x: int) -> int:
         """Hang.
 
@@ -140,8 +133,8 @@ def test_a_raising_hanging_or_unprintable_tool_becomes_an_error_message_and_a_co
         """
         return Unprintable()
 
-    tools = Toolbox([boom, hang, odd, add]).functions
-    calls = [[resolve(n, {"x": 1}, tools)] for n in ("boom", "hang", "odd")] + [[resolve("add", {"a": 2}, tools)]]
+    tools = Toolbox([fail, hang, odd, add]).functions
+    calls = [[resolve(n, {"x": 1}, tools)] for n in ("fail", "hang", "odd")] + [[resolve("add", {"a": 2}, tools)]]
     start = time.monotonic()
     (raised,), (hung,), (unprintable,), (ok,) = run_calls(calls, timeout_s=0.5)
     release.set()
@@ -155,15 +148,7 @@ def test_a_raising_hanging_or_unprintable_tool_becomes_an_error_message_and_a_co
 
 def test_a_malformed_call_is_never_run():
     ran = []
-
-    def note(x: int) -> int:
-        """Record.
-
-        Args:
-            x: a number
-        """
-        ran.append(x)
-        return x
+    note = recording(ran)
 
     tools = Toolbox([note]).functions
     (outcome,), = run_calls([[resolve("note", {"x": "not a number"}, tools)]], timeout_s=1)
