@@ -16,7 +16,6 @@ adapters over a source (`evaluation.evaluate.SourceJudge`).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass

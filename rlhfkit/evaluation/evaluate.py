@@ -11,8 +11,8 @@ A judge is any `judge(rollout, examples) -> list[float]`: one score per row of t
 `examples[i]` is row i's prompt example (`data.build_datasets("prompt", ...)`). Each judge is called once per model,
 on all of that model's samples. `python_judge` wraps a Python reward function under TRL's reward contract
 (`rlhfkit.reward_functions`: keywords prompts=, completions=, completion_ids=, every other field of the prompt records,
-trainer_state=None); `RewardModelJudge` wraps a reward-model source (`rewards.RewardModelSource`: the rollout's own
-token ids, or the text re-tokenised when the reward model's tokenizer is not the policy's).
+trainer_state=None); `SourceJudge` wraps any reward source (`rewards.RewardSource`): a reward model reads the rollout's
+own token ids, or the text re-tokenised when its tokenizer is not the policy's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from rlhfkit.evaluation.alarms import (
 from rlhfkit.evaluation.alarms import alignment_tax as check_alignment_tax
 from rlhfkit.evaluation.capability import AlignmentTax, frozen_reference, measure_alignment_tax
 from rlhfkit.evaluation.red_team import RedTeam, summary_lines
+from rlhfkit.evaluation.agent import AgentOptions, gate, gate_lines, load_format_check, tool_rollout
 from rlhfkit.evaluation.metrics import (
     distinct_n, empty_rate, eos_rate, mean_std, reward_model_accuracy, sequence_kl, truncation_rate, win_rate,
 )
@@ -46,7 +47,7 @@ from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.reward_functions import RewardFunction, RewardLogs, extra_columns, load_reward_function, trainer_state
 from rlhfkit.rewards import EnsembleSource, as_list, load_reward_model_source, reduce_ensemble, reward_inputs
-from rlhfkit.types import Rollout
+from rlhfkit.types import Rollout, Rows, ToolCounts
 
 logger = logging.getLogger("rlhfkit")
 
@@ -63,31 +64,24 @@ def python_judge(fn: Callable, tokenizer) -> Judge:
     out. The function gets `trainer_state` as a fresh `transformers.TrainerState` (global_step 0): there is no
     training here, and a TRL function that reads it must still run."""
     reward = fn if isinstance(fn, RewardFunction) else RewardFunction(fn, f"judge {getattr(fn, '__name__', fn)!r}")
-    return PythonJudge(reward, tokenizer)
+    return SourceJudge(reward, tokenizer, RewardLogs())
 
 
-class PythonJudge:
-    """`python_judge`'s judge; what the function logs with `log_metric` / `log_extra` waits in `logs`."""
+class SourceJudge:
+    """A reward source (`rewards.RewardSource`: a function, a reward model, an ensemble) as a judge: one score per
+    row, None where the source does not apply. `logs`: where a function's `log_metric` / `log_extra` write (None for
+    a reward model)."""
 
-    def __init__(self, reward: RewardFunction, tokenizer):
-        self.reward, self.tokenizer, self.logs = reward, tokenizer, RewardLogs()
+    def __init__(self, source, tokenizer, logs: RewardLogs | None = None):
+        self.source, self.tokenizer, self.logs = source, tokenizer, logs
 
+    @torch.no_grad()
     def __call__(self, rollout: Rollout, examples: list[dict] | None = None) -> list:
         from rlhfkit.reward_functions import trainer_state
 
-        return list(self.reward(reward_inputs(self.tokenizer, rollout, examples, trainer_state(0, 0), self.logs)))
-
-
-class RewardModelJudge:
-    """A reward-model source (`rewards.RewardModelSource`, or an `EnsembleSource` of them) as a judge."""
-
-    def __init__(self, source, tokenizer):
-        self.source = source
-        self.tokenizer = tokenizer
-
-    @torch.no_grad()
-    def __call__(self, rollout: Rollout, examples: list[dict] | None = None) -> list[float]:
-        return self.source(rollout, reward_inputs(self.tokenizer, rollout, examples)).float().tolist()
+        inputs = reward_inputs(self.tokenizer, rollout, examples, trainer_state(0, 0), self.logs)
+        values, applies = self.source.score(rollout, inputs)
+        return [float(v) if a else None for v, a in zip(values.tolist(), applies.tolist())]
 
 
 # 2. The core -------------------------------------------------------------------------------------------------
@@ -135,13 +129,24 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         has_eos=torch.cat([r.has_eos for r in parts]),
         sampler_logprobs=torch.cat([pad(r.sampler_logprobs, R, 0.0) for r in parts]),
         action_mask=torch.cat([pad(r.action_mask, R, 0) for r in parts]),
+        **{name: Rows(row for r in parts for row in getattr(r, name)) for name in ("texts", "completions", "environments")
+           if all(getattr(r, name) is not None for r in parts)},
+        tools=concat_counts([r.tools for r in parts]) if all(r.tools is not None for r in parts) else None,
     )
 
 
+def concat_counts(parts: list[ToolCounts]) -> ToolCounts:
+    """The tool counts of several generation batches as one (rows in order; the tools are the same in each)."""
+    return ToolCounts(**{f.name: torch.cat([getattr(c, f.name) for c in parts]) for f in dataclasses.fields(ToolCounts)
+                         if isinstance(getattr(parts[0], f.name), torch.Tensor)},
+                      tool_names=parts[0].tool_names, well_formed=Rows(r for c in parts for r in c.well_formed))
+
+
 def describe(ro: Rollout, tokenizer) -> dict:
-    """A rollout's prompts, response texts, lengths, EOS flags and group ids (rows in rollout order)."""
+    """A rollout's prompts, response texts (a whole episode's with tools), lengths (the policy's tokens), EOS flags
+    and group ids (rows in rollout order)."""
     return {"prompts": _decode(tokenizer, ro.prompt_ids, ro.prompt_mask), "texts": _decode(tokenizer, ro.response_ids, ro.response_mask),
-            "lengths": ro.response_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(), "groups": ro.group_ids.tolist()}
+            "lengths": ro.action_mask.sum(-1).tolist(), "has_eos": ro.has_eos.tolist(), "groups": ro.group_ids.tolist()}
 
 
 def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples: list[dict]) -> dict:
@@ -152,12 +157,12 @@ def _samples(parts: list[Rollout], tokenizer, judges: dict[str, Judge], examples
     logged: dict[str, list[float]] = {}
     extras: dict[str, list] = {}
     for judge in judges.values():  # what the Python judges logged with log_metric / log_extra on these samples
-        if isinstance(judge, PythonJudge):
+        if getattr(judge, "logs", None) is not None:
             metrics, columns = judge.logs.take()
             for name, values in metrics.items():
                 logged.setdefault(name, []).extend(values)
             extras.update(columns)
-    return {**describe(ro, tokenizer), "scores": scores,
+    return {**describe(ro, tokenizer), "scores": scores, "tools": ro.tools, "completions": ro.completions,
             "logged": {name: sum(v) / len(v) for name, v in logged.items() if v}, "extras": extras}
 
 
@@ -219,14 +224,17 @@ def evaluate(
 
 @torch.no_grad()
 def sample(policy, reference, tokenizer, prompts: list[dict], params: GenerationConfig, batch_size: int = 16,
-           seed: int = 0, state=None, sample_reference: bool = True) -> tuple[list[Rollout], list[Rollout], list[float]]:
+           seed: int = 0, state=None, sample_reference: bool = True, rollout=None,
+           ) -> tuple[list[Rollout], list[Rollout], list[float]]:
     """`evaluate`'s sampling: the policy's and the reference's rollouts (one per batch of `batch_size` prompts, batch
     i drawn under seed `seed + i` by both) and the per-sequence KL(policy || reference) of the policy's samples.
 
     `reference` is a model, a `models.Reference` (e.g. the policy's base with its LoRA adapters disabled) or None;
     with `sample_reference=False` it only gives the KL's log-probs (no reference rollouts: the online evaluation).
     With `state` (accelerate's, several processes) process r samples batches r, r + world, ... and every process
-    returns all of them in batch order, on its own device: the same samples as one process.
+    returns all of them in batch order, on its own device: the same samples as one process. `rollout`: a rollout
+    component (`rlhfkit.rollout`; with tools, episodes from `evaluation.agent.tool_rollout`) sampling in place of one
+    `generate` turn, under the same seeds. The KL sums over the policy's own tokens (`Rollout.action_mask`).
     """
     if not prompts:
         raise UserError("no prompts to evaluate")
@@ -237,18 +245,27 @@ def sample(policy, reference, tokenizer, prompts: list[dict], params: Generation
     for i, start in enumerate(range(0, len(prompts), batch_size)):
         if i % world != rank:
             continue
-        batch = collate_prompts(prompts[start : start + batch_size], pad).to(device)
-        with seeded(seed + i):
-            ro = generate(policy, batch, params, eos, pad)
+        examples = prompts[start : start + batch_size]
+        batch = collate_prompts(examples, pad).to(device)
+
+        def draw(model) -> Rollout:
+            with seeded(seed + i):
+                if rollout is None:
+                    return generate(model, batch, params, eos, pad)
+                made = rollout(model, batch, examples, 0)
+            if made is None:
+                raise UserError("the model's next-token probabilities are not finite (inf or nan): its weights are broken")
+            return made
+
+        ro = draw(policy)
         ref_ro, kls = None, []
         if reference is not None:
             lp = rollout_logprobs(policy, ro, params.temperature)  # (B, R)
             with frozen_reference(reference, policy) as ref:
                 if sample_reference:
-                    with seeded(seed + i):
-                        ref_ro = generate(ref, batch, params, eos, pad)
+                    ref_ro = draw(ref)
                 ref_lp = rollout_logprobs(ref, ro, params.temperature)  # (B, R)
-            kls = sequence_kl(lp, ref_lp, ro.response_mask).tolist()
+            kls = sequence_kl(lp, ref_lp, ro.action_mask).tolist()
         parts.append((i, ro, ref_ro, kls))
     if world > 1:
         from accelerate.utils import gather_object
@@ -263,8 +280,10 @@ def sample(policy, reference, tokenizer, prompts: list[dict], params: Generation
 
 
 def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float], tokenizer, prompts: list[dict],
-            judges: dict[str, Judge], params: GenerationConfig, num_examples: int = 16) -> dict:
-    """`evaluate`'s figures from `sample`'s rollouts and KLs: judge, summarise, compare, raise alarms."""
+            judges: dict[str, Judge], params: GenerationConfig, num_examples: int = 16,
+            agent: AgentOptions | None = None) -> dict:
+    """`evaluate`'s figures from `sample`'s rollouts and KLs: judge, summarise, compare, raise alarms; with tool
+    episodes, "agent" too (`evaluation.agent`: `agent`'s format rule and task judge, default none)."""
     # Judges once per model, on all of its samples (a judge may batch its work or normalise over the batch).
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
     pol = _samples(pol_parts, tokenizer, judges, rows)
@@ -275,6 +294,8 @@ def compare(pol_parts: list[Rollout], ref_parts: list[Rollout], kls: list[float]
         "kl": mean_std(kls) if ref else None,
         "win_rate": {name: paired_win_rate(pol["scores"][name], ref["scores"][name]) for name in judges} if ref else {},
     }
+    if pol["tools"] is not None:
+        result["agent"] = (agent or AgentOptions()).section(pol, ref)
     # Alarms on the samples: the policy's score-length correlation, and reference -> policy as a 2-row history
     # (diversity collapse, more empty or truncated responses).
     rows = [] if ref is None else [
@@ -338,10 +359,13 @@ class Evaluator:
                 capability, _ = build_datasets("sft", self.data_config(cfg.capability_data), tokenizer, cfg.seed)
             self.red_prompts = self.read_red_team_prompts(tokenizer) if cfg.red_team.prompts else []
         scorers = self.load_scorers(tokenizer, device)
-        judges: dict[str, Judge] = {name: RewardModelJudge(s, tokenizer) for name, s in scorers.items()}
+        judges: dict[str, Judge] = {name: SourceJudge(s, tokenizer) for name, s in scorers.items()}
         specs = [(ref.rpartition(":")[2], ref, "reward.function") for ref in as_list(cfg.reward.function)]
         specs += [(name.strip(), ref.strip(), "judges") for name, _, ref in (spec.partition("=") for spec in cfg.judges)]
         judges.update({name: python_judge(load_reward_function(ref, key), tokenizer) for name, ref, key in specs})
+        agent = AgentOptions(load_format_check(cfg.agent.format_check), cfg.agent.task_judge, cfg.agent.task_threshold)
+        agent.check_judge(judges)
+        rollout = tool_rollout(cfg, tokenizer)  # None without tools: one turn from `generate`
         if cfg.red_team.prompts or cfg.red_team.human_flags:
             self.red_team = RedTeam(cfg.red_team, cfg.model.name_or_path, cfg.reference, device, cfg.batch_size)
         # 2. The models, then the evaluation itself.
@@ -355,18 +379,25 @@ class Evaluator:
         else:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
-        parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state)
-        if self.red_prompts:  # the red-team prompts, drawn as data.eval's are
-            self.red_parts = sample(policy, reference, tokenizer, self.red_prompts, params, cfg.batch_size, cfg.seed, state)
+        parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state, rollout=rollout)
+        if self.red_prompts:  # the red-team prompts, drawn as data.eval's are (episodes, with tools)
+            self.red_parts = sample(policy, reference, tokenizer, self.red_prompts, params, cfg.batch_size, cfg.seed,
+                                    state, rollout=rollout)
         tax = measure_alignment_tax(policy, reference, capability, tokenizer.pad_token_id, cfg.batch_size, state) \
             if capability else None
         # 3. The main process judges and compares, adds reward-model accuracy and the training run's alarms, writes
         # eval.json (samples last) and prints the table; every process returns the headline figures.
-        return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device, tax))
+        return _on_main_process(state, lambda: self.report(parts, tokenizer, prompts, judges, scorers, pairs, device, tax,
+                                                           agent))
 
-    def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device, tax: AlignmentTax | None = None) -> dict[str, float]:
+    def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device, tax: AlignmentTax | None = None,
+               agent: AgentOptions | None = None) -> dict[str, float]:
         cfg = self.cfg
-        result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples)
+        result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples, agent)
+        if "agent" in result:  # the gate before reward modelling, on the policy's figures
+            pol = result["agent"]["policy"]
+            result["gate"] = gate(pol["format_accuracy"], pol["task_completion"], cfg.gate.format_accuracy,
+                                  cfg.gate.task_completion)
         accuracy = {name: self.rm_accuracy(scorer, pairs, tokenizer.pad_token_id, device)
                     for name, scorer in scorers.items()} if pairs else {}
         thresholds = AlarmThresholds(alignment_tax_nats=cfg.alarms.alignment_tax_nats)
@@ -504,6 +535,11 @@ def headline(report: dict) -> dict[str, float]:
     out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
     if report.get("alignment_tax"):
         out["alignment_tax/delta_nats"] = report["alignment_tax"]["delta_nats"]
+    for name, value in ((report.get("agent") or {}).get("policy") or {}).items():
+        if name in ("format_accuracy", "task_completion") and value is not None:
+            out[f"agent/{name}"] = value
+    if report.get("gate") and report["gate"]["passed"] is not None:
+        out["gate/passed"] = float(report["gate"]["passed"])
     for side in ("policy", "reference"):
         if (figures := (report.get("red_team") or {}).get(side)) and figures["harmful_rate"] is not None:
             out[f"red_team/{side}_harmful_rate"] = figures["harmful_rate"]
@@ -530,9 +566,15 @@ def summary_table(report: dict) -> str:
     if tax := report.get("alignment_tax"):
         rows += [("capability NLL, nats/token", tax["policy_nll"], tax["reference_nll"], None),
                  ("  alignment tax, nats/token", tax["delta_nats"], None, None)]
+    if agent := report.get("agent"):
+        rows += [(label, agent["policy"][key], agent["reference"] and agent["reference"][key], None) for label, key in (
+            ("format accuracy", "format_accuracy"), ("task completion", "task_completion"),
+            ("tool calls / episode", "calls_per_episode"), ("  failed / episode", "failures_per_episode"),
+            ("  malformed / episode", "malformed_per_episode"), ("turns / episode", "turns_per_episode"))]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
     lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]
     lines += summary_lines(report["red_team"]) if report.get("red_team") else []
+    lines += gate_lines(report["gate"]) if report.get("gate") else []
     lines += [f"alarm {a['name']}: {a['message']}" for a in report["alarms"]] or ["alarms: none"]
     return "\n".join(lines)

@@ -276,7 +276,8 @@ def test_reward_models_score_in_chunks_of_batch_size(tok):
     scorer = LengthScorer()
     rm = RewardModelSource(scorer, "rm", tok, batch_size=2)
     ro = rollout(tok, ["q", "r"], ["a", "bb", "ccc", "dddd"], k=2)
-    assert rm(ro, reward_inputs(tok, ro)).tolist() == [2.0, 3.0, 4.0, 5.0]  # responses + EOS
+    values, applies = rm.score(ro, reward_inputs(tok, ro))
+    assert values.tolist() == [2.0, 3.0, 4.0, 5.0] and applies.all()  # responses + EOS
     assert scorer.sizes == [2, 2]
 
 
