@@ -261,6 +261,37 @@ class ToolsConfig:
 
 
 @dataclass(frozen=True)
+class AgentEvalConfig:
+    """The agent figures of an evaluation with tools (`evaluation.agent`, docs/agents.md "Evaluating agents"): format
+    accuracy (the share of assistant turns that ended and whose tool calls all parse and fit a tool, and that
+    `format_check` accepts) and task completion (the share of episodes whose `task_judge` score reaches
+    `task_threshold`). Applies only with tools (tools.functions or tools.environment)."""
+
+    # Your own format rule, "module:function": fn(message) -> bool, called once per assistant turn with the turn as
+    # parsed ({"role": "assistant", "content", "tool_calls"?}); False takes the turn out of the format.
+    format_check: str | None = None
+    # The judge whose score decides task completion: in `rlhfkit eval`, a judge's name (a reward function's name, a
+    # `judges` entry's name, or reward_model); in training, a reward source's name (as in rewards/<name>/mean) or gold
+    # (reward.gold_function). Null: no task completion.
+    task_judge: str | None = None
+    task_threshold: float = 1.0  # an episode completes its task when the judge's score is >= this (1.0: an exact-answer judge's full marks)
+
+    def check(self):
+        if self.format_check is not None and ":" not in self.format_check:
+            yield "format_check", f"must be 'module:function', got {self.format_check!r}"
+        if self.task_judge is None and self.task_threshold != 1.0:
+            yield "task_threshold", "applies only with agent.task_judge (the judge whose score it thresholds)"
+
+    def refusals(self, tools_enabled: bool):
+        """(key, message) of each key set without tools, where no episode has turns or calls to measure."""
+        if tools_enabled:
+            return
+        for key, default in (("format_check", None), ("task_judge", None), ("task_threshold", 1.0)):
+            if getattr(self, key) != default:
+                yield f"agent.{key}", "applies only with tools (tools.functions or tools.environment): the agent figures read tool episodes"
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """The reward sources and their weights (TRL's `reward_funcs` and `reward_weights`): first the reward models of
     `model` (each a source named after its directory; with `ensemble` mean|min and several models, one source named

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from annotated_types import Gt, Interval
 
 from rlhfkit.config.fields import NonNeg, PosInt, Positive, Seed
-from rlhfkit.config.sections import (AlarmsConfig, DataConfig, GenerationConfig, KLConfig, ModelConfig, RewardConfig,
-                                     ToolsConfig, TrainConfig, ref_model_check)
+from rlhfkit.config.sections import (AgentEvalConfig, AlarmsConfig, DataConfig, GenerationConfig, KLConfig, ModelConfig,
+                                     RewardConfig, ToolsConfig, TrainConfig, ref_model_check)
 
 
 @dataclass(frozen=True)
@@ -369,6 +369,15 @@ class RedTeamConfig:
 
 
 @dataclass(frozen=True)
+class GateConfig:
+    """The gate before reward modelling (`evaluation.agent.gate`): the policy's agent figures against these thresholds,
+    reported in eval.json's `gate`, the console and the report (a verdict, not an exit status). Applies with tools."""
+
+    format_accuracy: Annotated[float, Interval(ge=0, le=1)] = 0.95  # the least share of turns in the agent format
+    task_completion: Annotated[float, Interval(ge=0, le=1)] = 0.80  # the least share of episodes the task judge passes
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """`rlhfkit eval`: sample the policy and the reference on held-out prompts (same seed), score both with every
     judge, and write `output_dir/eval.json`. Scores are raw (no normalisation, clipping or EOS penalty)."""
@@ -389,6 +398,11 @@ class EvalConfig:
     judges: list[str] = field(default_factory=list)  # more Python judges, "name=module:function" (e.g. a gold judge)
     run_dir: str | None = None  # a training run whose metrics.jsonl the reward-hacking alarms also read
     red_team: RedTeamConfig = field(default_factory=RedTeamConfig)  # red-team prompts, safety judge, human flags
+    # Tools: both models play episodes with them through the training's tool loop (the same keys as training's); the
+    # agent figures and the gate then join eval.json (docs/agents.md, "Evaluating agents").
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    agent: AgentEvalConfig = field(default_factory=AgentEvalConfig)  # format accuracy's own rule, the task judge
+    gate: GateConfig = field(default_factory=GateConfig)  # the thresholds an SFT model must reach before reward modelling
     max_prompts: PosInt | None = None  # evaluate only the first N prompts
     batch_size: PosInt = 16  # prompts per generation call (each gives generation.num_samples responses)
     num_examples: PosInt = 16  # side-by-side sample generations kept in eval.json
@@ -420,4 +434,10 @@ class EvalConfig:
             names.append(name.strip())
         if duplicates := sorted({n for n in names if names.count(n) > 1}):
             yield "judges", f"judge names must be unique, got {', '.join(duplicates)} twice"
+        yield from self.agent.refusals(self.tools.enabled)
+        if not self.tools.enabled and self.gate != GateConfig():
+            yield "gate", "applies only with tools (tools.functions or tools.environment): it reads the agent figures"
+        if self.tools.enabled and (self.generation.engine != "rlhfkit" or self.generation.compile):
+            yield "generation.engine", ("must be rlhfkit, with generation.compile false, with tools (the tool loop "
+                                        "extends rlhfkit's decode loop's KV cache turn by turn)")
 

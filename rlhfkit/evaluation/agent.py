@@ -97,11 +97,12 @@ def agent_figures(counts: ToolCounts, completions, task_scores: list | None = No
         calls=int(counts.calls.sum()), failures=int(counts.failures.sum()), malformed=int(counts.malformed.sum()))
 
 
-def gate(figures: AgentFigures, format_accuracy: float, task_completion: float) -> dict:
-    """eval.json's `gate`: each figure against its threshold, and `passed` (None when a figure is missing: no turns,
-    or no task judge)."""
-    checks = {"format_accuracy": (figures.format_accuracy, format_accuracy),
-              "task_completion": (figures.task_completion, task_completion)}
+def gate(format_accuracy: float | None, task_completion: float | None, min_format_accuracy: float,
+         min_task_completion: float) -> dict:
+    """eval.json's `gate`: the policy's two figures against their thresholds, and `passed` (None when a figure is
+    missing: no turns, or no task judge)."""
+    checks = {"format_accuracy": (format_accuracy, min_format_accuracy),
+              "task_completion": (task_completion, min_task_completion)}
     out = {name: {"value": value, "threshold": threshold, "passed": None if value is None else value >= threshold}
            for name, (value, threshold) in checks.items()}
     verdicts = [c["passed"] for c in out.values()]
@@ -129,6 +130,51 @@ def load_format_check(ref: str | None, key: str = "agent.format_check") -> Calla
     if not callable(fn):
         raise UserError(f"config key '{key}' '{ref}' is not callable: give a function fn(message) -> bool")
     return fn
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """What an evaluation's agent figures use beyond the episodes: the user's format rule, the task judge's name
+    (one of the evaluation's judges) and its pass threshold."""
+
+    format_check: Callable | None = None
+    task_judge: str | None = None
+    task_threshold: float = 1.0
+
+    def check_judge(self, judges) -> None:
+        """A one-line UserError when `task_judge` names none of `judges` (name -> judge)."""
+        if self.task_judge is not None and self.task_judge not in judges:
+            raise UserError(f"config key 'agent.task_judge' '{self.task_judge}' names no judge of this evaluation "
+                            f"(judges: {', '.join(judges) or 'none'}); name a reward function, a judges entry or reward_model")
+
+    def figures(self, counts: ToolCounts, completions, scores: dict[str, list]) -> AgentFigures:
+        """One model's figures; `scores`: judge name -> its scores of the episodes."""
+        task = scores[self.task_judge] if self.task_judge is not None else None
+        return agent_figures(counts, completions, task, self.task_threshold, self.format_check)
+
+    def section(self, policy: dict, reference: dict | None) -> dict:
+        """eval.json's `agent`: each side's figures (`policy` / `reference`: a model's episodes as `evaluate` holds them,
+        "tools", "completions" and "scores") and what they were measured with."""
+        check = self.format_check
+        side = lambda s: self.figures(s["tools"], s["completions"], s["scores"]).as_dict()  # noqa: E731
+        return {"format_check": None if check is None else f"{check.__module__}:{check.__qualname__}",
+                "task_judge": self.task_judge, "task_threshold": self.task_threshold if self.task_judge else None,
+                "policy": side(policy), "reference": side(reference) if reference is not None else None}
+
+
+def tool_rollout(cfg, tokenizer) -> "FreshEpisodes | None":
+    """The tool loop an evaluation samples with (its config's `tools` and `generation`, seeded as `evaluate.sample`
+    seeds each batch), or None without tools. The tools are imported and described here, before any model loads."""
+    from rlhfkit.objects import Objects
+    from rlhfkit.rollout.maker import toolbox_of
+    from rlhfkit.rollout.tool_loop import ToolLoop
+
+    box = toolbox_of(cfg, Objects())
+    if box is None:
+        return None
+    t = cfg.tools
+    return FreshEpisodes(box, lambda b: ToolLoop(tokenizer, cfg.generation, cfg.seed, b, t.max_calls, t.timeout_s,
+                                                 t.max_result_tokens))
 
 
 class FreshEpisodes:

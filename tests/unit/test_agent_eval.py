@@ -64,15 +64,16 @@ def test_format_check_adds_its_rule_and_never_sees_malformed_turns():
 
 def test_gate_passes_fails_or_is_undecided():
     ok = AgentFigures(episodes=10, turns=20, formatted_turns=19, judged=10, completed=8, calls=10, failures=0, malformed=1)
-    g = gate(ok, 0.95, 0.8)
+    g = gate(ok.format_accuracy, ok.task_completion, 0.95, 0.8)
     assert g == {"format_accuracy": {"value": 0.95, "threshold": 0.95, "passed": True},
                  "task_completion": {"value": 0.8, "threshold": 0.8, "passed": True}, "passed": True}
     assert gate_lines(g) == ["gate before reward modelling: PASSED: format accuracy 0.95 (>= 0.95), task completion 0.8 "
                              "(>= 0.8)"]
     low = AgentFigures(episodes=10, turns=20, formatted_turns=18, judged=10, completed=9, calls=10, failures=0, malformed=2)
-    assert gate(low, 0.95, 0.8)["passed"] is False and gate(low, 0.9, 0.8)["passed"] is True
+    assert gate(low.format_accuracy, low.task_completion, 0.95, 0.8)["passed"] is False
+    assert gate(low.format_accuracy, low.task_completion, 0.9, 0.8)["passed"] is True
     unjudged = AgentFigures(episodes=10, turns=20, formatted_turns=20, judged=0, completed=0, calls=0, failures=0, malformed=0)
-    g = gate(unjudged, 0.95, 0.8)
+    g = gate(unjudged.format_accuracy, unjudged.task_completion, 0.95, 0.8)
     assert g["passed"] is None and g["task_completion"]["passed"] is None and g["format_accuracy"]["passed"] is True
     assert "UNDECIDED" in gate_lines(g)[0] and "task completion - (>= 0.8)" in gate_lines(g)[0]
 
@@ -89,3 +90,40 @@ def test_the_tool_loop_flags_each_turn(tiny):
     assert (figures.turns, figures.formatted_turns, figures.calls, figures.failures, figures.malformed) == (8, 6, 2, 1, 2)
     cut, _ = run(tiny, ["add 2 3"], max_new_tokens=10)  # the call itself is longer than 10 tokens
     assert list(cut.tools.well_formed) == [(False,)] and agent_figures(cut.tools, cut.completions).format_accuracy == 0.0
+
+
+def test_evaluation_plays_the_tool_loop_and_reports_the_agent_section(tiny):
+    """`evaluate.sample` with a tool loop as its rollout component (a scripted policy), then `compare`: a call then the
+    right answer, a direct wrong answer, a call that does not parse. Format accuracy 3 of 4 turns, task completion 1
+    of 3 episodes (the judge: the answer in the last turn), 1 call run, 1 malformed."""
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.evaluation.agent import AgentOptions, FreshEpisodes
+    from rlhfkit.evaluation.evaluate import compare, python_judge, sample
+    from rlhfkit.rollout.tool_loop import ToolLoop
+    from rlhfkit.tools import Toolbox
+    from tests.scripted import Scripted
+    from tests.unit.test_tool_loop import BIAS, script
+
+    model, tok = tiny
+    params = GenerationConfig(max_new_tokens=200, top_k=1)
+    loop = FreshEpisodes(Toolbox([add, fail]), lambda box: ToolLoop(tok, params, 0, box, 3, 2.0, 100))
+    broken = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>'
+    prompts = [{"prompt": p, "columns": {"answer": a}, "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
+               for p, a in (("add 2 3", "5"), ("hello", "1"), ("raw " + broken, "2"))]
+
+    def answered(completions, answer, **kwargs):
+        return [float(a in [m for m in c if m["role"] == "assistant"][-1]["content"]) for c, a in zip(completions, answer)]
+
+    parts = sample(Scripted(model, tok, script, BIAS), None, tok, prompts, params, batch_size=2, rollout=loop)
+    assert len(parts[0]) == 2  # two batches, concatenated by compare
+    result = compare(*parts, tok, prompts, {"answered": python_judge(answered, tok)}, params,
+                     agent=AgentOptions(task_judge="answered", task_threshold=1.0))
+    agent = result["agent"]
+    assert agent["policy"] == {"format_accuracy": 0.75, "task_completion": 1 / 3, "calls_per_episode": 1 / 3,
+                               "failures_per_episode": 0.0, "malformed_per_episode": 1 / 3, "turns_per_episode": 4 / 3,
+                               "episodes": 3, "turns": 4, "formatted_turns": 3, "judged": 3, "completed": 1}
+    assert agent["reference"] is None and agent["task_judge"] == "answered"
+    assert result["policy"]["reward"]["answered"]["mean"] == 1 / 3
+    # Lengths count the policy's tokens only: the first episode's tool result and header are not in it.
+    turn1, turn2 = call("add", a=2, b=3), f"got 5{END}"
+    assert result["samples"][0]["policy"]["length"] == len(tok(turn1 + turn2, add_special_tokens=False)["input_ids"])
