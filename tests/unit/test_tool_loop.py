@@ -14,9 +14,11 @@ import torch
 
 from rlhfkit import templates
 from rlhfkit.config import GenerationConfig, ModelConfig, RewardConfig
+from rlhfkit.errors import UserError
+from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rewards import Rewards, reward_inputs
-from rlhfkit.rollout.tool_loop import ToolLoop, tool_figures
+from rlhfkit.rollout.tool_loop import ToolLoop, tool_figures, tool_suffix
 from rlhfkit.tools import Toolbox
 from rlhfkit.types import PromptBatch, ToolCounts
 from tests.scripted import Scripted
@@ -291,3 +293,22 @@ def test_tool_figures_match_trl_definitions():
     none = ToolCounts(*(torch.zeros(2, dtype=torch.long),) * 5, per_tool=torch.zeros(2, 1, dtype=torch.long),
                       tool_names=("add",))
     assert tool_figures(none)["tools/failure_frequency"] == 0.0
+
+
+def test_a_tokenizer_that_cannot_run_the_loop_is_refused_in_one_line():
+    box = Toolbox([add])
+    plain = build_tiny_tokenizer()  # ChatML without tools, no response template
+    for setup, words in [(lambda t: None, "no response_template"),
+                         (lambda t: setattr(t, "response_template", templates.load("chatml_tools").response_template),
+                          "ignores tools")]:
+        setup(plain)
+        with pytest.raises(UserError, match=words):
+            ToolLoop(plain, GenerationConfig(), 0, box, 1, 1.0, 10)
+    # A template whose first line counts the messages renders no conversation as a prefix of a longer one.
+    counting = build_tiny_tokenizer()
+    counting.chat_template = "{{ messages | length }}\n" + templates.load("chatml_tools").chat_template
+    with pytest.raises(UserError, match="not prefix-preserving"):
+        tool_suffix(counting, [{"role": "tool", "name": "add", "content": "5"}])
+    tok = build_tiny_tokenizer()
+    templates.load("chatml_tools").apply_to(tok)
+    assert tok.decode(tool_suffix(tok, [{"role": "tool", "name": "add", "content": "5"}])) == tool_turn("add", "5")
