@@ -13,7 +13,8 @@
 - A tool that raises, runs past `timeout_s` or returns what `str()` refuses becomes `str({"error": message})` in the
   episode, TRL's convention, and a counted failure (`Outcome`). The calls of one episode run one after another (an
   environment's state depends on their order), the episodes' calls concurrently, each call in its own daemon thread: a
-  hung tool is abandoned at its deadline (Python cannot stop a thread), never waited for.
+  hung tool is abandoned at its deadline (Python cannot stop a thread), never waited for, and an environment whose
+  method was abandoned leaves the pool (`Environments.discard`). A function tool must therefore be thread-safe.
 - A result longer than `max_result_tokens` tokens is cut there and marked (`cap_result`).
 """
 
@@ -164,6 +165,11 @@ class Environments:
             out.append((name, pool[index]))
             given[name] = index + 1
         return out
+
+    def discard(self, name, instance) -> None:
+        """Takes `instance` out of environment `name`'s pool (a call of it was abandoned at its timeout and may still
+        change it): a later episode gets a new one."""
+        self.pools[name] = [e for e in self.pools[name] if e is not instance]
 
     def environment_of(self, row: dict, i: int):
         if not self.routed:

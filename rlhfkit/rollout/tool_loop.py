@@ -50,6 +50,7 @@ class Episode:
     tools: dict[str, Tool]
     schemas: list[dict] | None  # what the template renders and the parser casts with (None: no tools)
     environment: object = None
+    environment_name: object = None  # its key in a dict environment_factory (None: a single factory)
     ids: list[int] = field(default_factory=list)  # the completion: the policy's turns, tool results, headers
     action: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
     logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each sampled token, 0 elsewhere
@@ -122,7 +123,7 @@ class ToolLoop:
             schemas = [t.schema for t in tools.values()] or None  # None: some templates render boilerplate for []
             ids = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
-            episodes.append(Episode(list(ids), tools, schemas, env))
+            episodes.append(Episode(list(ids), tools, schemas, env, name))
         return episodes
 
     def play(self, policy, episodes: list[Episode], device) -> None:
@@ -190,6 +191,8 @@ class ToolLoop:
                 ep.per_tool[call.name] = ep.per_tool.get(call.name, 0) + 1
                 ep.failures += outcome.failed
                 ep.timeouts += outcome.timed_out
+                if outcome.timed_out and getattr(call.tool.fn, "__self__", None) is ep.environment is not None:
+                    self.toolbox.environments.discard(ep.environment_name, ep.environment)  # its call may still run
             content = cap_result(outcome.content, self.tokenizer, self.max_result_tokens)
             messages.append({"role": "tool", "name": call.name, "content": content})
         suffix = tool_suffix(self.tokenizer, messages)

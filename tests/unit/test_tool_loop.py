@@ -62,11 +62,12 @@ def tiny():
 
 
 def run(tiny, prompts, tools=(add, fail), env=None, max_new_tokens=200, max_calls=3, timeout_s=2.0,
-        max_result_tokens=100, num_samples=1, top_k=1, seed_per_prompt=False, step=0):
+        max_result_tokens=100, num_samples=1, top_k=1, seed_per_prompt=False, step=0, box=None):
     model, tok = tiny
     params = GenerationConfig(max_new_tokens=max_new_tokens, num_samples=num_samples, top_k=top_k,
                               seed_per_prompt=seed_per_prompt)
-    loop = ToolLoop(tok, params, 0, Toolbox(list(tools), env), max_calls, timeout_s, max_result_tokens)
+    box = box or Toolbox(list(tools), env)
+    loop = ToolLoop(tok, params, 0, box, max_calls, timeout_s, max_result_tokens)
     examples = [{"prompt": p[0], "columns": p[1]} if isinstance(p, tuple) else {"prompt": p, "columns": {}}
                 for p in prompts]  # a prompt, or (prompt, its record's other fields)
     ids = [tok(str(e["prompt"]), add_special_tokens=False)["input_ids"] for e in examples]
@@ -265,6 +266,34 @@ def test_environment_reset_joins_the_prompt_and_its_methods_are_tools(tiny):
     scored = rewards(ro, examples)
     assert rewards.names == ["<lambda>", "Vault"] and rewards.weights.tolist() == [2.0, 1.0]
     assert scored.total.tolist() == [2.0, 1.0] and scored.per_source["Vault"].tolist() == [1.0, 0.0]
+
+
+def test_an_environment_whose_call_timed_out_is_not_reused(tiny):
+    """Its abandoned call may still change it: the next episode gets a new instance; an environment whose calls all
+    returned is reused."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(Vault):
+        def wait(self, x: int) -> int:
+            """Hang.
+
+            Args:
+                x: x
+            """
+            release.wait(10)
+            return x
+
+    box = Toolbox([], Stuck)
+    prompts = [("raw " + call("wait", x=1)[:-len(END)], {"secret": 1}), ("raw " + call("open_vault", code=2)[:-len(END)],
+                                                                         {"secret": 2})]
+    ro, _ = run(tiny, prompts, box=box, timeout_s=0.3)
+    release.set()
+    assert ro.tools.timeouts.tolist() == [1, 0]
+    stuck, fine = ro.environments
+    again = [env for _, env in box.environments.take([{}, {}])]
+    assert stuck not in again and fine in again
 
 
 def test_seed_per_prompt_gives_a_prompt_the_same_episodes_in_any_batch(tiny):
