@@ -25,6 +25,7 @@ from rlhfkit.io import atomic_write_text
 from rlhfkit.reward_functions import extra_columns, source_stats, trainer_state
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.experience import logged_means
+from rlhfkit.trainers.processes import sums_by_name
 
 logger = logging.getLogger("rlhfkit")
 
@@ -54,7 +55,7 @@ class Tally:
     """What one process's batches of an iteration add up to, before the processes are summed."""
 
     kept: list = field(default_factory=list)  # (batch, kept example) pairs
-    sums: list[float] = field(default_factory=lambda: [0.0] * 6)  # scores, their count, best scores, prompts, kept, gold
+    sums: dict[str, float] = field(default_factory=dict)  # score, scored, best, prompts, gold: this process's sums
     per_source: dict[str, list[float]] = field(default_factory=dict)  # every sample's score per source (NaN: None)
     logged: dict[str, list[float]] = field(default_factory=dict)  # what the functions logged with log_metric
 
@@ -83,9 +84,9 @@ def keep_batch(t, tally: Tally, b: int, examples: list[dict], ro, state, iterati
     logged, extras = t.reward.logs.take()  # log_metric / log_extra of this batch's calls
     for name, values in logged.items():
         tally.logged.setdefault(name, []).extend(values)
-    added = [float(scores[finite].sum()), float(finite.sum()), float(top[top.isfinite()].sum()),
-             float(top.isfinite().sum()), 0.0, float(gold.sum()) if gold is not None else 0.0]
-    tally.sums = [x + y for x, y in zip(tally.sums, added)]
+    added = {"score": float(scores[finite].sum()), "scored": float(finite.sum()), "best": float(top[top.isfinite()].sum()),
+             "prompts": float(top.isfinite().sum()), "gold": float(gold.sum()) if gold is not None else 0.0}
+    tally.sums = {k: tally.sums.get(k, 0.0) + v for k, v in added.items()}
     for i in best.tolist():
         s = float(scores[i])
         if not math.isfinite(s) or (min_score is not None and s < min_score):
@@ -124,8 +125,8 @@ def best_of_n(t, iteration: int, step: int) -> tuple[list[dict], dict[str, float
             t.reward.logs.take()
             continue
         keep_batch(t, tally, b, batch(b), ro, state, iteration)
-    tally.sums[4] = len(tally.kept)
-    sums = acc.reduce(torch.tensor(tally.sums, device=acc.device), reduction="sum")
+    names = ("score", "scored", "best", "prompts", "gold")
+    sums = sums_by_name(run, {**{k: tally.sums.get(k, 0.0) for k in names}, "kept": len(tally.kept)})
     kept = [e for _, e in sorted(gather_object(tally.kept), key=lambda be: be[0])]  # batch order (a stable sort)
     gathered = gather_object([tally.per_source])  # one dict per process
     sources = source_stats({name: torch.tensor([v for d in gathered for v in d[name]], dtype=torch.float32)
@@ -135,11 +136,11 @@ def best_of_n(t, iteration: int, step: int) -> tuple[list[dict], dict[str, float
     if acc.is_main_process:
         rows = "".join(json.dumps({k: e[k] for k in ("prompt", "completion", "score")}) + "\n" for e in kept)
         atomic_write_text(os.path.join(cfg.output_dir, f"rft_iter{iteration + 1}.jsonl"), rows)
-    stats = {"rft/iteration": iteration + 1, "rft/mean_score_all": float(sums[0] / sums[1].clamp(min=1)),
-             "rft/mean_score_best": float(sums[2] / sums[3].clamp(min=1)),
-             "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": float(sums[4]),
+    stats = {"rft/iteration": iteration + 1, "rft/mean_score_all": sums["score"] / max(sums["scored"], 1.0),
+             "rft/mean_score_best": sums["best"] / max(sums["prompts"], 1.0),
+             "rft/best_of_n_kl_bound": best_of_n_kl(cfg.generation.num_samples), "rft/kept": sums["kept"],
              "rft/kept_length_avg": sum(len(e["labels"]) - e["labels"].count(IGNORE_INDEX) for e in kept) / max(len(kept), 1),
              **sources, **logged_means(run, tally.logged)}
     if t.reward.gold_function is not None:
-        stats["objective/gold"] = float(sums[5]) / (t.per_iteration * cfg.generation.num_samples)  # all samples
+        stats["objective/gold"] = sums["gold"] / (t.per_iteration * cfg.generation.num_samples)  # all samples
     return [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in kept], stats, samples

@@ -22,6 +22,7 @@ import torch
 from rlhfkit.config import TrainConfig
 from rlhfkit.objects import Objects
 from rlhfkit.trainers.optim import Fault, Optim, build_optimizer, build_scheduler, optimizer_step
+from rlhfkit.trainers.processes import global_share, sums_by_name
 from rlhfkit.trainers.run import Run
 
 logger = logging.getLogger("rlhfkit")
@@ -48,26 +49,24 @@ def train_step(run: Run, optim: Optim, model, micro: list, count: Callable, comp
     acc = run.accelerator
     model.train()
     counts = [count(b) for b in micro]
-    total = run.sum_over_processes(torch.tensor(float(sum(counts)), device=acc.device)).item()
-    # DDP averages gradients over processes; scaling by world size turns that average back into the global sum.
-    per_process = total / run.world
+    per_process = global_share(run, {"items": float(sum(counts))})["items"]  # this process's share of the global count
+    total = per_process * run.world
     sums: dict[str, torch.Tensor] = {}  # metric -> this process's item-weighted sum
-    nonfinite = torch.zeros((), device=acc.device)
+    nonfinite = 0.0
     for i, (batch, n) in enumerate(zip(micro, counts)):
         last = i == len(micro) - 1
         with run.no_sync(model, last):
             loss, metrics = compute_loss(model, batch.to(acc.device), per_process)
             run.backward(loss, last=last)
-        nonfinite += (~torch.isfinite(loss.detach())).float()
+        nonfinite += float(not torch.isfinite(loss.detach()))
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32, device=acc.device).detach() * n
     # One sum over processes: the metric sums and the non-finite losses. The skip is decided on it, so every process
     # skips the same steps and DDP replicas stay identical.
-    keys = sorted(sums)
-    totals = run.sum_over_processes(torch.stack([sums[k] for k in keys] + [nonfinite]))
-    out = {k: totals[i].item() / max(total, 1) for i, k in enumerate(keys)}
+    totals = sums_by_name(run, {**sums, "\0nonfinite": nonfinite})
+    out = {k: v / max(total, 1) for k, v in totals.items() if k != "\0nonfinite"}
     out["lr"] = optim.lr
-    result = optimizer_step(optim, step, Fault.LOSS if totals[-1].item() > 0 else None)
+    result = optimizer_step(optim, step, Fault.LOSS if totals["\0nonfinite"] > 0 else None)
     if optim.max_grad_norm is not None:
         out["grad_norm"] = result.grad_norm
     out["faults/skipped_total"] = float(optim.bad_steps)

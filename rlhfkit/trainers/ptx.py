@@ -22,6 +22,7 @@ from rlhfkit.data import build_datasets, collate_sft
 from rlhfkit.errors import DataError
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models import scored_logits
+from rlhfkit.trainers.processes import global_share, sums_by_name
 
 
 def load_ptx_set(cfg, tokenizer) -> list[dict] | None:
@@ -47,7 +48,7 @@ class Ptx:
         self.per_update = per_update * run.world  # records per optimizer step, all processes
         self.micro, self.pad = micro, pad_token_id
         self.updates_per_epoch = max(1, math.ceil(len(examples) / self.per_update))
-        self.sums = torch.zeros(2, dtype=torch.float64)  # Σ NLL, labelled tokens: this process, this step
+        self.sums = {"nll": 0.0, "tokens": 0.0}  # Σ NLL and labelled tokens: this process, this step
 
     def batch(self, update: int) -> list[dict]:
         """This process's ptx records for the run's `update`-th optimizer step (0-based)."""
@@ -61,8 +62,8 @@ class Ptx:
         run, device = self.run, self.run.accelerator.device
         batches = [collate_sft(chunk, self.pad).to(device) for chunk in split(self.batch(update), self.micro)]
         local = sum(float((b.labels[:, 1:] != -100).sum()) for b in batches)
-        # DDP averages gradients over processes: each normalises by its share of the global token count.
-        tokens = max(float(run.sum_over_processes(torch.tensor(local, device=device))) / run.world, 1.0)
+        # clamp: a step whose ptx records hold no labelled token normalises by 1, not 0
+        tokens = max(global_share(run, {"tokens": local})["tokens"], 1.0)
         nonfinite = 0.0
         for i, b in enumerate(batches):
             logits, first = scored_logits(model, b.input_ids, b.attention_mask, b.labels)  # (b, T-first, V)
@@ -71,16 +72,16 @@ class Ptx:
             nonfinite += float(not torch.isfinite(loss))
             run.backward(loss, last=last and i == len(batches) - 1)
             n = float((b.labels[:, 1:] != -100).sum())
-            self.sums += torch.tensor([float(m["loss"]) * n, n], dtype=torch.float64)
+            self.sums = {"nll": self.sums["nll"] + float(m["loss"]) * n, "tokens": self.sums["tokens"] + n}
         return nonfinite
 
     def start_step(self) -> None:
-        self.sums.zero_()
+        self.sums = {"nll": 0.0, "tokens": 0.0}
 
     def metrics(self) -> dict[str, float]:
         """`loss/ptx_avg` of the step's ptx batches, over every process (collective)."""
-        sums = self.run.sum_over_processes(self.sums.to(self.run.accelerator.device)).tolist()
-        return {"loss/ptx_avg": sums[0] / max(sums[1], 1.0)}
+        sums = sums_by_name(self.run, self.sums)
+        return {"loss/ptx_avg": sums["nll"] / max(sums["tokens"], 1.0)}
 
 
 def split(rows: list, size: int) -> list[list]:
