@@ -273,7 +273,8 @@ def check_tool_template(tokenizer, toolbox: Toolbox) -> None:
         raise UserError(f"tools: the tokenizer has no chat template; {fix}")
     if getattr(tokenizer, "response_template", None) is None:
         raise UserError(f"tools: the tokenizer has no response_template, so the model's tool calls cannot be parsed; {fix}")
-    schemas = [t.schema for t in toolbox.functions.values()]
+    methods = [t for env in (toolbox.environments.methods.values() if toolbox.environments else ()) for t in env.values()]
+    schemas = [t.schema for t in list(toolbox.functions.values()) + methods]
     if schemas:
         probe = [{"role": "user", "content": "x"}]
         with_tools = tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False, add_generation_prompt=True)

@@ -333,6 +333,8 @@ def test_a_tokenizer_that_cannot_run_the_loop_is_refused_in_one_line():
         setup(plain)
         with pytest.raises(UserError, match=words):
             ToolLoop(plain, GenerationConfig(), 0, box, 1, 1.0, 10)
+    with pytest.raises(UserError, match="ignores tools"):  # an environment's methods are tools too
+        ToolLoop(plain, GenerationConfig(), 0, Toolbox([], Vault), 1, 1.0, 10)
     # A template whose first line counts the messages renders no conversation as a prefix of a longer one.
     counting = build_tiny_tokenizer()
     counting.chat_template = "{{ messages | length }}\n" + templates.load("chatml_tools").chat_template
