@@ -39,9 +39,14 @@ def _parser() -> argparse.ArgumentParser:
                                                         "under a minute (plumbing only)")
     p.add_argument("--full", action="store_true", help="add online DPO (the same reward model and prompts as PPO; about "
                                                        "1.3x PPO's time)")
-    p.add_argument("--output-dir", default="runs/demo", metavar="DIR", help="where every stage's outputs go (default: runs/demo)")
-    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval"],
-                   help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all)")
+    p.add_argument("--agent", action="store_true", help="the agent task instead: SFT on tool-using and direct traces, GRPO "
+                                                        "with a calculator tool, evaluated with and without tools")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed: data, sampling and training (default: 0)")
+    p.add_argument("--output-dir", metavar="DIR", help="where every stage's outputs go (default: runs/demo, with --agent "
+                                                       "runs/agent)")
+    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "grpo", "eval"],
+                   help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all; "
+                        "--agent's stages: prompts, sft, grpo, eval)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the demo in a non-empty --output-dir (refused without this or --from-stage)")
     from rlhfkit.label.command import add_label_parser  # the arguments live with the command
@@ -113,11 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "dashboard":
             run_dashboard(args.run_dir, args.out)
+        elif args.stage == "demo" and args.agent:
+            from rlhfkit.tasks.agent import run_agent_demo
+
+            if args.full:
+                raise UserError("--full adds online DPO to the reviews demo; it does not apply with --agent")
+            run_agent_demo(args.output_dir or "runs/agent", quick=args.quick, seed=args.seed, from_stage=args.from_stage,
+                           overwrite=args.overwrite)
         elif args.stage == "demo":
             from rlhfkit.tasks.demo import run_demo  # only `rlhfkit demo` pays for its imports
 
-            run_demo(args.output_dir, quick=args.quick, from_stage=args.from_stage, overwrite=args.overwrite,
-                     full=args.full)
+            run_demo(args.output_dir or "runs/demo", quick=args.quick, seed=args.seed, from_stage=args.from_stage,
+                     overwrite=args.overwrite, full=args.full)
         elif args.stage == "label":
             from rlhfkit.label.command import options_from, run_label
 

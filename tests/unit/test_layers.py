@@ -94,6 +94,7 @@ LAYERS = [
     "rlhfkit.api",  # `rlhfkit.train`: the Python entry point; the CLI is a shell over it
     "rlhfkit.tasks",
     "rlhfkit.tasks.demo",
+    "rlhfkit.tasks.agent",  # `rlhfkit demo --agent`: the tool-using task, its stages and its evaluation
     "rlhfkit.label",  # `rlhfkit label`: candidates, the SQLite store, figures, export, the ASGI app, the command
     "rlhfkit.label.candidates",
     "rlhfkit.label.store",

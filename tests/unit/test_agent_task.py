@@ -1,0 +1,62 @@
+"""The agent demo's task (`rlhfkit.tasks.agent`): its data, the exact-answer reward on TRL-shaped episodes, and the
+held-out figures, by hand."""
+
+from rlhfkit import templates
+from rlhfkit.model_sources import build_tiny_tokenizer
+from rlhfkit.tasks.agent import agent_figures, exact_answer, final_answer, make_splits, multiply, tool_schemas
+
+
+def call(a, b):
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]}
+
+
+def test_final_answer_reads_the_last_number_of_a_last_turn_that_calls_nothing():
+    episode = [call(347, 29), {"role": "tool", "name": "multiply", "content": "10063"},
+               {"role": "assistant", "content": "347 * 29 = 10,063."}]
+    assert final_answer(episode) == 10063
+    assert final_answer(episode[:1]) is None  # ended on a call: no answer
+    assert final_answer(episode[:2]) is None  # the tool message is not an answer: the last assistant turn calls
+    assert final_answer([{"role": "assistant", "content": "no idea"}]) is None
+    assert final_answer("it is 12, or 13") == 13
+
+
+def test_exact_answer_rewards_the_right_final_answer_only():
+    right = [call(12, 11), {"role": "tool", "name": "multiply", "content": "132"},
+             {"role": "assistant", "content": "The answer is 132."}]
+    copied_the_factor = [{"role": "assistant", "content": "The answer is 12."}]
+    assert exact_answer([], [right, copied_the_factor, right[:1]], ["132", "132", "132"]) == [1.0, 0.0, 0.0]
+
+
+def test_agent_figures_by_hand():
+    done = [{"role": "assistant", "content": "The answer is 6."}]
+    wrong = [{"role": "assistant", "content": "The answer is 7."}]
+    figures = agent_figures([done, wrong, done, wrong], ["6", "6", "6", "6"], malformed=[0, 1, 0, 2],
+                            turns=[1, 2, 2, 3], calls=[0, 1, 1, 0])
+    # 2 of 4 right; 3 malformed calls in 8 turns; 2 calls and 8 turns over 4 episodes
+    assert figures == {"task_completion": 0.5, "format_accuracy": 1 - 3 / 8, "calls_per_episode": 0.5,
+                       "turns_per_episode": 2.0}
+
+
+def test_splits_are_disjoint_correct_and_render_with_the_tool():
+    splits = make_splits(tool_traces=20, direct_traces=5, rl_prompts=30, eval_prompts=10, seed=3)
+    pairs = lambda name: {r["prompt"][-1]["content"] for r in splits[name]}  # noqa: E731
+    assert len(pairs("eval")) == 10 and len(pairs("rl")) == 30 and not pairs("eval") & pairs("rl")
+    traced = {r["messages"][1]["content"] for r in splits["sft"]}
+    assert not traced & (pairs("eval") | pairs("rl"))
+    assert sum(len(r["messages"]) == 5 for r in splits["sft"]) == 20  # tool traces: call, result, answer
+    for r in splits["sft"]:
+        *_, last = r["messages"]
+        if len(r["messages"]) == 5:
+            args = r["messages"][2]["tool_calls"][0]["function"]["arguments"]
+            assert r["messages"][3]["content"] == str(multiply(**args)) and final_answer(r["messages"][2:]) == args["a"] * args["b"]
+        else:
+            a, b = map(int, r["messages"][1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+            assert a < 10 and b < 10 and final_answer([last]) == a * b
+    for r in splits["eval"]:
+        a, b = map(int, r["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+        assert 100 <= a <= 999 and 11 <= b <= 99 and r["answer"] == str(a * b)
+    tok = build_tiny_tokenizer()
+    templates.load("chatml_tools").apply_to(tok)
+    text = tok.apply_chat_template(splits["sft"][0]["messages"], tools=tool_schemas(), tokenize=False)
+    assert '"name": "multiply"' in text and "<tools>" in text
