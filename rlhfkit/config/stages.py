@@ -177,16 +177,20 @@ class OnlineOptions:
 def tools_check(tools: ToolsConfig, reward: RewardConfig, generation: GenerationConfig, data: DataConfig):
     """The online stages' rules for tools: the tool loop samples with rlhfkit's decode loop and a dynamic KV cache; a
     reward source is required, unless an environment is given (its `get_reward()` may be the reward: checked when it
-    is made); the held-out evaluation samples single turns, so it is refused with tools rather than run without them."""
+    is made)."""
     if not tools.environment:
         yield from reward.check_has_source()
     if tools.enabled and generation.engine != "rlhfkit":
         yield "generation.engine", "must be rlhfkit with tools (the tool loop extends rlhfkit's decode loop's KV cache)"
     if tools.enabled and generation.compile:
         yield "generation.compile", "must be false with tools (the tool loop's KV cache grows by each turn's results)"
-    if tools.enabled and data.eval:
-        yield "data.eval", ("is not supported with tools yet: the held-out evaluation samples single turns, without the "
-                            "tools, so its figures would not be the agent's; drop data.eval")
+
+
+def agent_check(agent: AgentEvalConfig, tools: ToolsConfig, data: DataConfig):
+    """The agent figures of the held-out evaluation need tools and held-out prompts."""
+    yield from agent.refusals(tools.enabled)
+    if tools.enabled and agent != AgentEvalConfig() and not (data.eval or data.eval_fraction):
+        yield "agent", "applies to the held-out evaluation: give data.eval (or data.eval_fraction)"
 
 
 @dataclass(frozen=True)
@@ -203,18 +207,23 @@ class OnlineConfig(TrainConfig):
     algo: OnlineOptions = field(default_factory=OnlineOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    agent: AgentEvalConfig = field(default_factory=AgentEvalConfig)  # the held-out evaluation's agent figures, with tools
 
     def check(self):
         from rlhfkit.algorithms import ALGORITHMS
 
         yield from super().check()
         yield from tools_check(self.tools, self.reward, self.generation, self.data)
+        yield from agent_check(self.agent, self.tools, self.data)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
         elif ALGORITHMS[name].advantage not in ("gae", "reinforce_pp") and k < 2:
             yield "generation.num_samples", f"{name} compares samples of one prompt: needs >= 2, got {k}"
+        if name in ALGORITHMS and ALGORITHMS[name].needs_reference and self.kl.monitor is not None:
+            yield "kl.monitor", (f"applies to algorithms that train no KL term (dapo, dr_grpo): {name} measures the KL to "
+                                 "its reference anyway")
         if self.algo.old_logprob_source == "sampler" and self.generation.engine != "rlhfkit":
             yield "algo.old_logprob_source", ("'sampler' reads rlhfkit's decode loop: needs generation.engine=rlhfkit "
                                         "(transformers' generate applies the model's own generation config)")
@@ -255,10 +264,12 @@ class OnlineDPOConfig(TrainConfig):
     algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    agent: AgentEvalConfig = field(default_factory=AgentEvalConfig)  # the held-out evaluation's agent figures, with tools
 
     def check(self):
         yield from super().check()
         yield from tools_check(self.tools, self.reward, self.generation, self.data)
+        yield from agent_check(self.agent, self.tools, self.data)
         yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         if self.generation.num_samples != 2:
             yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"

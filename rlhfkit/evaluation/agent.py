@@ -149,6 +149,9 @@ class AgentOptions:
 
     def figures(self, counts: ToolCounts, completions, scores: dict[str, list]) -> AgentFigures:
         """One model's figures; `scores`: judge name -> its scores of the episodes."""
+        if self.task_judge is not None and self.task_judge not in scores:
+            raise UserError(f"config key 'agent.task_judge' '{self.task_judge}' names none of the scores "
+                            f"({', '.join(scores) or 'none'}): name a reward source (or gold, reward.gold_function)")
         task = scores[self.task_judge] if self.task_judge is not None else None
         return agent_figures(counts, completions, task, self.task_threshold, self.format_check)
 
@@ -167,14 +170,19 @@ def tool_rollout(cfg, tokenizer) -> "FreshEpisodes | None":
     seeds each batch), or None without tools. The tools are imported and described here, before any model loads."""
     from rlhfkit.objects import Objects
     from rlhfkit.rollout.maker import toolbox_of
+
+    return episodes_for(cfg, tokenizer, toolbox_of(cfg, Objects()))
+
+
+def episodes_for(cfg, tokenizer, toolbox: Toolbox | None) -> "FreshEpisodes | None":
+    """The evaluation's tool loop with `toolbox` (a training run's own, made at its start), or None without one."""
     from rlhfkit.rollout.tool_loop import ToolLoop
 
-    box = toolbox_of(cfg, Objects())
-    if box is None:
+    if toolbox is None:
         return None
     t = cfg.tools
-    return FreshEpisodes(box, lambda b: ToolLoop(tokenizer, cfg.generation, cfg.seed, b, t.max_calls, t.timeout_s,
-                                                 t.max_result_tokens))
+    return FreshEpisodes(toolbox, lambda b: ToolLoop(tokenizer, cfg.generation, cfg.seed, b, t.max_calls, t.timeout_s,
+                                                     t.max_result_tokens))
 
 
 class FreshEpisodes:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+import math
+
+from rlhfkit.evaluation.agent import AgentOptions
 from rlhfkit.evaluation.alarms import ALIGNMENT_TAX_KEY, DISTINCT_KEY, TOP_SHARE_KEY, WORDS_KEY
 from rlhfkit.evaluation.capability import measure_alignment_tax
 from rlhfkit.evaluation.evaluate import concat_rollouts, describe, sample, summarize
@@ -20,9 +23,15 @@ from rlhfkit.evaluation.metrics import mean_std
 from rlhfkit.reward_functions import extra_columns, source_stats
 
 
+# The agent figures a training run logs under eval/agent/ (the shares and per-episode means; the counts stay in eval.json).
+AGENT_LOGGED = ("format_accuracy", "task_completion", "calls_per_episode", "failures_per_episode",
+                "malformed_per_episode", "turns_per_episode")
+
+
 @torch.no_grad()
 def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict], params, batch_size: int, seed: int,
-                     state=None, num_rows: int = 8, trainer_state=None) -> tuple[dict[str, float], list[dict]]:
+                     state=None, num_rows: int = 8, trainer_state=None, rollout=None,
+                     agent: AgentOptions | None = None) -> tuple[dict[str, float], list[dict]]:
     """(figures, sample rows) of `policy` on the held-out `prompts` (tokenised prompt examples).
 
     Args:
@@ -34,13 +43,17 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
         num_rows: samples returned for samples.jsonl (the first ones, in prompt order).
         trainer_state: what the reward functions and the gold judge get as `trainer_state` (the training's, as TRL
             passes its own state when it evaluates; None: no state).
+        rollout: with tools, the evaluation's tool loop (`agent.episodes_for`): the episodes `rlhfkit eval` plays.
+        agent: the format rule and task judge of the agent figures (`agent.task_judge`: a reward source's name, or
+            "gold"); with tools, `eval/agent/<figure>` joins the figures (`AgentFigures.as_dict`'s shares and means).
 
     Figures: `eval/objective/scores` (the weighted total), `eval/rewards/<source>/mean|std`, `eval/objective/gold`,
     `eval/objective/kl` (mean sequence KL to the reference, nats), `eval/response/length_avg`, `eos_rate`,
     `empty_rate`, `distinct_2`, `words_avg` and `top_share` (with 2 prompts or more), and `eval/<name>` for what the
     reward functions logged with `log_metric` (their `log_extra` columns join the sample rows).
     """
-    parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False)
+    parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False,
+                           rollout=rollout)
     ro = concat_rollouts(parts, tokenizer.pad_token_id)
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
     scored = rewards(ro, rows, trainer_state)
@@ -59,6 +72,11 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
     if kls:
         figures["objective/kl"] = mean_std(kls)["mean"]
     figures.update({name: sum(values) / len(values) for name, values in logged.items() if values})
+    if ro.tools is not None:
+        judged = {**scored.per_source, **({"gold": gold} if gold is not None else {})}
+        scores = {name: [None if math.isnan(x) else x for x in v.float().tolist()] for name, v in judged.items()}
+        agent_dict = (agent or AgentOptions()).figures(ro.tools, ro.completions, scores).as_dict()
+        figures.update({f"agent/{k}": v for k, v in agent_dict.items() if k in AGENT_LOGGED and v is not None})
     samples = [{"prompt": s["prompts"][i], "response": s["texts"][i], "score": float(scored.total[i]),
                 "kl": kls[i] if kls else None, **extra_columns(extras, i)} for i in range(min(num_rows, len(s["texts"])))]
     return {f"eval/{k}": v for k, v in figures.items()}, samples

@@ -527,7 +527,8 @@ def _same_tokenizer(other, tokenizer, what: str) -> None:
 
 def headline(report: dict) -> dict[str, float]:
     """The figures `Evaluator.fit()` returns: "kl", and per judge "reward/<judge>" (the policy's mean),
-    "win_rate/<judge>" and "rm_accuracy/<judge>", and with red-teaming "red_team/<side>_harmful_rate". (No "eval/" prefix: the table printed them already, so the CLI's
+    "win_rate/<judge>" and "rm_accuracy/<judge>", with tools "agent/format_accuracy", "agent/task_completion" and
+    "gate/passed" (1.0 or 0.0; absent when undecided), and with red-teaming "red_team/<side>_harmful_rate". (No "eval/" prefix: the table printed them already, so the CLI's
     closing line does not repeat them.)"""
     out = {"kl": report["kl"]["mean"]} if report["kl"] is not None else {}
     out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items() if r["mean"] is not None})

@@ -65,8 +65,10 @@ def write_report(run_dir: str, extra: dict | None = None, out_path: str | None =
         with open(eval_path, encoding="utf-8") as f:
             evaluation = json.load(f)
         red_team = evaluation.pop("red_team", None)
+        agent, gate = evaluation.pop("agent", None), evaluation.pop("gate", None)
         tables["Evaluation (eval.json)"] = _rows(evaluation)
         tables.update(_red_team_tables(red_team) if red_team else {})
+        tables.update(_agent_tables(agent, gate) if agent else {})
     human_path = os.path.join(run_dir, "human_eval.json")  # `rlhfkit label --result`: the blind human comparison
     if os.path.isfile(human_path):
         with open(human_path, encoding="utf-8") as f:
@@ -134,6 +136,19 @@ def _rows(obj) -> list[dict]:
     if isinstance(obj, dict):
         return [{"metric": k, "value": v} for k, v in obj.items()]
     return [{"value": obj}]
+
+
+def _agent_tables(agent: dict, gate: dict | None) -> dict[str, list[dict]]:
+    """eval.json's `agent` section (`evaluation.agent`) as a table of each side's figures, and its `gate` as a table
+    of the two thresholds and the verdict."""
+    sides = {side: agent[side] for side in ("policy", "reference") if agent.get(side)}
+    tables = {"Agent figures (eval.json)": [{"figure": name, **{side: figures[name] for side, figures in sides.items()}}
+                                             for name in agent["policy"]]}
+    if gate:
+        rows = [{"figure": name, **gate[name]} for name in ("format_accuracy", "task_completion")]
+        verdict = {True: "passed", False: "not passed", None: "undecided"}[gate["passed"]]
+        tables[f"Gate before reward modelling: {verdict}"] = rows
+    return tables
 
 
 def _red_team_tables(section: dict) -> dict[str, list[dict]]:

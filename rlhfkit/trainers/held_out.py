@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from rlhfkit.config import DataConfig
 from rlhfkit.errors import UserError
+from rlhfkit.evaluation.agent import AgentOptions, episodes_for, load_format_check
 from rlhfkit.evaluation.alarms import AlarmThresholds
 from rlhfkit.evaluation.during_training import capability_figures, held_out_figures
 from rlhfkit.sharding import gathered_weights
@@ -36,8 +37,16 @@ def capability_set(cfg, tokenizer) -> list[dict]:
 class HeldOutEval:
     """The evaluation of one run: `due(step)` says when, calling it evaluates, logs and returns the figures."""
 
-    def __init__(self, run, cfg, tokenizer, prompts: list[dict] | None, capability: list[dict], batch_size: int):
+    def __init__(self, run, cfg, tokenizer, prompts: list[dict] | None, capability: list[dict], batch_size: int,
+                 toolbox=None):
+        """`toolbox`: the run's tools (`tools.Toolbox`), None without: the held-out prompts are then played as episodes
+        with them, and the agent figures (`cfg.agent`) logged beside the others."""
         self.run, self.cfg, self.tokenizer = run, cfg, tokenizer
+        self.rollout = episodes_for(cfg, tokenizer, toolbox)
+        self.agent = None
+        if self.rollout is not None:
+            a = cfg.agent
+            self.agent = AgentOptions(load_format_check(a.format_check), a.task_judge, a.task_threshold)
         self.prompts, self.capability, self.batch_size = list(prompts or []), capability, batch_size
         self.thresholds = AlarmThresholds(alignment_tax_nats=cfg.alarms.alignment_tax_nats)
 
@@ -77,7 +86,8 @@ class HeldOutEval:
                 if self.prompts:
                     figures, rows = held_out_figures(policy, reference, rewards, self.tokenizer, self.prompts,
                                                      cfg.generation, self.batch_size, cfg.seed, state,
-                                                     trainer_state=trainer_state(done, total_steps))
+                                                     trainer_state=trainer_state(done, total_steps),
+                                                     rollout=self.rollout, agent=self.agent)
                 if self.capability:
                     figures.update(capability_figures(policy, reference, self.capability, self.tokenizer.pad_token_id,
                                                       cfg.optim.per_device_batch_size, state))

@@ -59,7 +59,8 @@ class OnlineTrainer:
         self.prompts = PromptStream(run, data.train_set, cfg.algo.rollout_batch_size, self.tokenizer.pad_token_id)
         self.total_steps = total_steps_of(cfg, self.prompts.steps_per_epoch)
         self.build(data.ptx_set)
-        self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, cfg.algo.rollout_batch_size)
+        self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, cfg.algo.rollout_batch_size,
+            self.objects.toolbox)
         self.held_out.check_reference(self.ref)
         self.start_step = 0
         if run.resume_from:

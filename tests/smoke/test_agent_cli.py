@@ -98,8 +98,6 @@ def test_a_policy_that_calls_the_tool_trains_on_its_episodes(tmp_path):
     ([f"tools.functions=[{TOOLS}:undocumented]"], "undocumented: transformers' get_json_schema cannot describe it"),
     ([f"tools.functions=[{TOOLS}:add, {TOOLS}:add]"], "two tools are named 'add'"),
     ([f"tools.functions=[{TOOLS}:add]", "generation.engine=hf"], "config key 'generation.engine' must be rlhfkit with tools"),
-    ([f"tools.functions=[{TOOLS}:add]", "data.eval=data/tiny/prompts_eval.jsonl"],
-     "config key 'data.eval' is not supported with tools yet"),
 ])
 def test_bad_tool_settings_are_one_line(tmp_path, capsys, overrides, message):
     code = main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'bad'}", *BASE, *overrides])

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlhfkit.cli import main
+from rlhfkit.evaluation.report import write_report
 
 TOOLS = "tests.smoke.agent_eval_tools"
 PROMPTS = [("What is 12 + 30?", "42"), ("What is 7 + 8?", "15"), ("What is 50 + 50?", "100")]
@@ -40,6 +41,8 @@ def test_eval_with_a_calculator_reports_agent_figures_and_the_gate(tmp_path, cap
     out = capsys.readouterr().out
     assert "gate before reward modelling: NOT PASSED: format accuracy 0 (>= 0.95), task completion 1 (>= 0.8)" in out
     assert "format accuracy" in out and "tool calls / episode" in out
+    page = open(write_report(str(tmp_path / "eval"))).read()  # the report shows both sections
+    assert "Agent figures (eval.json)" in page and "Gate before reward modelling: not passed" in page
     # Settable thresholds: the same episodes pass a gate that asks for no format accuracy.
     assert main(base(tmp_path) + [f"tools.functions=[{TOOLS}:calculator]", "agent.task_judge=done",
                                   f"agent.format_check={TOOLS}:reject", "gate.format_accuracy=0", "overwrite=true"]) == 0
@@ -61,3 +64,29 @@ def test_bad_agent_settings_are_one_line(tmp_path, capsys, overrides, message):
     code = main(base(tmp_path) + overrides)
     err = capsys.readouterr().err.strip().splitlines()  # the launch's log lines, then the error's one line
     assert code == 2 and message in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+def test_the_held_out_evaluation_during_grpo_plays_the_same_episodes(tmp_path):
+    """grpo with a calculator and held-out prompts: the evaluation logs the agent figures under eval/agent/, task
+    completion by a reward source (`always`: exactly 1), format accuracy from the same loop as rlhfkit eval's."""
+    out = tmp_path / "grpo"
+    prompts = base(tmp_path)[4].removeprefix("data.eval=")
+    assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "logging.progress_bar=false",
+                 "max_steps=1", "model.chat_template=chatml_tools", f"tools.functions=[{TOOLS}:calculator]",
+                 f"reward.function=[{TOOLS}:always]", f"data.eval={prompts}", "agent.task_judge=always",
+                 f"agent.format_check={TOOLS}:reject"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "eval/agent/format_accuracy" in r][-1]
+    assert evaluated["eval/agent/format_accuracy"] == 0.0 and evaluated["eval/agent/task_completion"] == 1.0
+    assert evaluated["eval/agent/turns_per_episode"] >= 1.0 and "eval/agent/calls_per_episode" in evaluated
+
+
+def test_agent_settings_in_training_need_tools_and_held_out_prompts(tmp_path, capsys):
+    for overrides, message in (
+            (["agent.task_judge=always"], "config key 'agent.task_judge' applies only with tools"),
+            ([f"tools.functions=[{TOOLS}:calculator]", "agent.task_judge=always", "data.eval=null"],
+             "config key 'agent' applies to the held-out evaluation: give data.eval")):
+        code = main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={tmp_path / 'x'}",
+                     "model.chat_template=chatml_tools", f"reward.function=[{TOOLS}:always]", *overrides])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and message in err[-1] and "Traceback" not in "\n".join(err), err
