@@ -27,7 +27,7 @@ from rlhfkit.kl_control import AdaptiveKLController, FixedKLController
 from rlhfkit.models import Reference, disable_dropout, load_causal_lm
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards, RunningMoments
-from rlhfkit.rollout.maker import rollout_maker
+from rlhfkit.rollout.maker import environment_rewards, rollout_maker
 from rlhfkit.trainers.experience import ExperienceMaker, Made
 from rlhfkit.trainers.held_out import HeldOutEval
 from rlhfkit.trainers.online_setup import (PromptStream, Samples, StepLog, load_online_data, policy_is_finite,
@@ -85,7 +85,8 @@ class OnlineTrainer:
                              copy_of=self.objects.model) if self.algo.needs_reference or monitor else None
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size,
                               policy_name=cfg.model.name_or_path, dtype=run.frozen_dtype, given=self.objects.reward_funcs,
-                              given_weights=self.objects.reward_weights, attn_implementation=cfg.model.attn_implementation)
+                              given_weights=self.objects.reward_weights, attn_implementation=cfg.model.attn_implementation,
+                              environment_rewards=environment_rewards(self.objects))
         value = load_critic(cfg, policy, self.tokenizer, self.reward.first_model(), self.objects.model) \
             if self.algo.needs_value else None
         self.shares_base = isinstance(value, SharedBaseCritic)  # the critic is a second adapter on the policy's base

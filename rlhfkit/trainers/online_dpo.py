@@ -32,7 +32,7 @@ from rlhfkit.models import Reference, disable_dropout, load_causal_lm, rollout_l
 from rlhfkit.objects import Objects
 from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards
-from rlhfkit.rollout.maker import rollout_maker
+from rlhfkit.rollout.maker import environment_rewards, rollout_maker
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.experience import logged_means, pad_to, rollout_stats
 from rlhfkit.trainers.held_out import HeldOutEval
@@ -84,7 +84,8 @@ class OnlineDPOTrainer:
                              copy_of=self.objects.model)
         self.reward = Rewards(cfg.reward, self.tokenizer, acc.device, batch_size=cfg.optim.per_device_batch_size * 2,
                               policy_name=cfg.model.name_or_path, dtype=run.frozen_dtype, given=self.objects.reward_funcs,
-                              given_weights=self.objects.reward_weights, attn_implementation=cfg.model.attn_implementation)
+                              given_weights=self.objects.reward_weights, attn_implementation=cfg.model.attn_implementation,
+                              environment_rewards=environment_rewards(self.objects))
         if a.disable_dropout:
             disable_dropout(policy)
         optimizer = build_optimizer(policy, cfg)

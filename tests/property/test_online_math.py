@@ -535,3 +535,20 @@ def test_accelerate_unwrap_is_not_called_per_micro_batch(tmp_path, monkeypatch):
                      f"output_dir={tmp_path / str(steps)}", *FAST, "optim.per_device_batch_size=2"]) == 0
         counts[steps] = len(calls)
     assert counts[3] == counts[1], counts
+
+
+def test_kl_is_monitored_without_a_kl_term(tmp_path):
+    """Dr. GRPO trains no KL term, and with LoRA the KL to the initial policy is free (adapters disabled): it is
+    measured and logged, so the drift the alarms watch is visible; it enters neither reward nor loss (the same
+    updates as with the monitor off). Where the algorithm has a KL term, the setting is refused."""
+    args = ["grpo", "--config", "configs/grpo_tiny.yaml", "algo.algorithm=dr_grpo", "max_steps=2", "model.lora.enabled=true",
+            "model.lora.r=4", "optim.lr=1e-2", *FAST]
+    assert main(args + [f"output_dir={tmp_path / 'on'}"]) == 0
+    assert main(args + [f"output_dir={tmp_path / 'off'}", "kl.monitor=false"]) == 0
+    on, off = rows_of(tmp_path / "on" / "metrics.jsonl"), rows_of(tmp_path / "off" / "metrics.jsonl")
+    assert on[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6) and abs(on[1]["objective/kl"]) > 1e-4  # the policy moved
+    assert not {"objective/kl"} & off[0].keys()
+    for a, b in zip(on, off):
+        assert a["loss/policy_avg"] == pytest.approx(b["loss/policy_avg"], rel=1e-5)
+    with pytest.raises(UserError, match="kl.monitor.*measures the KL"):
+        load_config(OnlineConfig, "configs/grpo_tiny.yaml", ["kl.monitor=true"])

@@ -37,6 +37,7 @@ def test_grpo_with_tools_and_an_environment_from_the_cli(tmp_path):
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency", "tools/timeout_frequency",
             "tools/turns_mean", "tools/calls/add", "tools/calls/bump"} <= set(last)
     assert last["tools/turns_mean"] >= 1.0
+    assert "rewards/Tally/mean" in last  # the environment's get_reward() is a reward source
     saved = yaml.safe_load((out / "config.yaml").read_text())["tools"]
     assert saved["functions"] == [f"{TOOLS}:add"] and saved["environment"] == f"{TOOLS}:Tally"
 
