@@ -327,18 +327,23 @@ def test_negative_missing_eos_penalty_is_refused():
 # 8. Non-finite values online -------------------------------------------------------------------------------------
 
 
-def test_one_nan_reward_does_not_poison_running_normalisation(tmp_path, monkeypatch):
-    """Step 2's rewards hold a NaN: that step is skipped, and steps 3 and 4 train (running moments untouched)."""
-    (tmp_path / "one_nan.py").write_text(
+def _second_step_reward(tmp_path, monkeypatch, module: str, rows_per_step: int, change: str) -> None:
+    """`module:reward`: each completion's length, with `change` applied to the second step's rows."""
+    (tmp_path / f"{module}.py").write_text(
         "seen = 0\n"
         "def reward(prompts, completions):\n"
         "    global seen\n"
         "    out = [float(len(c)) for c in completions]\n"
-        "    if 16 <= seen < 32:\n"
-        "        out[0] = float('nan')\n"
+        f"    if {rows_per_step} <= seen < {2 * rows_per_step}:\n"
+        f"        {change}\n"
         "    seen += len(completions)\n"
         "    return out\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_one_nan_reward_does_not_poison_running_normalisation(tmp_path, monkeypatch):
+    """Step 2's rewards hold a NaN: that step is skipped, and steps 3 and 4 train (running moments untouched)."""
+    _second_step_reward(tmp_path, monkeypatch, "one_nan", 16, "out[0] = float('nan')")
     out = tmp_path / "run"
     assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "reward.function=one_nan:reward",
                  "reward.normalize=running", "max_steps=4", "max_bad_steps=2", *FAST]) == 0
@@ -350,16 +355,7 @@ def test_a_skipped_step_leaves_no_trace_in_the_running_moments(tmp_path, monkeyp
     """Step 2's rewards are finite but overflow the running moments (3e38 · 4 rows: its mean is inf), so its shaped
     scores and advantages are not: the step is skipped, and the moments stay as step 1 left them, so steps 3 and 4
     train. Updating the moments before the advantages were checked poisoned every later step."""
-    (tmp_path / "huge.py").write_text(
-        "seen = 0\n"
-        "def reward(prompts, completions):\n"
-        "    global seen\n"
-        "    out = [float(len(c)) for c in completions]\n"
-        "    if 4 <= seen < 8:\n"
-        "        out = [3e38] * len(completions)\n"
-        "    seen += len(completions)\n"
-        "    return out\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _second_step_reward(tmp_path, monkeypatch, "huge", 4, "out = [3e38] * len(completions)")
     out = tmp_path / "run"
     assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "reward.function=huge:reward",
                  "reward.normalize=running", "max_steps=4", "max_bad_steps=2", "generation.num_samples=2",
