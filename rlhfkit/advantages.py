@@ -125,7 +125,7 @@ def per_token_rewards(
 
     Args:
         scores: (B,) sequence-level scores.
-        kl: (B, R) per-token KL estimate (usually `ops.kl_penalty(logprobs, ref_logprobs, "k1")`).
+        kl: (B, R) per-token KL estimate (usually `kl.token_kl(logprobs, ref_logprobs, mask)`).
         response_mask: (B, R) valid response tokens.
         kl_coef: β ≥ 0.
 

@@ -7,7 +7,7 @@ an estimator in `rlhfkit.advantages` if it needs a new one). Clip ranges, β and
 KL placement:
   - kl_in_reward: -β·k1 at every token of the per-token reward (`advantages.per_token_rewards`), the RLHF recipe of
     Ziegler et al. 2019 (arXiv 1909.08593); PPO, RLOO, REINFORCE++.
-  - kl_in_loss: +β·k3 added to the per-token policy loss (`ops.kl_penalty(..., "k3")`), GRPO's recipe (Shao et al.
+  - kl_in_loss: +β·k3 added to the per-token policy loss (`kl.kl_penalty(..., "k3")`), GRPO's recipe (Shao et al.
     2024, arXiv 2402.03300, eq. 3-4).
   - neither: no KL term and no reference model (DAPO, Dr. GRPO).
 

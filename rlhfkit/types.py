@@ -204,21 +204,21 @@ class Rollout(_TensorBatch):
 class Experience(_TensorBatch):
     """One online step's rollout with everything its updates read (rows as in `Rollout`).
 
-    Built once, by `trainers.experience.make_experience`, and never changed; `select` gives a minibatch.
+    Built once, by `trainers.experience.ExperienceMaker.make`, and never changed; `select` gives a minibatch.
     """
 
     rollout: Rollout
     # no-grad forwards, without dropout, of the weights that sampled
-    # (B, R) fp32 log π_old of the response tokens, 0 on padding. None until the update when one pass is made over the
+    # (B, R) fp32 log π_old of the policy's tokens (the rollout's action mask), 0 elsewhere. None until the update when one pass is made over the
     # experience and no KL is in the reward: π_old is then the update forward's own (detached) log-probs.
     old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None  # (B, R) log π_ref; None for methods without a reference
-    values: torch.Tensor | None  # (B, R) critic values V(s_t); None without a critic
+    ref_logprobs: torch.Tensor | None  # (B, R) log π_ref, 0 off the action mask; None without a reference
+    values: torch.Tensor | None  # (B, R) critic values V(s_t) at the policy's tokens; None without a critic
     # the learning signal
     scores: torch.Tensor  # (B,) raw rewards (before the EOS penalty and normalisation)
     shaped_scores: torch.Tensor  # (B,) after the EOS penalty, normalisation and clipping: what the advantages see
-    kl: torch.Tensor | None  # (B,) sequence KL to the reference, Σ_t k1; None without a reference
-    advantages: torch.Tensor  # (B, R), 0 on padding
+    kl: torch.Tensor | None  # (B,) sequence KL to the reference, Σ_t k1 over the policy's tokens; None without one
+    advantages: torch.Tensor  # (B, R), 0 off the action mask
     returns: torch.Tensor  # (B, R) the critic's targets
     loss_mask: torch.Tensor  # (B, R) float: the tokens that take a loss (`advantages.loss_mask`)
 

@@ -46,7 +46,7 @@ def test_reward_function_loading_errors():
 
 
 def test_experience_and_rollout_are_frozen_and_select_and_trim_make_copies():
-    """Nothing changes an experience after `make_experience`: its fields cannot be reassigned; `select` and `trimmed`
+    """Nothing changes an experience after `ExperienceMaker.make`: its fields cannot be reassigned; `select` and `trimmed`
     give new objects with the rows and the response columns asked for."""
     import dataclasses
 
