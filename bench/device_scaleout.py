@@ -2,7 +2,7 @@
 `accelerate launch --config_file configs/accelerate/<fsdp|fsdp2|zero2|zero3>.yaml --num_processes 1`, each compared
 with the same run without accelerate; prints one PASS / FAIL / SKIP line per run and writes a summary.
 
-For the device machine (README: Several processes, GPUs and machines), from the repository root:
+For the device machine (docs/distributed.md), from the repository root:
 
     python3 bench/device_scaleout.py --out "$OUT"      # about 3-4 minutes; runs 4 at a time on the one GPU
 
@@ -28,7 +28,7 @@ and save through the same code as on N GPUs, but every collective is between one
 communication — 2 processes with real collectives are tested on CPU (tests/multiprocess/test_sharded_engines.py).
 
 One backward per optimizer step (per_device_batch_size = the minibatch), as when this was written; several are one
-DeepSpeed step now (README).
+DeepSpeed step now (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["logging.progress_bar=false", "optim.adam_eps=1e-4", "max_steps=3"]
 GRPO = ["grpo", "--config", "configs/grpo_tiny.yaml", "optim.per_device_batch_size=16", "generation.max_new_tokens=8"]
 # PPO with a separate critic (no LoRA): under DeepSpeed the policy and critic are prepared as one module, under FSDP1
-# they are two sharded models; the LoRA critic is refused under both (README).
+# they are two sharded models; the LoRA critic is refused under both (docs/distributed.md).
 PPO_FULL = ["ppo", "--config", "configs/ppo_tiny.yaml", "algo.num_minibatches=1", "optim.per_device_batch_size=16",
             "generation.max_new_tokens=8"]
 DPO = ["dpo", "--config", "configs/dpo_tiny.yaml"]  # a separate frozen reference (no LoRA)

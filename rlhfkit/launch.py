@@ -30,7 +30,7 @@ logger = logging.getLogger("rlhfkit")
 HOW_TO_LAUNCH = (
     "launch on CPU with `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m rlhfkit.cli <stage> ...`, on GPUs with "
     "`accelerate launch --config_file configs/accelerate/multi_gpu.yaml --num_processes N -m rlhfkit.cli <stage> ...` "
-    "(README: Several processes, GPUs and machines)"
+    "(docs/distributed.md: Several processes and machines)"
 )
 
 # Variables in which a launcher states how many processes it started; the first one present decides.

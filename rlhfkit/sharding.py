@@ -29,7 +29,7 @@ and the frozen models need once each process holds only a slice of every weight.
    between processes (evaluation shares, RFT's sampling batches) give the short processes filler batches
    (`OfflineTrainer.eval_chunks`, `RFTTrainer.best_of_n`).
 
-accelerate 1.15 runs none of these engines on CPU by itself (see the README's table): FSDP needs a GPU-type device
+accelerate 1.15 runs none of these engines on CPU by itself (see the table in docs/distributed.md): FSDP needs a GPU-type device
 (`AcceleratorState` picks FSDP only for GPU-like multi-device types; its FSDP1 plugin with `sync_module_states`
 raises "There are currently no available devices found"), and with `ACCELERATE_USE_CPU` DeepSpeed is ignored; on
 several CPU processes without it accelerate finds no backend and runs each process alone (one process runs:

@@ -78,7 +78,7 @@ def test_frozen_model_in_a_zero3_inference_engine(results):
 # micro-batch size handed to accelerate, models built already partitioned (zero3_init_flag), sampling from the
 # gathered policy, a frozen reference in a ZeRO-3 inference engine, the final model saved whole — against the same run
 # without accelerate. stage3_param_persistence_threshold 0 partitions even the tiny model's weights (by default
-# DeepSpeed keeps tensors under 100k elements whole). One backward per optimizer step: see the README on DeepSpeed and
+# DeepSpeed keeps tensors under 100k elements whole). One backward per optimizer step: see docs/distributed.md on DeepSpeed and
 # gradient accumulation.
 DS_CONFIG = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
              "gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

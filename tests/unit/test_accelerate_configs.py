@@ -1,6 +1,6 @@
 """configs/accelerate/*.yaml go through accelerate's own config loader and launch preparation — the steps
 `accelerate launch --config_file FILE` takes before it starts any process — and set what their comments promise.
-No process starts and no GPU is needed; whether training runs under them is another matter (README's table)."""
+No process starts and no GPU is needed; whether training runs under them is another matter (the table in docs/distributed.md)."""
 
 import glob
 import os

@@ -45,7 +45,7 @@ def test_record_stamps_date_machine_and_commit(tmp_path):
                           command="python bench/example.py", notes=["A note."], directory=str(tmp_path))
     data = json.loads((tmp_path / "example.json").read_text())
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    assert data["commit"].split("+")[0] == head and f"{os.cpu_count()} CPU cores" in data["machine"]
+    assert data["commit"].split("+")[0] == head and f"{os.cpu_count()} CPU cores (load average " in data["machine"]
     assert open(path, encoding="utf-8").read().splitlines()[2:6] == [
         "| stage | s/step |", "|---|---|", "| sft | 0.056 |", "| dpo | 0.155 |"]
     with pytest.raises(ValueError, match="every row needs 2 cells"):
@@ -64,3 +64,14 @@ def test_every_benchmark_writes_its_table():
     scripts = [p for p in glob.glob(os.path.join(ROOT, "bench", "*.py")) if os.path.basename(p) != "results.py"]
     silent = [os.path.basename(p) for p in scripts if "record(" not in open(p, encoding="utf-8").read()]
     assert not silent, f"these benchmarks write no table through bench/results.py's record(): {silent}"
+
+
+def test_the_readme_states_only_measured_figures():
+    """The front page's headline figures are copies: each must be in a table of docs/results/ (rerun, then copy)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
+    data = "".join(open(p, encoding="utf-8").read() for p in committed_results())
+    figures = re.findall(r"\d+\.\d+|\d+(?=\s?(?:%|×| s\b| MB))", section)
+    assert len(figures) >= 10
+    missing = [x for x in figures if x not in data]
+    assert not missing, f"README.md's Measured section states figures no docs/results/ table holds: {missing}"

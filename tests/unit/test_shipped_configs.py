@@ -1,5 +1,5 @@
 """Every shipped config under configs/ loads with its stage's validation (`rlhfkit.stages.stage_config`), and every
-reward function it names (reward.function, reward.gold_function, eval judges) imports: a recipe in the README runs."""
+reward function it names (reward.function, reward.gold_function, eval judges) imports: a recipe the docs show runs."""
 
 import glob
 import os
