@@ -1,9 +1,9 @@
-"""The agent demo's task (`rlhfkit.tasks.agent`): its data, the exact-answer reward on TRL-shaped episodes, and the
-held-out figures, by hand."""
+"""The agent demo's task (`rlhfkit.tasks.agent`): its data and the exact-answer reward on TRL-shaped episodes, by hand
+(its held-out figures are `rlhfkit.evaluation.agent`'s, tested there)."""
 
 from rlhfkit import templates
 from rlhfkit.model_sources import build_tiny_tokenizer
-from rlhfkit.tasks.agent import agent_figures, exact_answer, final_answer, make_splits, multiply, tool_schemas
+from rlhfkit.tasks.agent import exact_answer, final_answer, make_splits, multiply, tool_schemas
 
 
 def call(a, b):
@@ -26,16 +26,6 @@ def test_exact_answer_rewards_the_right_final_answer_only():
              {"role": "assistant", "content": "The answer is 132."}]
     copied_the_factor = [{"role": "assistant", "content": "The answer is 12."}]
     assert exact_answer([], [right, copied_the_factor, right[:1]], ["132", "132", "132"]) == [1.0, 0.0, 0.0]
-
-
-def test_agent_figures_by_hand():
-    done = [{"role": "assistant", "content": "The answer is 6."}]
-    wrong = [{"role": "assistant", "content": "The answer is 7."}]
-    figures = agent_figures([done, wrong, done, wrong], ["6", "6", "6", "6"], malformed=[0, 1, 0, 2],
-                            turns=[1, 2, 2, 3], calls=[0, 1, 1, 0])
-    # 2 of 4 right; 3 malformed calls in 8 turns; 2 calls and 8 turns over 4 episodes
-    assert figures == {"task_completion": 0.5, "format_accuracy": 1 - 3 / 8, "calls_per_episode": 0.5,
-                       "turns_per_episode": 2.0}
 
 
 def test_splits_are_disjoint_correct_and_render_with_the_tool():
