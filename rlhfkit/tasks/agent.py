@@ -148,6 +148,7 @@ class AgentSize:
     grpo_batch: int = 4  # prompts per step
     num_samples: int = 4  # episodes per prompt (GRPO's group)
     grpo_lr: float = 3e-4
+    kl_coef: float = 0.0
     eval_prompts: int = 24
     # The whole completion: the call (~35 tokens: a digit is a token), the tool result and header (~25), the answer
     max_new_tokens: int = 96
@@ -220,6 +221,8 @@ class AgentDemo:
             result = out if name == "eval" else result
         self.timings["total"] = time.time() - t_start
         result["timings_s"] = self.timings
+        if from_stage != "prompts":
+            result["from_stage"] = from_stage  # the earlier stages' outputs (and times) are a previous run's
         atomic_write_text(self.path("eval.json"), json.dumps(result, indent=2))
         print(format_table(result["methods"]))
         return result
@@ -250,7 +253,7 @@ class AgentDemo:
             "output_dir": self.path("grpo"), "max_steps": s.grpo_steps, "tools.functions": [f"{__name__}:multiply"],
             "tools.max_calls": 2, "tools.timeout_s": 5.0, "reward.function": f"{__name__}:exact_answer",
             "generation.max_new_tokens": s.max_new_tokens, "generation.temperature": 1.0,
-            "generation.num_samples": s.num_samples, "kl.coef": 0.0, "algo.algorithm": "grpo",
+            "generation.num_samples": s.num_samples, "kl.coef": s.kl_coef, "algo.algorithm": "grpo",
             "algo.rollout_batch_size": s.grpo_batch, "algo.ppo_epochs": 1, "algo.num_minibatches": 2,
             "optim.lr": s.grpo_lr, "optim.per_device_batch_size": s.grpo_batch * s.num_samples // 2})
 
