@@ -64,7 +64,11 @@ if __name__ == "__main__":
     write_splits(sys.argv[1] if len(sys.argv) > 1 else "data/tiny")
 
 
-def vowel_reward(prompts: list[str], completions: list[str]) -> list[float]:
+def vowel_reward(prompts: list, completions: list) -> list[float]:
     """A reward a random tiny model can learn within seconds: the fraction of the response that is a vowel
-    (the `*_tiny.yaml` online RL configs use it through `reward.function: rlhfkit.tasks.toy:vowel_reward`)."""
-    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+    (the `*_tiny.yaml` online RL configs use it through `reward.function: rlhfkit.tasks.toy:vowel_reward`). A
+    conversational completion (a message list: an episode with tools) counts the text of all its messages."""
+    from rlhfkit.reward_functions import completion_text
+
+    texts = [completion_text(c) for c in completions]
+    return [sum(ch in "aeiou" for ch in text) / max(len(text), 1) for text in texts]

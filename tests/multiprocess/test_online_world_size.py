@@ -69,7 +69,10 @@ COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/l
                 "kl.controller=adaptive"]),
     ("grpo", 8, ["algo.num_minibatches=1", "data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # PPO-ptx
     ("online_dpo", 4, ["data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # micro-batches of pairs
-], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx"])
+    # the multi-turn tool loop as the rollout component (its episodes seeded per prompt as the single-turn ones)
+    ("grpo", 8, ["algo.num_minibatches=1", "model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]",
+                 "tools.max_calls=2"]),
+], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx", "grpo-tools"])
 def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     common = ["--config", f"configs/{stage}_tiny.yaml", "max_steps=3", "logging.progress_bar=false", "optim.lr=1e-2", "optim.adam_eps=1e-4",
               "generation.max_new_tokens=8", *extra]

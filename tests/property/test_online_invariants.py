@@ -30,7 +30,9 @@ def test_lr_zero_first_epoch_has_ratio_one(stage, tmp_path):
     assert metrics(out)[-1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "model.lora.r=4"]], ids=["full", "lora-shared-critic"])
+@pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "model.lora.r=4"],
+                                   ["model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]"]],
+                         ids=["full", "lora-shared-critic", "tools"])
 def test_resume_reproduces_final_metrics(extra, tmp_path):
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=4", "logging.save_steps=2", "logging.progress_bar=false",
             "algo.rollout_batch_size=4", "optim.per_device_batch_size=2", *extra]
