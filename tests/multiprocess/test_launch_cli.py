@@ -5,6 +5,7 @@ the same global batch, with metrics.jsonl written once."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,7 +32,10 @@ def env(**extra):
 
 
 def errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("rlhfkit: error:")]
+    """The `rlhfkit: error:` lines the processes wrote. accelerate launch (1.16) repeats the tail of its child's stderr
+    in a RuntimeError it raises after it (then its traceback): only what comes before is the child's."""
+    written = re.split(r"^(?:Traceback \(most recent call last\):|RuntimeError: )", stderr, maxsplit=1, flags=re.M)[0]
+    return [line for line in written.splitlines() if line.startswith("rlhfkit: error:")]
 
 
 def free_port() -> int:

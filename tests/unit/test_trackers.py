@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -438,6 +439,8 @@ def test_a_run_that_fails_closes_its_trackers_so_a_resume_in_the_same_process_is
         run_stage("grpo", "configs/grpo_tiny.yaml", args + ["max_steps=4"], callbacks=[Boom()])
     run_stage("grpo", "configs/grpo_tiny.yaml", args + ["max_steps=4", "resume=true"])
     first, second = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
-    assert first.rsplit("-", 1)[1] == second.rsplit("-", 1)[1]  # one W&B run, continued
+    # offline-run-<date>_<time>-<run id>, with "-<n>" appended by W&B when a directory of that name exists already
+    run_id = lambda d: re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", os.path.basename(d)).group(1)  # noqa: E731
+    assert run_id(first) == run_id(second)  # one W&B run, continued
     steps = [sorted({row["_step"] for row in _wandb_history(d) if "objective/scores" in row}) for d in (first, second)]
     assert steps == [[1, 2], [3, 4]]  # step 3 raised before it was logged
