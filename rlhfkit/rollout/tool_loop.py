@@ -90,6 +90,7 @@ class ToolLoop:
 
     @torch.no_grad()
     def __call__(self, policy, prompts: PromptBatch, examples: list[dict], step: int) -> Rollout | None:
+        check_attention(policy)
         k = self.params.num_samples
         episodes = self.start([e for e in examples for _ in range(k)])
         seeds = prompt_seeds(self.seed, step, prompts, self.params.seed_per_prompt)
@@ -280,6 +281,28 @@ def check_tool_template(tokenizer, toolbox: Toolbox) -> None:
         with_tools = tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False, add_generation_prompt=True)
         if with_tools == tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True):
             raise UserError(f"tools: the tokenizer's chat template ignores tools (it renders none of their schemas); {fix}")
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of a model's sliding-window attention layers (Mistral's, Gemma 2's alternate layers, Qwen2's with
+    `use_sliding_window`), or None when every layer attends to the whole sequence."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    return None if not window or (types is not None and "sliding_attention" not in types) else int(window)
+
+
+def check_attention(policy) -> None:
+    """A one-line UserError for a policy with sliding-window attention: transformers counts the window in cache
+    columns, and a row's columns here include the masked ones of other rows' longer turns and chunks, so inside the
+    window they would displace real tokens and the sampled log-probs would not be the trainer's (see
+    tests/unit/test_tool_loop_sliding_window.py)."""
+    config = getattr(policy, "config", None)
+    window = sliding_window_of(config)
+    if window is not None:
+        raise UserError(f"tools: the policy ({config.model_type}) uses sliding-window attention ({window} tokens), "
+                        "which the tool loop's KV cache, shared by the episodes across turns, cannot keep exact; use a "
+                        "model without one (for Mistral, sliding_window: null in its config.json, as v0.2 and later ship)")
 
 
 class Session:
