@@ -220,11 +220,47 @@ class Toolbox:
         if not self.names and self.environments is None:
             raise UserError("no tools: give tools=[functions] or an environment_factory")
 
-    def episode_tools(self, environment=None, name=None) -> dict[str, Tool]:
-        """The standalone tools, plus the methods of the episode's own `environment` (of environment `name`)."""
-        if environment is None:
-            return self.functions
-        return {**self.functions, **self.environments.tools_of(environment, name)}
+    def episode_tools(self, environment=None, name=None, listed: list[dict] | None = None) -> dict[str, Tool]:
+        """The standalone tools, plus the methods of the episode's own `environment` (of environment `name`); only
+        those its record's `tools` column names when it has one (`listed`, JSON schemas)."""
+        tools = self.functions if environment is None else {**self.functions, **self.environments.tools_of(environment, name)}
+        if listed is None:
+            return tools
+        names = {schema_name(schema) for schema in listed}
+        return {n: tool for n, tool in tools.items() if n in names}
+
+    def row_problem(self, listed: list[dict], environment=None) -> str | None:
+        """Why a record whose `tools` column is `listed` cannot be played, or None. Its episode may call only tools of
+        this run (so a schema names a standalone tool or a method of the record's environment: `environment`, its
+        key in a dict of factories) with the parameters the function takes, since what the record shows the model is
+        what the model will call."""
+        envs = self.environments
+        own = {**self.functions, **(envs.methods.get(environment if envs.routed else None, {}) if envs else {})}
+        for j, schema in enumerate(listed):
+            name = schema_name(schema)
+            if name is None:
+                return f"field 'tools' item {j} names no function (expected {{type: function, function: {{name, ...}}}})"
+            if name not in own:
+                homes = [key for key, methods in (envs.methods.items() if envs else ()) if name in methods]
+                if homes:
+                    return (f"field 'tools' names '{name}', a method of environment '{homes[0]}', which is not this "
+                            f"record's (its environment column: {environment!r})")
+                return (f"field 'tools' names '{name}', which is not one of the run's tools ({', '.join(self.names)}): "
+                        "register it (tools.functions, or tools= in Python); only registered functions run")
+            given = list((schema.get("function", schema).get("parameters") or {}).get("properties") or {})
+            takes = list(own[name].parameters.get("properties") or {})
+            if set(given) != set(takes):
+                return (f"field 'tools' describes '{name}' with parameters ({', '.join(given)}), but the registered "
+                        f"{name} takes ({', '.join(takes)})")
+        return None
+
+
+def schema_name(schema) -> str | None:
+    """The function a JSON schema describes: {"type": "function", "function": {"name", ...}}, or the bare
+    {"name", ...}; None when it names none."""
+    inner = schema.get("function", schema) if isinstance(schema, dict) else None
+    name = inner.get("name") if isinstance(inner, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def _await(value):

@@ -64,6 +64,8 @@ class PromptExample(TypedDict):
     # Every other field of the record (all but "prompt" and "messages", e.g. a reference "answer" or test cases),
     # for reward functions (`rewards.Rewards`); a value JSON cannot hold (a timestamp, bytes) arrives as its str().
     columns: dict
+    tools: list[dict] | None  # the record's `tools` column, parsed (JSON schemas), or None without one
+    record: int  # the record's 0-based index among its source's loaded records, for errors found after tokenising
 
 
 Example = SFTExample | PreferenceExample | UnpairedExample | PromptExample
@@ -136,7 +138,8 @@ def _features(kind: str) -> datasets.Features:
         "preference": {"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids, "chosen_action_mask": mask,
                        "rejected_action_mask": mask, "margin": Value("float64")},
         "unpaired": {"prompt_ids": ids, "completion_ids": ids, "completion_action_mask": mask, "desirable": Value("bool")},
-        "prompt": {"prompt_ids": ids, "prompt": Value("string"), "columns": Value("string")},  # JSON text
+        "prompt": {"prompt_ids": ids, "prompt": Value("string"), "columns": Value("string"),  # JSON text
+                   "tools": Value("string"), "record": Value("int64")},
     }[kind]
     flags = dict(zip(_FLAGS, (Value("bool"), Value("bool"), Value("int8"), Value("bool"))))
     return Features({**columns, **flags})
@@ -179,7 +182,7 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
 
     if kind == "prompt":  # prompt and columns as JSON text: one Arrow type per column, whatever the records hold
         columns = {"prompt_ids": fit_prompt(encoder.prompt(example, where)), "prompt": json.dumps(example.prompt),
-                   "columns": json.dumps(example.columns, default=str)}
+                   "columns": json.dumps(example.columns, default=str), "tools": json.dumps(example.tools), "record": i}
     elif example.text is not None:  # SFT language modelling: every token takes the loss
         input_ids = encoder.text(example.text)
         columns = _fit_sequence(input_ids, list(input_ids), cfg.max_length, flags)
@@ -242,7 +245,8 @@ def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Exam
     examples = [dict(zip(names, values)) for values, reason in zip(zip(*(table[n] for n in names)), dropped) if reason == _KEPT]
     if kind == "prompt":
         for example in examples:
-            example["prompt"], example["columns"] = json.loads(example["prompt"]), json.loads(example["columns"])
+            for name in ("prompt", "columns", "tools"):
+                example[name] = json.loads(example[name])
     if not examples:
         raise DataError(f"{source}: every record was dropped ({stats.summary(source)})")
     return examples, stats

@@ -47,6 +47,7 @@ from rlhfkit.launch import distributed_state, log_launch
 from rlhfkit.models import load_causal_lm, load_tokenizer, rollout_logprobs
 from rlhfkit.reward_functions import RewardFunction, RewardLogs, extra_columns, load_reward_function, trainer_state
 from rlhfkit.rewards import EnsembleSource, as_list, load_reward_model_source, reduce_ensemble, reward_inputs
+from rlhfkit.rollout.maker import check_row_tools
 from rlhfkit.types import Rollout, Rows, ToolCounts
 
 logger = logging.getLogger("rlhfkit")
@@ -366,6 +367,7 @@ class Evaluator:
         agent = AgentOptions(load_format_check(cfg.agent.format_check), cfg.agent.task_judge, cfg.agent.task_threshold)
         agent.check_judge(judges)
         rollout = tool_rollout(cfg, tokenizer)  # None without tools: one turn from `generate`
+        check_row_tools(rollout.toolbox if rollout else None, prompts, cfg.data.eval)
         if cfg.red_team.prompts or cfg.red_team.human_flags:
             self.red_team = RedTeam(cfg.red_team, cfg.model.name_or_path, cfg.reference, device, cfg.batch_size)
         # 2. The models, then the evaluation itself.

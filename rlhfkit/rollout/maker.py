@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlhfkit.errors import DataError
 from rlhfkit.rollout import RolloutMaker
 from rlhfkit.rollout.single_turn import SingleTurn
 from rlhfkit.tools import Toolbox, import_ref
@@ -46,3 +47,17 @@ def environment_rewards(objects) -> list:
     1), for `rewards.Rewards(environment_rewards=...)`; empty without environments."""
     box = objects.toolbox if objects is not None else None
     return box.environments.reward_functions() if box is not None and box.environments is not None else []
+
+
+def check_row_tools(toolbox: Toolbox | None, examples: list[dict], source: str) -> None:
+    """Refuses at start, in one line naming `source` and the record, a prompt record whose own `tools` column its
+    episode could not play (`Toolbox.row_problem`: a function that is not registered, or is described with other
+    parameters). `examples`: the prompt examples read from `source` (`data.build_datasets("prompt", ...)`). Without
+    tools there is nothing to check: a single turn shows the record's tools as the data layer rendered them."""
+    if toolbox is None:
+        return
+    for example in examples:
+        if example.get("tools") is not None:
+            why = toolbox.row_problem(example["tools"], example["columns"].get("environment"))
+            if why is not None:
+                raise DataError(f"{source} record {example['record']}: {why}")

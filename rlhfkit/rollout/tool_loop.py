@@ -114,14 +114,16 @@ class ToolLoop:
         fields = [{"prompt": r["prompt"], **r.get("columns", {})} for r in rows]
         envs = self.toolbox.environments.take(fields) if self.toolbox.environments else [(None, None)] * len(rows)
         episodes = []
-        for row, (name, env) in zip(fields, envs):
+        for listed, row, (name, env) in zip([r.get("tools") for r in rows], fields, envs):
             messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
             if env is not None:
                 observation = env.reset(**self.toolbox.environments.reset_arguments(row))
                 if isinstance(observation, str):
                     messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
-            tools = self.toolbox.episode_tools(env, name)
-            schemas = [t.schema for t in tools.values()] or None  # None: some templates render boilerplate for []
+            # A record's own `tools` column: only the tools it names, shown as it describes them (as SFT shows it).
+            # None, not []: some templates render boilerplate for [].
+            tools = self.toolbox.episode_tools(env, name, listed)
+            schemas = (listed if listed is not None else [t.schema for t in tools.values()]) or None
             ids = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
             episodes.append(Episode(list(ids), tools, schemas, env, name))

@@ -281,7 +281,8 @@ def test_no_chat_template_text_and_messages(plain_tok, caplog):
 
 def test_prompt_kind_drops_a_final_assistant_turn(tok):
     (ex,), _ = tokenize([{"messages": MSGS}], "prompt", tok)
-    assert ex == {"prompt_ids": ids(tok, chat(tok, MSGS[:1], True)), "prompt": MSGS[:1], "columns": {}}
+    assert ex == {"prompt_ids": ids(tok, chat(tok, MSGS[:1], True)), "prompt": MSGS[:1], "columns": {}, "tools": None,
+                  "record": 0}
 
 
 def test_prefix_unstable_template_is_an_error():
@@ -425,8 +426,8 @@ def test_prompt_examples_carry_the_original_prompt_and_every_other_column(tmp_pa
     cfg = DataConfig(train=write_jsonl(tmp_path / "p.jsonl", records), max_length=64, max_prompt_length=32)
     (a, b), _ = build_datasets("prompt", cfg, tok, seed=0)
     assert a == {"prompt_ids": ids(tok, chat(tok, [{"role": "user", "content": "3+4="}], True)), "prompt": "3+4=",
-                 "columns": {"answer": "7", "tests": [1, 2]}}
-    assert b["prompt"] == "5+5=" and b["columns"] == {"answer": "10"}
+                 "columns": {"answer": "7", "tests": [1, 2]}, "tools": None, "record": 0}
+    assert b["prompt"] == "5+5=" and b["columns"] == {"answer": "10"} and b["record"] == 1
     assert collate_prompts([a, b], tok.pad_token_id).input_ids.shape == (2, len(a["prompt_ids"]))
 
 
@@ -491,17 +492,20 @@ SETTINGS = {"wide": {"max_length": 256, "max_prompt_length": 128}, "tight": {"ma
 
 
 def digest(examples, stats) -> str:
-    """The digest of the examples without their action masks (added after the digests were recorded), which are all
-    ones on these records: none has a tool turn."""
+    """The digest of the examples without the fields added after the digests were recorded: their action masks, all
+    ones on these records (none has a tool turn), and a prompt example's parsed `tools` (None: none has the column)
+    and record number (its position: none is dropped)."""
     import dataclasses
     import hashlib
 
     masks = ("chosen_action_mask", "rejected_action_mask", "completion_action_mask")
-    for e in examples:
+    for i, e in enumerate(examples):
         for name in masks:
             if name in e:
                 assert e[name] == [1] * len(e[name.replace("action_mask", "ids")])
-    examples = [{k: v for k, v in e.items() if k not in masks} for e in examples]
+        if "record" in e:
+            assert e["tools"] is None and e["record"] == i
+    examples = [{k: v for k, v in e.items() if k not in (*masks, "tools", "record")} for e in examples]
     return hashlib.sha256(json.dumps([examples, dataclasses.asdict(stats)], sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -661,7 +665,8 @@ def test_conversational_prompt_completion_for_sft_kto_and_prompts(tok):
     (kto,), _ = tokenize([{"prompt": prompt, "completion": completion, "label": False}], "unpaired", tok)
     assert kto["prompt_ids"] + kto["completion_ids"] == sft["input_ids"] and kto["desirable"] is False
     (online,), _ = tokenize([{"prompt": prompt, "completion": completion}], "prompt", tok)
-    assert online == {"prompt_ids": ids(tok, chat(tok, prompt, True)), "prompt": prompt, "columns": {"completion": completion}}
+    assert online == {"prompt_ids": ids(tok, chat(tok, prompt, True)), "prompt": prompt, "columns": {"completion": completion},
+                      "tools": None, "record": 0}
 
 
 def test_conversational_implicit_prompt_pairs_take_the_shared_turns_as_prompt(tok):

@@ -111,12 +111,14 @@ def test_implicit_prompt_pairs_with_tool_turns_and_unpaired(tok):
 
 def test_prompt_records_render_their_tools(tok, tmp_path):
     """A prompt record's tools column is rendered in its prompt (a JSON string as a list), and stays one of the
-    columns reward functions receive, as TRL passes it."""
+    columns reward functions receive, as TRL passes it; the example keeps it parsed (`tools`, which the tool loop
+    renders) and the record's number (for errors found later)."""
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": [USER], "tools": json.dumps([ADD])}) + "\n" + json.dumps({"prompt": [USER]}) + "\n")
     (first, second), _ = build_datasets("prompt", DataConfig(train=str(path), max_prompt_length=1024), tok, 0)
     assert first["prompt_ids"] == spans(tok, (system_turn(tok) + PROMPT, False))[0]
     assert first["columns"] == {"tools": json.dumps([ADD])}
+    assert (first["tools"], first["record"], second["tools"], second["record"]) == ([ADD], 0, None, 1)
     assert second["prompt_ids"] == spans(tok, (PROMPT, False))[0]
 
 

@@ -1,0 +1,124 @@
+"""A prompt record's own `tools` column in the online tool loop: the subset of the run's registered tools that its
+episode sees (rendered with the record's schemas) and may call; a call of any other tool is malformed and never runs.
+A record naming a function that is not registered, or describing one with other parameters, is refused at start
+(`rollout.maker.check_row_tools`). The tiny model, the bundled chatml_tools template and the scripted policy of
+`test_tool_loop`."""
+
+import json
+
+import pytest
+import torch
+
+from rlhfkit.config import GenerationConfig
+from rlhfkit.errors import DataError
+from rlhfkit.rollout.maker import check_row_tools
+from rlhfkit.rollout.tool_loop import ToolLoop
+from rlhfkit.tools import Toolbox
+from rlhfkit.types import PromptBatch
+from tests.scripted import Scripted
+from tests.smoke.agent_tools import add, recording
+from tests.unit.test_tool_loop import BIAS, END, call, ids, row, script, tiny, tool_turn  # noqa: F401 (tiny: fixture)
+
+# A record's schema of `add`, in its own words (a dataset's description, not the function's docstring).
+ROW_ADD = {"type": "function", "function": {"name": "add", "description": "Sum of a and b.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+NOTE = {"type": "function", "function": {"name": "note", "description": "Note it.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+# chatml_tools's system turn around the schemas, written out by hand.
+TOOLS_OPEN = ("<|im_start|>system\n# Tools\n\nYou can call these functions; their JSON schemas are between <tools> and "
+              "</tools>:\n<tools>\n")
+TOOLS_CLOSE = ("\n</tools>\n\nTo call a function, write its name and arguments as one JSON object between <tool_call> "
+               "and </tool_call>:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
+               "</tool_call><|im_end|>\n")
+
+
+def play(tiny, rows, box):
+    """Plays `rows` ((prompt text, the record's tools or None)) as one batch of episodes, scripted."""
+    model, tok = tiny
+    loop = ToolLoop(tok, GenerationConfig(max_new_tokens=400, top_k=1), 0, box, 3, 2.0, 100)
+    examples = [{"prompt": p, "columns": {} if t is None else {"tools": json.dumps(t)}, "tools": t} for p, t in rows]
+    batch = PromptBatch(torch.zeros(len(rows), 1, dtype=torch.long), torch.ones(len(rows), 1, dtype=torch.long))
+    return loop(Scripted(model, tok, script, BIAS), batch, examples, 0)
+
+
+def test_a_records_tools_are_the_episodes_tools(tiny):
+    """Row 0 lists add in its own words: rendered with that schema only, its add call runs, its note call does not.
+    Row 1 has no tools column: every registered tool, as the functions describe themselves. Row 2 lists none: no
+    tools rendered, and its call is malformed. Only row 1's note call runs."""
+    _, tok = tiny
+    ran = []
+    note = recording(ran)
+    box = Toolbox([add, note])
+    ro = play(tiny, [("raw " + call("add", a=2, b=3)[:-len(END)] + call("note", x=1)[:-len(END)], [ROW_ADD]),
+                     ("raw " + call("note", x=7)[:-len(END)], None)], box)
+    alone = play(tiny, [("raw " + call("note", x=9)[:-len(END)], [])], box)  # (a prompt without a system turn)
+    prompts = [tok.decode(p[m.bool()]) for p, m in zip(ro.prompt_ids, ro.prompt_mask)] + [tok.decode(alone.prompt_ids[0])]
+    user = lambda text: f"<|im_start|>user\nraw {text}<|im_end|>\n<|im_start|>assistant\n"  # noqa: E731
+    assert prompts[0] == TOOLS_OPEN + json.dumps(ROW_ADD) + TOOLS_CLOSE + user(
+        call("add", a=2, b=3)[:-len(END)] + call("note", x=1)[:-len(END)])
+    schemas = "\n".join(json.dumps(box.functions[n].schema) for n in ("add", "note"))
+    assert prompts[1] == TOOLS_OPEN + schemas + TOOLS_CLOSE + user(call("note", x=7)[:-len(END)])
+    assert prompts[2] == user(call("note", x=9)[:-len(END)])
+    assert ran == [7]  # note ran for row 1 only
+    assert ro.tools.calls.tolist() == [1, 1] and ro.tools.malformed.tolist() == [1, 0]
+    assert ro.tools.failures.tolist() == [0, 0] and ro.tools.per_tool.tolist() == [[1, 0], [0, 1]]
+    assert (alone.tools.calls.tolist(), alone.tools.malformed.tolist()) == ([0], [1])
+    assert [m for m in ro.completions[0] if m["role"] == "tool"] == [
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "note", "content": str({"error": "unknown tool 'note' (tools: add)"})}]
+    assert alone.completions[0][1] == {"role": "tool", "name": "note",
+                                       "content": str({"error": "unknown tool 'note' (tools: none)"})}
+    assert list(ro.tools.well_formed) + list(alone.tools.well_formed) == [(False, True), (True, True), (False, True)]
+
+
+class Tally:
+    """An environment whose reset adds nothing to the prompt."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> int:
+        """Add to the tally.
+
+        Args:
+            by: how much
+        """
+        self.count += by
+        return self.count
+
+
+def test_an_environments_methods_are_subset_too(tiny):
+    """With an environment, a record's tools pick among the functions and its environment's methods alike."""
+    bump = Toolbox([], Tally).environments.methods[None]["bump"].schema
+    ro = play(tiny, [("raw " + call("bump", by=2)[:-len(END)] + call("add", a=1, b=1)[:-len(END)], [bump])],
+              Toolbox([add], Tally))
+    assert ro.tools.calls.tolist() == [1] and ro.tools.malformed.tolist() == [1]
+    assert [m["content"] for m in ro.completions[0] if m["role"] == "tool"] == [
+        "2", str({"error": "unknown tool 'add' (tools: bump)"})]
+
+
+def example(tools, record=0, **columns):
+    return {"prompt": "p", "columns": columns, "tools": tools, "record": record}
+
+
+def test_records_whose_tools_cannot_be_played_are_refused_at_start():
+    box = Toolbox([add], {"tally": Tally})
+    bump = box.environments.methods["tally"]["bump"].schema
+    check_row_tools(box, [example(None), example([ROW_ADD]), example([bump, ROW_ADD], environment="tally")], "d.jsonl")
+    mul = {"type": "function", "function": {"name": "mul", "parameters": {"type": "object", "properties": {}}}}
+    renamed = {"type": "function", "function": {**ROW_ADD["function"], "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}
+    cases = [
+        (example([ROW_ADD, mul], record=3), "d.jsonl record 3: field 'tools' names 'mul', which is not one of the "
+         "run's tools (add, bump): register it (tools.functions, or tools= in Python); only registered functions run"),
+        (example([bump], record=4), "d.jsonl record 4: field 'tools' names 'bump', a method of environment 'tally', "
+         "which is not this record's (its environment column: None)"),
+        (example([renamed], record=5), "d.jsonl record 5: field 'tools' describes 'add' with parameters (x, y), but "
+         "the registered add takes (a, b)"),
+        (example([{"type": "function", "function": {"description": "?"}}], record=6),
+         "d.jsonl record 6: field 'tools' item 0 names no function (expected {type: function, function: {name, ...}})"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(DataError) as caught:
+            check_row_tools(box, [example(None), bad], "d.jsonl")
+        assert str(caught.value) == message
