@@ -16,6 +16,7 @@ adapters over a source (`evaluation.evaluate.SourceJudge`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from rlhfkit.sharding import place_frozen
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
+logger = logging.getLogger("rlhfkit")
 
 
 class RewardSource(Protocol):
@@ -251,6 +253,11 @@ class RewardModelSource:
     ids, exactly as sampled. Otherwise, as TRL does, it scores the text re-tokenised with its own tokenizer: the prompt followed by
     the completion on standard data, its own chat template over the prompt's messages and the assistant's reply on
     conversational data. Scores are read in chunks of `batch_size` rows (None: all at once).
+
+    A tool episode (its completion a message list with tool calls and results) is a conversation, a text prompt its
+    one user turn. The reward model reads it whole: with its own chat template when that renders the calls and the
+    results, else (warned once) with the policy's, which `model.chat_template` set and the tool loop checked; the tool
+    schemas the policy was shown are not part of what it reads. When neither template renders them, a UserError.
     """
 
     def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None,
@@ -261,6 +268,8 @@ class RewardModelSource:
         self.own_vocabulary = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
         self.retokenize = own is not None and (self.own_vocabulary or getattr(own, "chat_template", None)
                                                != getattr(policy_tokenizer, "chat_template", None))
+        self.policy_template = getattr(policy_tokenizer, "chat_template", None)
+        self.tool_template: str | None = None  # what tool episodes are rendered with, chosen at the first (`template_for`)
 
     @torch.no_grad()
     def score(self, rollout, inputs: RewardInputs) -> tuple[Tensor, Tensor]:
@@ -283,12 +292,12 @@ class RewardModelSource:
         tok = self.scorer.tokenizer
         texts, prompt_texts = [], []
         for prompt, completion in zip(inputs.prompts, inputs.completions):
-            if is_conversational(prompt):
-                if not getattr(tok, "chat_template", None):
-                    raise UserError(f"reward model '{self.name}': its tokenizer has no chat template, which it needs "
-                                    "to score conversational prompts in its own tokens")
-                texts.append(tok.apply_chat_template(list(prompt) + list(completion), tokenize=False))
-                prompt_texts.append(tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True))
+            if is_conversational(prompt) or isinstance(completion, list):  # a list: an episode with tools
+                turns = list(prompt) if is_conversational(prompt) else [{"role": "user", "content": prompt}]
+                template = self.template_for(turns + list(completion))
+                texts.append(tok.apply_chat_template(turns + list(completion), chat_template=template, tokenize=False))
+                prompt_texts.append(tok.apply_chat_template(turns, chat_template=template, tokenize=False,
+                                                            add_generation_prompt=True))
             else:
                 texts.append(prompt + completion)
                 prompt_texts.append(prompt)
@@ -298,6 +307,50 @@ class RewardModelSource:
         for i, n in enumerate(len(ids) for ids in tok(prompt_texts, add_special_tokens=False)["input_ids"]):
             response[i, :n] = 0
         return enc["input_ids"], mask, response
+
+
+    def template_for(self, conversation: list[dict]) -> str | None:
+        """The chat template the reward model renders `conversation` with (None: its tokenizer's own); see the class
+        docstring. The choice for tool episodes is made once, at the first one."""
+        own = getattr(self.scorer.tokenizer, "chat_template", None)
+        if not any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation):
+            if not own:
+                raise UserError(f"reward model '{self.name}': its tokenizer has no chat template, which it needs "
+                                "to score conversational prompts in its own tokens")
+            return None
+        if self.tool_template is None:
+            if renders_tool_turns(self.scorer.tokenizer, own):
+                self.tool_template = own
+            elif renders_tool_turns(self.scorer.tokenizer, self.policy_template):
+                logger.warning(f"reward model '{self.name}': its chat template does not render tool calls and results, "
+                               "so tool episodes are rendered for it with the policy's chat template (model.chat_template)")
+                self.tool_template = self.policy_template
+            else:
+                raise UserError(f"reward model '{self.name}': neither its chat template nor the policy's renders tool "
+                                "calls and results, so it cannot read the episodes whole; set model.chat_template: "
+                                "chatml_tools (or save the reward model with a template that renders them)")
+        return self.tool_template
+
+
+# A conversation whose tool call and tool result carry markers: a template that renders both shows both markers.
+_PROBE_CALL, _PROBE_RESULT = "rlhfkit_probe_call", "rlhfkit_probe_result"
+_TOOL_PROBE = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {"n": 1}}}]},
+               {"role": "tool", "name": _PROBE_CALL, "content": _PROBE_RESULT},
+               {"role": "assistant", "content": "y"}]
+
+
+def renders_tool_turns(tokenizer, template: str | None) -> bool:
+    """Whether chat template `template` renders an assistant turn's tool calls and the tool results (not only each
+    turn's content, as SmolLM2's does); a template that raises on them does not."""
+    if not template:
+        return False
+    try:
+        text = tokenizer.apply_chat_template(_TOOL_PROBE, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 - jinja's raise_exception on a role or field it refuses: it cannot render them
+        return False
+    return _PROBE_CALL in text and _PROBE_RESULT in text
 
 
 class EnsembleSource:
