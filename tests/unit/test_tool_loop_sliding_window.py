@@ -21,7 +21,7 @@ from rlhfkit.rollout.tool_loop import ToolLoop, sliding_window_of
 from rlhfkit.tools import Toolbox
 from rlhfkit.types import PromptBatch
 from tests.scripted import Scripted
-from tests.smoke.agent_tools import add, fail
+from tests.smoke.agent_tools import add
 from tests.unit.test_tool_loop import BIAS, script
 
 
@@ -45,7 +45,7 @@ def mistral(tok, window: int | None) -> MistralForCausalLM:
 def play(tok, model):
     """Three episodes of different lengths (a call, a direct answer, a call with a longer result), scripted."""
     params = GenerationConfig(max_new_tokens=200, top_k=1)
-    loop = ToolLoop(tok, params, 0, Toolbox([add, fail]), 3, 2.0, 100)
+    loop = ToolLoop(tok, params, 0, Toolbox([add]), 3, 2.0, 100)
     examples = [{"prompt": p, "columns": {}} for p in ("add 1 2", "hello", "add 400 500")]
     batch = PromptBatch(torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long))
     return loop(Scripted(model, tok, script, BIAS), batch, examples, 0)
