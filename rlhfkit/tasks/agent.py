@@ -98,17 +98,20 @@ def direct_trace(a: int, b: int) -> list[dict]:
     return chat(question(a, b)) + [{"role": "assistant", "content": answer_text(a * b)}]
 
 
-def make_splits(tool_traces: int, direct_traces: int, rl_prompts: int, eval_prompts: int, seed: int) -> dict:
-    """The demo's data, disjoint factor pairs per split: "sft" (messages + tools records, tool and direct traces
-    shuffled), "rl" and "eval" (prompt + answer records, large factors only)."""
+def make_splits(tool_traces: int, direct_traces: int, rl_prompts: int, eval_prompts: int, seed: int,
+                guessed_traces: int = 0) -> dict:
+    """The demo's data, disjoint factor pairs per split: "sft" (messages + tools records, shuffled: tool traces,
+    direct answers to single-digit products, and `guessed_traces` direct answers to large products: a demonstrator
+    who multiplied in their head, the right product that a 135M model can only imitate, not compute), "rl" and
+    "eval" (prompt + answer records, large factors only)."""
     rng = random.Random(seed)
     held_out = large_pairs(eval_prompts, rng)
     rl = large_pairs(rl_prompts, rng, set(held_out))
-    traces = large_pairs(tool_traces, rng, set(held_out) | set(rl))
+    traces = large_pairs(tool_traces + guessed_traces, rng, set(held_out) | set(rl))
     small = [(rng.randint(2, 9), rng.randint(2, 9)) for _ in range(direct_traces)]
     schemas = tool_schemas()
-    sft = [{"messages": tool_trace(a, b), "tools": schemas} for a, b in traces]
-    sft += [{"messages": direct_trace(a, b), "tools": schemas} for a, b in small]
+    sft = [{"messages": tool_trace(a, b), "tools": schemas} for a, b in traces[:tool_traces]]
+    sft += [{"messages": direct_trace(a, b), "tools": schemas} for a, b in traces[tool_traces:] + small]
     rng.shuffle(sft)
     prompts = lambda pairs: [{"prompt": chat(question(a, b)), "answer": str(a * b)} for a, b in pairs]  # noqa: E731
     return {"sft": sft, "rl": prompts(rl), "eval": prompts(held_out)}
@@ -141,13 +144,16 @@ class AgentSize:
 
     tool_traces: int = 48
     direct_traces: int = 8
+    guessed_traces: int = 28
     sft_epochs: float = 1.0
-    sft_lr: float = 1e-3
+    sft_lr: float = 2e-3
+    sft_scheduler: str = "constant"
     rl_prompts: int = 64
-    grpo_steps: int = 10
+    grpo_steps: int = 12
     grpo_batch: int = 4  # prompts per step
     num_samples: int = 4  # episodes per prompt (GRPO's group)
     grpo_lr: float = 3e-4
+    temperature: float = 1.0  # the RL rollouts' (the evaluation is greedy)
     kl_coef: float = 0.0
     eval_prompts: int = 24
     # The whole completion: the call (~35 tokens: a digit is a token), the tool result and header (~25), the answer
@@ -158,7 +164,7 @@ class AgentSize:
     lora_layers: str = r".*\.layers\.(2[2-9])\.(self_attn|mlp)\.\w+_proj"
 
 
-QUICK = AgentSize(tool_traces=6, direct_traces=2, rl_prompts=8, grpo_steps=2, grpo_batch=2, num_samples=2,
+QUICK = AgentSize(tool_traces=6, direct_traces=2, guessed_traces=2, rl_prompts=8, grpo_steps=2, grpo_batch=2, num_samples=2,
                   grpo_lr=1e-3, eval_prompts=4, max_new_tokens=12, max_prompt_length=960, max_length=1024,
                   lora_layers="all-linear")
 
@@ -229,7 +235,7 @@ class AgentDemo:
 
     def stage_prompts(self) -> None:
         s = self.size
-        splits = make_splits(s.tool_traces, s.direct_traces, s.rl_prompts, s.eval_prompts, self.seed)
+        splits = make_splits(s.tool_traces, s.direct_traces, s.rl_prompts, s.eval_prompts, self.seed, s.guessed_traces)
         for name, records in splits.items():
             _write_jsonl(self.path(f"{name}.jsonl"), records)
         print(f"{len(splits['sft'])} SFT traces ({s.tool_traces} with the tool), {len(splits['rl'])} RL prompts, "
@@ -241,6 +247,7 @@ class AgentDemo:
         self.need("sft.jsonl")
         _train("sft", {**self.base, **self.lora, **self.common, "data.train": self.path("sft.jsonl"),
                        "output_dir": self.path("sft"), "num_epochs": self.size.sft_epochs, "optim.lr": self.size.sft_lr,
+                       "optim.scheduler": self.size.sft_scheduler,
                        "optim.per_device_batch_size": 8})
 
     def stage_grpo(self) -> None:
@@ -252,7 +259,7 @@ class AgentDemo:
             **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("rl.jsonl"),
             "output_dir": self.path("grpo"), "max_steps": s.grpo_steps, "tools.functions": [f"{__name__}:multiply"],
             "tools.max_calls": 2, "tools.timeout_s": 5.0, "reward.function": f"{__name__}:exact_answer",
-            "generation.max_new_tokens": s.max_new_tokens, "generation.temperature": 1.0,
+            "generation.max_new_tokens": s.max_new_tokens, "generation.temperature": s.temperature,
             "generation.num_samples": s.num_samples, "kl.coef": s.kl_coef, "algo.algorithm": "grpo",
             "algo.rollout_batch_size": s.grpo_batch, "algo.ppo_epochs": 1, "algo.num_minibatches": 2,
             "optim.lr": s.grpo_lr, "optim.per_device_batch_size": s.grpo_batch * s.num_samples // 2})

@@ -29,12 +29,14 @@ def test_exact_answer_rewards_the_right_final_answer_only():
 
 
 def test_splits_are_disjoint_correct_and_render_with_the_tool():
-    splits = make_splits(tool_traces=20, direct_traces=5, rl_prompts=30, eval_prompts=10, seed=3)
+    splits = make_splits(tool_traces=20, direct_traces=5, rl_prompts=30, eval_prompts=10, seed=3, guessed_traces=7)
     pairs = lambda name: {r["prompt"][-1]["content"] for r in splits[name]}  # noqa: E731
     assert len(pairs("eval")) == 10 and len(pairs("rl")) == 30 and not pairs("eval") & pairs("rl")
     traced = {r["messages"][1]["content"] for r in splits["sft"]}
     assert not traced & (pairs("eval") | pairs("rl"))
     assert sum(len(r["messages"]) == 5 for r in splits["sft"]) == 20  # tool traces: call, result, answer
+    assert len(splits["sft"]) == 20 + 5 + 7
+    guessed = 0
     for r in splits["sft"]:
         *_, last = r["messages"]
         if len(r["messages"]) == 5:
@@ -42,7 +44,13 @@ def test_splits_are_disjoint_correct_and_render_with_the_tool():
             assert r["messages"][3]["content"] == str(multiply(**args)) and final_answer(r["messages"][2:]) == args["a"] * args["b"]
         else:
             a, b = map(int, r["messages"][1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
-            assert a < 10 and b < 10 and final_answer([last]) == a * b
+            assert final_answer([last]) == a * b
+            if a >= 100:  # a large product answered directly, right (a guess the model can only imitate)
+                assert 11 <= b <= 99
+                guessed += 1
+            else:
+                assert a < 10 and b < 10
+    assert guessed == 7
     for r in splits["eval"]:
         a, b = map(int, r["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
         assert 100 <= a <= 999 and 11 <= b <= 99 and r["answer"] == str(a * b)
