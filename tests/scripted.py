@@ -4,7 +4,8 @@
 with top_k=1 writes the script while the recorded log-probs stay the model's (tilted). The script reads only what a
 forward is given: `script(text)` is called on the real tokens of any forward of several tokens (a prefill, or the
 chunk a multi-turn loop appends after a turn: tool results and the next header) and returns the turn to write; each
-one-token forward then takes its next token, then EOS."""
+one-token forward then takes its next token, then EOS. The queues follow the rows of the cache: when the loop selects
+or copies its rows (`batch_select_indices`, e.g. one prefill of a prompt several rows share), they are selected alike."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class Scripted(torch.nn.Module):
         return self.model.device
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, logits_to_keep=1):
+        if cache is not None and not getattr(cache, "scripted_rows", False):
+            self._follow_rows(cache)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          use_cache=use_cache, logits_to_keep=logits_to_keep)
         if input_ids.shape[1] > 1:
@@ -31,3 +34,12 @@ class Scripted(torch.nn.Module):
         wanted = torch.tensor([q.pop(0) if q else self.tok.eos_token_id for q in self.queues], device=input_ids.device)
         out.logits[:, -1, :] += self.bias * torch.nn.functional.one_hot(wanted, out.logits.shape[-1])
         return out
+
+    def _follow_rows(self, cache) -> None:
+        select = cache.batch_select_indices
+
+        def select_and_follow(indices):
+            select(indices)
+            self.queues = [list(self.queues[i]) for i in indices.tolist()]
+
+        cache.batch_select_indices, cache.scripted_rows = select_and_follow, True

@@ -33,6 +33,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import UserError
@@ -315,10 +316,10 @@ class Session:
     final token: the loop stops before feeding it)."""
 
     def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device):
-        from transformers import DynamicCache
-
         self.model, self.params, self.eos, self.pad, self.device = model, params, eos_token_id, pad_token_id, device
         self.cache = DynamicCache(config=model.config)
+        # Full-attention layers grow in place (`GrowingLayer`); others (a model's linear-attention ones) are kept.
+        self.cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
         self.arg = _cache_argument(model)
         self.mask = self.next_position = None
         self.unfed: list[list[int]] = []
@@ -333,19 +334,31 @@ class Session:
         return out.logits[:, -1].float()
 
     def start(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Prefills the prompts, left-padded; -> (n, V) logits of each row's next token."""
-        self.next_position = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        """Prefills the prompts, left-padded; -> (n, V) logits of each row's next token. A prompt several rows share
+        (a GRPO group's) is prefilled once and its cache row copied to each: a row's numbers do not depend on the rows
+        beside it, so each row holds what its own prefill would have written, and the prefill costs one row per
+        distinct prompt."""
+        distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}  # prompt -> its prefill row
+        self.next_position = torch.zeros(len(distinct), dtype=torch.long, device=self.device)
         self.unfed = [[] for _ in prompts]
-        return self.forward(*self._left_padded(prompts))
+        logits = self.forward(*self._left_padded([list(p) for p in distinct]))
+        if len(distinct) < len(prompts):
+            index = torch.tensor([distinct[tuple(p)] for p in prompts], device=self.device)
+            self._keep(index)
+            logits = logits[index]
+        return logits
 
     def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Keeps the session's `rows` only and feeds each its unfed token and then its chunk; -> (len(rows), V)."""
-        index = torch.tensor(rows, device=self.mask.device)
-        self.cache.batch_select_indices(index)
-        self.mask, self.next_position = self.mask[index], self.next_position[index]
+        self._keep(torch.tensor(rows, device=self.mask.device))
         chunks = [self.unfed[r] + c for r, c in zip(rows, chunks)]
         self.unfed = [[] for _ in rows]
         return self.forward(*self._left_padded(chunks))
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """The cache's rows `index` (k,) become its rows: a subset, or rows copied."""
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_position = self.mask[index], self.next_position[index]
 
     def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)
@@ -373,6 +386,43 @@ class Session:
                 self.unfed = [[tokens[r][-1]] if bool(active[r]) else [] for r in range(n)]
                 return list(zip(tokens, logprobs))
             logits = self.forward(token.masked_fill(~active, self.pad)[:, None], active[:, None])
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers with room to grow, doubled when full: a step writes
+    its column in place, where `DynamicLayer.update` copies the whole layer (`torch.cat`) at every token, a cost that
+    grows with the conversation. The views hold the same values, so attention reads the same numbers. Supports what
+    `Session` does to its cache: `update` and `batch_select_indices`."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch, heads, capacity, head_dim) each
+        self.length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self.buffers is None or end > self.buffers[0].shape[-2]:
+            self.buffers = tuple(self._grown(old, new, max(end, 2 * self.length))
+                                 for old, new in zip(self.buffers or (None, None), (key_states, value_states)))
+        for buffer, states in zip(self.buffers, (key_states, value_states)):
+            buffer[..., self.length:end, :] = states
+        self.length = end
+        self.keys, self.values = (b[..., :end, :] for b in self.buffers)
+        return self.keys, self.values
+
+    def _grown(self, old: torch.Tensor | None, states: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (*states.shape[:-2], capacity, states.shape[-1])
+        grown = torch.empty(shape, dtype=states.dtype, device=states.device)
+        if old is not None:
+            grown[..., : self.length, :] = old[..., : self.length, :]
+        return grown
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            self.buffers = tuple(b[indices] for b in self.buffers)
+            self.keys, self.values = (b[..., : self.length, :] for b in self.buffers)
 
 
 def tool_figures(counts: ToolCounts) -> dict[str, float]:
