@@ -233,7 +233,7 @@ def reward_inputs(tokenizer, rollout, examples: list[dict] | None = None, traine
                    for row, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
         columns = {}
     else:
-        prompts = [e["prompt"] for e in examples]
+        prompts = list(rollout.prompts) if rollout.prompts is not None else [e["prompt"] for e in examples]
         # First-seen order; TRL leaves a record's own completion and completion_ids out (the sampled ones are passed).
         names = list(dict.fromkeys(k for e in examples for k in e["columns"] if k not in ("completion", "completion_ids")))
         columns = {k: [e["columns"].get(k) for e in examples] for k in names}

@@ -178,6 +178,9 @@ class Rollout(_TensorBatch):
     texts: Rows | None = None  # (B,) each completion's text, special tokens skipped
     completions: Rows | None = None  # (B,) what reward functions get: the text, or a message list (TRL's contract)
     environments: Rows | None = None  # (B,) each episode's environment object (`environment_factory`), or None
+    # (B,) each row's prompt as played, where it differs from its record's: an environment's `reset()` text appended
+    # to the last message (TRL's contract: reward sources get it); None: the records' prompts
+    prompts: Rows | None = None
     tools: ToolCounts | None = None  # what the episodes' tool calls did; None without tools
 
     def trimmed(self) -> "Rollout":

@@ -52,6 +52,7 @@ class Episode:
     schemas: list[dict] | None  # what the template renders and the parser casts with (None: no tools)
     environment: object = None
     environment_name: object = None  # its key in a dict environment_factory (None: a single factory)
+    prompt: object = None  # the prompt as played: the record's, an environment's reset() text appended
     ids: list[int] = field(default_factory=list)  # the completion: the policy's turns, tool results, headers
     action: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
     logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each sampled token, 0 elsewhere
@@ -117,17 +118,19 @@ class ToolLoop:
         episodes = []
         for listed, row, (name, env) in zip([r.get("tools") for r in rows], fields, envs):
             messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+            played = row["prompt"]
             if env is not None:
                 observation = env.reset(**self.toolbox.environments.reset_arguments(row))
                 if isinstance(observation, str):
                     messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
+                    played = messages if isinstance(played, list) else played + observation
             # A record's own `tools` column: only the tools it names, shown as it describes them (as SFT shows it).
             # None, not []: some templates render boilerplate for [].
             tools = self.toolbox.episode_tools(env, name, listed)
             schemas = (listed if listed is not None else [t.schema for t in tools.values()]) or None
             ids = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
-            episodes.append(Episode(list(ids), tools, schemas, env, name))
+            episodes.append(Episode(list(ids), tools, schemas, env, name, prompt=played))
         return episodes
 
     def play(self, policy, episodes: list[Episode], device) -> None:
@@ -237,6 +240,7 @@ class ToolLoop:
             texts=Rows(tok.batch_decode([e.ids for e in episodes], skip_special_tokens=True)),
             completions=Rows(e.messages for e in episodes),
             environments=Rows(e.environment for e in episodes) if self.toolbox.environments else None,
+            prompts=Rows(e.prompt for e in episodes) if self.toolbox.environments else None,
             tools=counts,
         )
 
