@@ -1,7 +1,8 @@
 """The tool loop's cost, side by side in one process, on the agent demo's task (`rlhfkit.tasks.agent`: "What is
 347 * 29?" with a `multiply` tool) and its SFT model (SmolLM2-135M-Instruct fine-tuned to call the tool):
 
-  - rlhfkit's `ToolLoop` (multi-turn, the KV cache kept across turns: a turn feeds only the tool results and header);
+  - rlhfkit's `ToolLoop` (multi-turn, the KV cache kept across turns: a turn feeds only the tool results and header;
+    a prompt the rows of a group share is prefilled once, and the cache grows in place);
   - TRL 1.16's tool loop: `GRPOTrainer._generate` of a trainer built with `tools=[multiply]` (its whole generation
     phase: the first turn through transformers' `generate`, then `_tool_call_loop`, which re-prefills each episode's
     whole conversation, prompt + completion + tool results, before every further turn). The trainer is made once and

@@ -29,6 +29,7 @@ def test_a_prompt_several_rows_share_is_prefilled_once_and_its_copies_go_their_o
     session = Session(recording, GenerationConfig(), tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
     logits = session.start(prompts)
     assert recording.shapes == [(2, 4)]  # "abcd" and "abx", left-padded
+    assert all(type(layer) is GrowingLayer for layer in session.cache.layers)
     assert session.mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]] * 2 + [[1, 1, 1, 1]]
     assert session.next_position.tolist() == [4, 3, 4, 3, 4]
     for row, ids in enumerate(prompts):
