@@ -1,5 +1,6 @@
 """The tool loop's cost, side by side in one process, on the agent demo's task (`rlhfkit.tasks.agent`: "What is
-347 * 29?" with a `multiply` tool) and its SFT model (SmolLM2-135M-Instruct fine-tuned to call the tool):
+347 * 29?" with a `multiply` tool) and its trained agent (SmolLM2-135M-Instruct after the demo's SFT and GRPO, which
+calls the tool on every held-out prompt, so every episode has two turns):
 
   - rlhfkit's `ToolLoop` (multi-turn, the KV cache kept across turns: a turn feeds only the tool results and header;
     a prompt the rows of a group share is prefilled once, and the cache grows in place);
@@ -19,8 +20,8 @@ calls run, the policy's tokens (action mask / TRL's tool mask) and the right ans
 ratio when the counts differ. The three take turns call by call (A B C, B C A, ...) so a shared machine's load falls
 on all; the figure is the median over the calls after a warm-up call of each, with the spread (min-max).
 
-    python bench/tool_loop.py                           # the SFT model of runs/agent_bench (made first if missing)
-    python bench/tool_loop.py --model runs/agent0/sft   # the SFT model of `rlhfkit demo --agent --seed 0`
+    python bench/tool_loop.py                            # the GRPO model of runs/agent_bench (made first if missing)
+    python bench/tool_loop.py --model runs/agent1/grpo   # the GRPO model of `rlhfkit demo --agent --seed 1`
 """
 
 from __future__ import annotations
@@ -37,18 +38,20 @@ from results import record
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def sft_model(path: str | None) -> str:
-    """The SFT model to bench: `path`, or the agent demo's SFT stage run into runs/agent_bench (seed 0) if missing."""
+def agent_model(path: str | None) -> str:
+    """The model to bench: `path`, or the agent demo's GRPO model, its stages run into runs/agent_bench (seed 1) if
+    missing (about 40 minutes on 2 CPU cores)."""
     if path:
         return path
     from rlhfkit.tasks.agent import AgentDemo
 
-    demo = AgentDemo(os.path.join(ROOT, "runs", "agent_bench"), overwrite=True)
-    if not os.path.isdir(demo.path("sft")):
+    demo = AgentDemo(os.path.join(ROOT, "runs", "agent_bench"), seed=1, overwrite=True)
+    if not os.path.isdir(demo.path("grpo")):
         os.makedirs(demo.output_dir, exist_ok=True)
         demo.stage_prompts()
         demo.stage_sft()
-    return demo.path("sft")
+        demo.stage_grpo()
+    return demo.path("grpo")
 
 
 def load(model_dir: str):
@@ -153,7 +156,7 @@ def right_answers(completions, answers) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="an SFT model directory (default: runs/agent_bench/sft, trained if missing)")
+    parser.add_argument("--model", help="a model directory (default: runs/agent_bench/grpo, trained if missing)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--k", type=int, default=2, help="episodes per prompt")
     parser.add_argument("--calls", type=int, default=5, help="timed calls of each, after one warm-up call")
@@ -161,7 +164,7 @@ def main() -> int:
     args = parser.parse_args()
     from rlhfkit.tasks.agent import make_splits
 
-    model, tok = load(sft_model(args.model))
+    model, tok = load(agent_model(args.model))
     records = make_splits(0, 0, 0, args.prompts, seed=1234)["eval"]
     prompts = [r["prompt"] for r in records]
     answers = [r["answer"] for r in records for _ in range(args.k)]
@@ -216,7 +219,8 @@ def report(args, names, times, work) -> int:
                   f"the fastest TRL call and the reverse: {spread[0]:.2f}×-{spread[1]:.2f}×). The single turn of the "
                   f"same length (the longest multi-turn completion, {work[names[2]]['longest']} tokens a row, all "
                   f"sampled) takes {single:.2f}× the multi-turn rollout's time.",
-                  f"The agent demo's task and SFT model (SmolLM2-135M-Instruct, `chatml_tools`): {args.prompts} "
+                  f"The agent demo's task and model ({args.model or 'runs/agent_bench/grpo'}: SmolLM2-135M-Instruct after the "
+                  f"demo's SFT and GRPO, `chatml_tools`): {args.prompts} "
                   f"held-out prompts × {args.k} episodes, greedy, max_new_tokens {args.max_new_tokens} over the whole "
                   f"completion, at most 2 rounds of calls; CPU, {threads} torch threads; median of {args.calls} calls "
                   "each after a warm-up, taking turns. TRL's side is `GRPOTrainer._generate` (generation and its "
