@@ -30,3 +30,15 @@ def _cache_dir(tmp_path_factory):
 def _chdir_root(monkeypatch):
     """Configs name data files relative to the repository root."""
     monkeypatch.chdir(ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The xdist groups (`--dist loadgroup`, pyproject's addopts): a test file's tests share a worker, as with
+    `loadfile` (its module fixtures run once), and the tests that start several processes (tests/multiprocess/) all
+    share one worker, so that two process groups never run at once: two torchrun groups started side by side by the
+    two workers made a rank abort ("terminate called without an active exception") in clean-clone CI runs."""
+    multiprocess = os.path.join(ROOT, "tests", "multiprocess") + os.sep
+    for item in items:
+        path = str(item.path)
+        group = "multiprocess" if path.startswith(multiprocess) else os.path.relpath(path, ROOT)
+        item.add_marker(pytest.mark.xdist_group(group))
