@@ -308,7 +308,6 @@ class RewardModelSource:
             response[i, :n] = 0
         return enc["input_ids"], mask, response
 
-
     def template_for(self, conversation: list[dict]) -> str | None:
         """The chat template the reward model renders `conversation` with (None: its tokenizer's own); see the class
         docstring. The choice for tool episodes is made once, at the first one."""

@@ -247,7 +247,7 @@ class Toolbox:
                             f"record's (its environment column: {environment!r})")
                 return (f"field 'tools' names '{name}', which is not one of the run's tools ({', '.join(self.names)}): "
                         "register it (tools.functions, or tools= in Python); only registered functions run")
-            given = list((schema.get("function", schema).get("parameters") or {}).get("properties") or {})
+            given = list((described(schema).get("parameters") or {}).get("properties") or {})
             takes = list(own[name].parameters.get("properties") or {})
             if set(given) != set(takes):
                 return (f"field 'tools' describes '{name}' with parameters ({', '.join(given)}), but the registered "
@@ -255,11 +255,16 @@ class Toolbox:
         return None
 
 
-def schema_name(schema) -> str | None:
-    """The function a JSON schema describes: {"type": "function", "function": {"name", ...}}, or the bare
-    {"name", ...}; None when it names none."""
+def described(schema) -> dict:
+    """The function part of a JSON schema: {"type": "function", "function": {...}}'s inner dict, or the bare {...};
+    {} for what is neither."""
     inner = schema.get("function", schema) if isinstance(schema, dict) else None
-    name = inner.get("name") if isinstance(inner, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def schema_name(schema) -> str | None:
+    """The function a JSON schema describes (`described`); None when it names none."""
+    name = described(schema).get("name")
     return name if isinstance(name, str) and name else None
 
 
