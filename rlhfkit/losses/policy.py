@@ -99,7 +99,7 @@ def policy_objective(
 
     - The KL term (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3) is added only with `ref_logprobs` and β > 0.
     - The entropy bonus uses the entropy of the whole next-token distribution, `entropy` (B, R) from the same
-      forward's logits (`rlhfkit.ops.entropy_from_logits`), as PPO's c₂·S[π](s_t) (Schulman et al. 2017, eq. 9).
+      forward's logits (`rlhfkit.ops.entropy_from_logits`), as PPO's `c₂·S[π](s_t)` (Schulman et al. 2017, eq. 9).
       The sampled token's -log π(y_t) is an unbiased estimate of H but its gradient is zero in expectation, so it
       cannot serve as a bonus.
 

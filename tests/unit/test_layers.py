@@ -1,4 +1,4 @@
-"""The package's layers (../shared/ARCHITECTURE.md): the core imports only torch, every import points up the layer
+"""The package's layers (docs/architecture.md): the core imports only torch, every import points up the layer
 map, and no two modules import each other, directly or around a loop.
 
 Imports are read from the source with `ast`, not executed: a lazy import inside a function counts for the layer
@@ -20,90 +20,28 @@ CORE = ("rlhfkit.types", "rlhfkit.ops", "rlhfkit.kl", "rlhfkit.losses", "rlhfkit
 STDLIB_ONLY = ("rlhfkit.errors", "rlhfkit.io")
 ENGINES = ("transformers", "peft", "accelerate", "datasets")
 
-# The layer map, top first: a module may import only from layers above its own. A module belongs to the layer of its
-# longest matching entry, so a package entry covers its modules unless one has an entry of its own. Modules of one
-# layer never import each other (the trainers share only the services above them).
-LAYERS = [
-    "rlhfkit",  # the package's __init__: imports nothing
-    "rlhfkit.errors",
-    "rlhfkit.io",  # stdlib only
-    "rlhfkit.types",  # the core, torch only: types ... kl_control
-    "rlhfkit.ops",
-    "rlhfkit.kl",  # KL estimators, per-token and per-sequence KL: the one home of the KL
-    "rlhfkit.losses.aggregate",
-    "rlhfkit.losses.preference",  # the DPO family, which online DPO's pair loss (losses.online_preference) applies
-    "rlhfkit.losses",
-    "rlhfkit.advantages",
-    "rlhfkit.algorithms",
-    "rlhfkit.kl_control",  # the controllers of the KL coefficient
-    "rlhfkit.config.fields",  # config: reading and coercion, then the sections, the stage configs, the package
-    "rlhfkit.config.sections",
-    "rlhfkit.config.stages",
-    "rlhfkit.config",
-    "rlhfkit.objects",  # what the Python API hands a run besides its config (model, tokenizer, rewards, callbacks)
-    "rlhfkit.precision",  # mixed precision "auto", frozen models' dtype, attention implementation check
-    "rlhfkit.launch",  # how the process was launched: accelerate state, launch checks, output_dir lock
-    "rlhfkit.sharding",  # FSDP / ZeRO-3: gathering the policy to sample, placing frozen models
-    "rlhfkit.checkpoint",  # the on-disk checkpoint: save, find, validate, load, RNG state
-    "rlhfkit.model_sources",  # where a model comes from: "tiny", a GGUF file, a directory, a hub name
-    "rlhfkit.templates",  # bundled chat templates with their response templates; the model.chat_template setting
-    "rlhfkit.models",
-    "rlhfkit.attention",  # padding-free attention, registered with transformers' attention interface
-    "rlhfkit.tools",  # tools and environments: schemas, dispatch by exact name, argument checks, timeouts; no model code
-    "rlhfkit.data.sources",  # data: reading, formats, rendering, tokenization, collators, the package
-    "rlhfkit.data.formats",
-    "rlhfkit.data.render",
-    "rlhfkit.data.tokenize",
-    "rlhfkit.data.collate",
-    "rlhfkit.data",
-    "rlhfkit.generation",
-    "rlhfkit.rollout",  # the rollout component: prompts in, a Rollout out (its protocol; then each kind)
-    "rlhfkit.rollout.single_turn",
-    "rlhfkit.rollout.tool_loop",
-    "rlhfkit.rollout.maker",  # which rollout component a run uses
-    "rlhfkit.reward_functions",  # Python reward functions under TRL's contract, and how sources combine
-    "rlhfkit.rewards",
-    "rlhfkit.critic",  # PPO's critic: where it comes from, the shared-base adapter critic, what it reads of a rollout
-    "rlhfkit.trackers",  # W&B / TensorBoard / trackio metric sinks
-    "rlhfkit.hub",  # model card and hub push
-    "rlhfkit.evaluation.metrics",  # evaluation: the trainers log its figures, alarms and reports
-    "rlhfkit.evaluation.alarms",
-    "rlhfkit.evaluation.capability",  # the alignment tax: NLL of reference texts under policy and reference
-    "rlhfkit.evaluation.dashboard",
-    "rlhfkit.evaluation.report",
-    "rlhfkit.evaluation.red_team",  # red-teaming: harmful and refusal rates, safety judges, human flags
-    "rlhfkit.evaluation.agent",  # agents: format accuracy, task completion, the gate before reward modelling
-    "rlhfkit.evaluation",  # its __init__ and `rlhfkit eval` (evaluate), which needs nothing from the trainers
-    "rlhfkit.evaluation.during_training",  # `rlhfkit eval`'s sampling and figures on a training run's live models
-    "rlhfkit.trainers.optim",  # the trainers' services, each used the same way by every loop
-    "rlhfkit.trainers.processes",  # reductions over processes by name; a process's share of a global count
-    "rlhfkit.trainers.rundir",
-    "rlhfkit.trainers.sinks",
-    "rlhfkit.trainers.callbacks",  # transformers TrainerCallbacks at the run's events
-    "rlhfkit.trainers.run",
-    "rlhfkit.trainers.held_out",  # the sampling stages' evaluation during training
-    "rlhfkit.trainers.experience",  # ExperienceMaker: an online step's experience from explicit parts
-    "rlhfkit.trainers.policy_update",  # the online update: epochs, minibatches, losses, target_kl
-    "rlhfkit.trainers.best_of_n",  # rft's sampling and selection, as experience is the online loops'
-    "rlhfkit.trainers.ptx",  # PPO-ptx: the SFT term every online loop mixes into its updates
-    "rlhfkit.trainers.offline",  # the offline loop (sft, rm, dpo, kto) and the train_step RFT reuses
-    "rlhfkit.trainers.online_setup",  # what the online loops share, as services: data, prompt stream, step log
-    "rlhfkit.trainers",
-    "rlhfkit.stages",  # every stage by name, and `run_stage`
-    "rlhfkit.config.reference",  # the config reference generated from the declarations (docs, --help-config)
-    "rlhfkit.api",  # `rlhfkit.train`: the Python entry point; the CLI is a shell over it
-    "rlhfkit.tasks",
-    "rlhfkit.tasks.demo",
-    "rlhfkit.tasks.agent",  # `rlhfkit demo --agent`: the tool-using task, its stages and its evaluation
-    "rlhfkit.label",  # `rlhfkit label`: candidates, the SQLite store, figures, export, the ASGI app, the command
-    "rlhfkit.label.candidates",
-    "rlhfkit.label.store",
-    "rlhfkit.label.figures",
-    "rlhfkit.label.export",
-    "rlhfkit.label.app",
-    "rlhfkit.label.command",
-    "rlhfkit.cli",
-]
+# The layer map, read from docs/architecture.md ("The layers"), turned here so the foundation comes first: a module
+# may import only from the entries before its own. A module belongs to the layer of its longest matching entry, so a
+# package entry covers its modules unless one has an entry of its own. Modules of one layer never import each other
+# (the trainers share only the services above them).
+MAP = os.path.join(ROOT, "docs", "architecture.md")
+MARKER = "<!-- layers:"
+
+
+def read_layers(path: str = MAP) -> list[str]:
+    """The module names of the first code block after the layers marker in `path`, one per line (the rest of a line
+    is its comment), the top layer first as written there."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert MARKER in text, f"{path} has no {MARKER!r} line above its layer list"
+    block = text[text.index(MARKER):].split("```", 2)[1]
+    names = [line.split()[0] for line in block.splitlines()[1:] if line.strip()]
+    bad = [n for n in names if not (n == "rlhfkit" or n.startswith("rlhfkit."))]
+    assert names and not bad, f"{path}: the layer list holds {bad or 'nothing'}, not module names"
+    return names
+
+
+LAYERS = list(reversed(read_layers()))
 
 
 def _modules() -> dict[str, str]:
@@ -196,7 +134,7 @@ def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 def _layer(module: str) -> int:
     matches = [i for i, entry in enumerate(LAYERS) if module == entry or module.startswith(entry + ".")]
-    assert matches, f"{module} has no layer: add it to LAYERS here (and to the map in ARCHITECTURE.md)"
+    assert matches, f"{module} has no layer: add a line for it to the layer list in docs/architecture.md"
     return max(matches, key=lambda i: len(LAYERS[i]))
 
 
@@ -288,3 +226,12 @@ def test_every_stage_config_names_its_stage():
         overrides += [f"algo.algorithm={stage}"] if stage in ("rloo", "grpo", "reinforce_pp") else []
         overrides += ["generation.num_samples=2"] if stage in ("rloo", "grpo", "online_dpo") else []
         assert stage_of(stage_config(stage, None, overrides)) == stage, stage
+
+
+def test_the_layer_list_is_read_from_the_page(tmp_path):
+    """The order comes from the page, not from a copy here: a page listing two modules gives those two, top first."""
+    page = tmp_path / "architecture.md"
+    page.write_text("# Map\n\n<!-- layers: top first -->\n```text\nrlhfkit.cli   the shell\n\nrlhfkit.types  core\n```\n"
+                    "```text\nrlhfkit.not_read\n```\n", encoding="utf-8")
+    assert read_layers(str(page)) == ["rlhfkit.cli", "rlhfkit.types"]
+    assert LAYERS[0] == "rlhfkit" and LAYERS[-1] == "rlhfkit.cli"
