@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from rlhfkit.errors import UserError, first_line
+from rlhfkit.tools import awaited
 
 logger = logging.getLogger("rlhfkit")
 
@@ -132,9 +133,7 @@ class RewardFunction:
                                 f"'{name}' (fields: {fields})")
         kwargs = {k: v for k, v in available.items() if self.any_keyword or k in self.keywords}
         try:
-            value = self.fn(**kwargs)
-            if inspect.isawaitable(value):
-                value = _run(value)
+            value = awaited(self.fn(**kwargs))
         except UserError:
             raise
         except Exception as exc:  # the user's code failed: name it and where, on one line
@@ -148,23 +147,6 @@ class RewardFunction:
         device = rollout.response_ids.device
         values = torch.tensor([math.nan if v is None else v for v in raw], dtype=torch.float32, device=device)
         return values, torch.tensor([v is not None for v in raw], device=device)
-
-
-def _run(awaitable):
-    """The result of an awaitable, on a fresh event loop; in a thread of its own when this thread already runs one
-    (a notebook), where `asyncio.run` is refused."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    async def wait():
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wait())
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, wait()).result()
 
 
 def trainer_state(global_step: int, max_steps: int):

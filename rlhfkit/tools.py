@@ -194,7 +194,7 @@ class Environments:
                 continue
 
             def get_reward(environments, _cls=cls, **_):
-                return [_await(e.get_reward()) if type(e) is _cls else None for e in environments]
+                return [awaited(e.get_reward()) if type(e) is _cls else None for e in environments]
 
             get_reward.__name__ = cls.__name__
             functions.append(get_reward)
@@ -268,13 +268,22 @@ def schema_name(schema) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _await(value):
-    """`value`, or its result when it is awaitable (an `async def` tool or `get_reward`), run to completion here."""
-    return asyncio.run(_as_coroutine(value)) if inspect.isawaitable(value) else value
+def awaited(value):
+    """`value`, or its result when it is awaitable (an `async def` tool, environment `get_reward` or reward function),
+    run to completion here: the one runner of the package. On a fresh event loop; in a thread of its own when this
+    thread already runs one (a notebook), where `asyncio.run` is refused."""
+    if not inspect.isawaitable(value):
+        return value
 
+    async def wait():
+        return await value
 
-async def _as_coroutine(awaitable):
-    return await awaitable
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 # Arguments -----------------------------------------------------------------------------------------------------------
@@ -404,7 +413,7 @@ def _run_one(call: Call, timeout_s: float) -> Outcome:
 
     def target():
         try:
-            box["value"] = _await(call.tool.fn(**call.arguments))
+            box["value"] = awaited(call.tool.fn(**call.arguments))
         except BaseException as exc:  # noqa: BLE001 - whatever the tool raises is the episode's error message
             box["error"] = exc
 

@@ -333,6 +333,19 @@ def test_trl_shaped_functions_are_called_with_keywords(fn, expected, tok, shapes
     assert rewards(f"{shapes}:{fn}")(ro, rows_of(ro, examples)).total.tolist() == expected
 
 
+def test_an_async_function_is_awaited_inside_a_running_event_loop(tok, shapes):
+    """As in a notebook, whose main thread runs an event loop: the same one runner as tools and environments."""
+    import asyncio
+
+    ro = rollout(tok, ["3+4=", "q1"], ["7", "bb", "10", "x"], k=2)
+    examples = [{"prompt": "3+4=", "columns": {"solution": "7"}}, {"prompt": "q1", "columns": {"solution": "2"}}]
+
+    async def in_a_loop():
+        return rewards(f"{shapes}:awaited")(ro, rows_of(ro, examples)).total.tolist()
+
+    assert asyncio.run(in_a_loop()) == [0.0, 2.0, 0.0, 0.0]
+
+
 def test_everything_a_kwargs_function_receives(tok, shapes):
     from transformers import TrainerState
 

@@ -258,3 +258,26 @@ def test_environment_mistakes_are_refused_in_one_line():
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(UserError, match="environment='nope' names none of"):
         Environments({"counter": Counter}, {}).take([{"environment": "nope"}])
+
+
+class AsyncCounter(Counter):
+    """An environment whose reward is a coroutine (TRL allows `async def get_reward`)."""
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return float(self.value) + 0.5
+
+
+def test_an_async_get_reward_works_inside_a_running_event_loop():
+    """A notebook runs an event loop in its main thread, where `asyncio.run` is refused: the environment's reward is
+    awaited all the same, as an async reward function's is, outside a loop and inside one."""
+    envs = Toolbox([], AsyncCounter).environments
+    (_, env), = envs.take([{"prompt": "p", "start": 3}])
+    env.reset(start=3)
+    reward, = envs.reward_functions()
+    assert reward(environments=[env]) == [3.5]
+
+    async def in_a_loop():
+        return reward(environments=[env])
+
+    assert asyncio.run(in_a_loop()) == [3.5]
