@@ -11,10 +11,14 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def __getattr__(name: str):
-    """`rlhfkit.train` and `rlhfkit.TrainResult` (rlhfkit.api), imported on first use so that `import rlhfkit` and
+    """`rlhfkit.train` and `rlhfkit.TrainResult` (rlhfkit.api) and `rlhfkit.plan` (rlhfkit.plan), imported on first use so that `import rlhfkit` and
     `rlhfkit --help` stay instant (PEP 562)."""
     if name in ("train", "TrainResult"):
         from rlhfkit import api
 
         return getattr(api, name)
+    if name == "plan":  # the package rlhfkit.plan, callable: rlhfkit.plan(stage, ...) returns a Plan
+        import importlib
+
+        return importlib.import_module("rlhfkit.plan")
     raise AttributeError(f"module 'rlhfkit' has no attribute {name!r}")

@@ -13,7 +13,6 @@ JSON-lines file it is written to (once, in the cache: `$RLHFKIT_CACHE/datasets/<
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import itertools
@@ -22,13 +21,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rlhfkit.config import parse_overrides, read_yaml
+from rlhfkit.config import parse_overrides
 from rlhfkit.config.fields import merge
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, cache_dir
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import check_reward_pair
-from rlhfkit.stages import STAGES, build_stage_config, config_class, trainer_of
+from rlhfkit.stages import STAGES, build_stage_config, config_class, config_data, override_list, trainer_of
 
 # peft LoraConfig fields rlhfkit maps onto `model.lora` (the rest must keep peft's defaults: refused otherwise).
 _LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
@@ -75,10 +74,10 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
                         f"that do: {', '.join(takes)})")
     tool_keys = _tool_keys(stage, tools, environment_factory)
     given: dict[str, str] = {}  # the cached file of a dataset object -> the argument that passed it
-    data = merge(merge(merge(_config_dict(stage, config), tool_keys),
+    data = merge(merge(merge(config_data(stage, config), tool_keys),
                        _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config,
                                   output_dir, given)),
-                 parse_overrides(_override_list(overrides)))
+                 parse_overrides(override_list(overrides)))
     try:
         return _train(stage, data, model, tokenizer, reward_funcs, reward_weights, callbacks,
                       (tuple(tools or ()), environment_factory))
@@ -146,31 +145,6 @@ def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weight
 
 
 # The config's origins ------------------------------------------------------------------------------------------
-
-
-def _config_dict(stage: str, config: Any) -> dict:
-    """`config` (None, a YAML path, a dict or a config object of the stage) as a plain nested dict, unvalidated: the
-    stage's validation runs once, on the merged result."""
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        return read_yaml(os.fspath(config))
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        expected = STAGES[stage][0].rpartition(":")[2]
-        if type(config).__name__ != expected:
-            raise UserError(f"config: `rlhfkit {stage}` takes a {expected}, got a {type(config).__name__}")
-        return dataclasses.asdict(config)
-    raise UserError(f"config: expected a YAML path, a dict or a config object, got {type(config).__name__}")
-
-
-def _override_list(overrides: dict | list[str] | None) -> list[str]:
-    if overrides is None:
-        return []
-    if isinstance(overrides, dict):
-        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]  # JSON is YAML: lists, null, numbers survive
-    return list(overrides)
 
 
 def _as_list(value) -> list:

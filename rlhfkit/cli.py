@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--help-config", action="store_true",
                        help="print every config key of this stage (type, default, range, meaning) and exit")
         p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied after the file")
+    _add_plan_parser(sub)
     p = sub.add_parser("dashboard", help="draw a run's dashboard.png and write its report.html",
                        description="rlhfkit dashboard: draw a finished (or running) run's dashboard.png and report.html")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holding config.yaml and metrics.jsonl)")
@@ -53,6 +54,37 @@ def _parser() -> argparse.ArgumentParser:
 
     add_label_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory per process (by part and phase) and time per step of a stage on a device, "
+                                    "from config.json alone; whether it fits, and what to change so it does",
+                       description="rlhfkit plan: plan a stage's memory and time before it runs (docs/memory.md)")
+    p.add_argument("plan_stage", metavar="STAGE", help="the stage to plan: sft, rm, dpo, orpo, kto, ppo, rloo, grpo, "
+                                                       "reinforce_pp, online_dpo, rft")
+    p.add_argument("--config", help="the stage's YAML config file")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device", help="a device of the table (H100-80GB, H200-141GB, A100-40GB, A100-80GB, L4, "
+                                        "RTX-4090) or cpu (this machine's RAM)")
+    where.add_argument("--memory", type=float, metavar="GB", help="a device known by its memory (GB = 2**30 bytes)")
+    p.add_argument("--processes", type=int, default=1, metavar="N", help="processes the run is launched with (default 1)")
+    p.add_argument("--sharding", default="none", choices=["none", "zero2", "zero3", "fsdp"],
+                   help="how the processes split the state (default none: each holds all, as DDP)")
+    p.add_argument("--offload", action="store_true", help="the optimizer states in CPU memory (DeepSpeed offload)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict) instead of text")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied after the file")
+
+
+def run_plan(args) -> None:
+    """`rlhfkit plan`: the plan as text or JSON on stdout."""
+    import json
+
+    from rlhfkit.plan import plan
+    from rlhfkit.plan.render import render
+
+    result = plan(args.plan_stage, config=args.config, overrides=args.overrides, device=args.device,
+                  memory_gb=args.memory, processes=args.processes, sharding=args.sharding, offload=args.offload)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else render(result))
 
 
 def _process_rank() -> int:
@@ -113,7 +145,12 @@ def _say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.stage == "plan" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra  # overrides after --device and the like
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging()
     try:
         if args.stage == "dashboard":
@@ -130,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(args.output_dir or "runs/demo", quick=args.quick, seed=args.seed, from_stage=args.from_stage,
                      overwrite=args.overwrite, full=args.full)
+        elif args.stage == "plan":
+            run_plan(args)
         elif args.stage == "label":
             from rlhfkit.label.command import options_from, run_label
 

@@ -6,8 +6,11 @@ imported, so `rlhfkit --help` stays instant and importing this module loads no t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import json
+import os
 from typing import Any
 
 from rlhfkit.errors import UserError
@@ -85,6 +88,34 @@ def trainer_of(stage: str, cfg: Any, objects=None):
 
     objects = objects if objects is not None else Objects()
     return cls(cfg, dataclasses.replace(objects, toolbox=toolbox_of(cfg, objects)))  # tools checked before any model loads
+
+
+def config_data(stage: str, config: Any) -> dict:
+    """`config` (None, a YAML path, a dict or a config object of the stage) as a plain nested dict, unvalidated: the
+    stage's validation runs once, on the merged result (`rlhfkit.train`'s and `rlhfkit.plan`'s `config`)."""
+    from rlhfkit.config import read_yaml
+
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        return read_yaml(os.fspath(config))
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        expected = STAGES[stage][0].rpartition(":")[2]
+        if type(config).__name__ != expected:
+            raise UserError(f"config: `rlhfkit {stage}` takes a {expected}, got a {type(config).__name__}")
+        return dataclasses.asdict(config)
+    raise UserError(f"config: expected a YAML path, a dict or a config object, got {type(config).__name__}")
+
+
+def override_list(overrides: dict | list[str] | None) -> list[str]:
+    """`overrides` ({"kl.coef": 0.04} or ["kl.coef=0.04"]) as `key.sub=value` strings."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]  # JSON is YAML: lists, null, numbers survive
+    return list(overrides)
 
 
 def run_stage(stage: str, config: Any = None, overrides: list[str] | tuple[str, ...] = (),

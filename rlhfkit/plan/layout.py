@@ -1,0 +1,170 @@
+"""What a stage holds and runs, read from its validated config: which models are resident and trained, the rows and
+lengths of its forwards, its generation. The one place the planner knows how each trainer is built; the byte counts
+(`rlhfkit.plan.memory`) and FLOPs (`rlhfkit.plan.timing`) read this, never the config.
+
+Every row is sized at its cap (data.max_length; max_prompt_length + generation.max_new_tokens): the worst batch a
+run can meet. A batch of shorter rows needs less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlhfkit.plan.shape import ModelShape, load_shape
+
+ONLINE = ("ppo", "rloo", "grpo", "reinforce_pp")
+STAGES_PLANNED = ("sft", "rm", "dpo", "orpo", "kto", *ONLINE, "online_dpo", "rft")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One kind of forward per micro-batch: `rows` sequences of `length` tokens, logits (B·T·V) on `logit_len` of
+    them (0: a score head), with gradient or not."""
+
+    rows: int
+    length: int
+    logit_len: int
+    grad: bool
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The sampling of an online step or an RFT round: `rows` sequences decoded at once."""
+
+    rows: int
+    prompt_len: int
+    new_tokens: int
+    static_cache: bool  # generation.compile: a StaticCache of the full length from the start
+    top_p: bool  # nucleus sampling sorts the vocabulary per row
+
+
+@dataclass(frozen=True)
+class Layout:
+    stage: str
+    policy: ModelShape
+    head: str  # "lm" (a causal LM) or "score" (rm: a sequence classifier)
+    train: str  # "full", "lora" or "head" (rm's head_only)
+    quantized: bool  # the policy's base in 4 bits (QLoRA)
+    adapters: int  # LoRA parameters: the policy's, plus the shared-base critic's adapter and head
+    reference: ModelShape | None  # a separate frozen reference (None: none, or the LoRA base with adapters off)
+    reference_4bit: bool
+    rewards: tuple[ModelShape, ...]  # frozen reward models (sequence classifiers)
+    rewards_4bit: bool
+    critic: ModelShape | None  # PPO's separate, fully trained critic (a sequence classifier)
+    trained: Forward  # the update's forward with gradient (policy; with PPO the critic runs the same rows)
+    frozen: tuple[Forward, ...]  # no-grad forwards per micro-batch (reference, KTO's z0, scoring)
+    accum: int  # micro-batches per optimizer step
+    generation: Generation | None
+    checkpointing: bool
+    attention: str  # sdpa, eager or flash_attention_2
+    entropy: bool  # the update computes the entropy of the full distribution (algo.entropy_coef > 0)
+    optimizer_steps: int  # optimizer steps per planned step (online: ppo_epochs × num_minibatches)
+    micro_batches: int  # micro-batches per planned step
+    release_reference: bool  # dpo's precompute_ref_logprobs: the reference is freed before training
+
+
+Loader = Callable[..., ModelShape]
+
+
+def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
+    """The layout of `stage` run with the validated config `cfg`; `load(name, where, gguf_file, revision,
+    num_layers)` reads a model's shape."""
+    m = cfg.model
+    policy = load(m.name_or_path, "model.name_or_path", m.gguf_file, m.revision, m.num_layers)
+    head_only = stage == "rm" and cfg.algo.head_only
+    train = "head" if head_only else "lora" if m.lora.enabled else "full"
+    adapters = policy.lora_params(m.lora.r, m.lora.target_modules) if train == "lora" else 0
+    rewards = tuple(load(r, f"reward.model[{i}]") for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
+    base = dict(stage=stage, policy=policy, head="score" if stage == "rm" else "lm", train=train,
+                quantized=m.quantization.load_in_4bit, adapters=adapters, reference=None, reference_4bit=False,
+                rewards=(), rewards_4bit=False, critic=None, accum=cfg.optim.grad_accum_steps, generation=None,
+                checkpointing=m.gradient_checkpointing, attention=m.attn_implementation or "sdpa", entropy=False,
+                optimizer_steps=1, micro_batches=cfg.optim.grad_accum_steps, release_reference=False, frozen=())
+    mb, length = cfg.optim.per_device_batch_size, cfg.data.max_length
+    if stage in ("sft", "rm", "orpo"):
+        rows = mb * (2 if stage in ("rm", "orpo") else 1)
+        return Layout(**{**base, "trained": Forward(rows, length, 0 if stage == "rm" else length, True)})
+    if stage in ("dpo", "kto"):
+        return _offline_reference(stage, cfg, base, policy, load)
+    if stage == "rft":
+        return _rft(cfg, base, policy, rewards, load)
+    return _online(stage, cfg, base, policy, rewards, load)
+
+
+def _reference(cfg: Any, ref_model: str | None, policy: ModelShape, load: Loader) -> ModelShape | None:
+    """A separate frozen reference: `ref_model`, else a copy of the policy under full fine-tuning; None with LoRA
+    and no `ref_model` (the base with the adapters disabled)."""
+    if ref_model is not None:
+        return load(ref_model, "algo.ref_model")
+    return None if cfg.model.lora.enabled else policy
+
+
+def _offline_reference(stage: str, cfg: Any, base: dict, policy: ModelShape, load: Loader) -> Layout:
+    a, mb, length = cfg.algo, cfg.optim.per_device_batch_size, cfg.data.max_length
+    uses_reference = stage == "kto" or a.loss_type != "simpo"
+    reference = _reference(cfg, a.ref_model, policy, load) if uses_reference else None
+    rows = 2 * mb if stage == "dpo" else mb
+    frozen = [Forward(rows, length, length, False)] if uses_reference else []
+    if stage == "kto":  # z0: the mismatched pairs through the policy and the reference, without gradient
+        frozen = frozen + [Forward(mb, length, length, False)] * 2
+    precompute = stage == "dpo" and a.precompute_ref_logprobs
+    return Layout(**{**base, "reference": reference, "trained": Forward(rows, length, length, True),
+                     "frozen": () if precompute else tuple(frozen), "release_reference": precompute})
+
+
+def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader) -> Layout:
+    g, mb = cfg.generation, cfg.optim.per_device_batch_size
+    evaluates = bool(cfg.data.eval or cfg.data.eval_fraction or cfg.data.capability)
+    reference = policy if evaluates and not cfg.model.lora.enabled else None
+    gen = Generation(cfg.algo.sampling_batch_size * g.num_samples, cfg.data.max_prompt_length, g.max_new_tokens,
+                     g.compile, g.top_p < 1)
+    score = Forward(mb, cfg.data.max_prompt_length + g.max_new_tokens, 0, False)
+    return Layout(**{**base, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
+                     "trained": Forward(mb, cfg.data.max_length, cfg.data.max_length, True), "generation": gen,
+                     "frozen": (score,) * len(rewards)})
+
+
+def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader) -> Layout:
+    """ppo, rloo, grpo, reinforce_pp and online_dpo: a generation phase, then the update."""
+    from rlhfkit.algorithms import ALGORITHMS
+
+    g, a, mb = cfg.generation, cfg.algo, cfg.optim.per_device_batch_size
+    length = cfg.data.max_prompt_length + g.max_new_tokens
+    logit_len = g.max_new_tokens + 1
+    rows = a.rollout_batch_size * g.num_samples
+    gen = Generation(g.num_samples if g.seed_per_prompt else rows, cfg.data.max_prompt_length, g.max_new_tokens,
+                     g.compile, g.top_p < 1)
+    score = Forward(mb, length, 0, False)
+    if stage == "online_dpo":
+        reference = _reference(cfg, a.ref_model, policy, load)
+        trained = Forward(2 * mb, length, logit_len, True)
+        return Layout(**{**base, "reference": reference, "rewards": rewards, "generation": gen, "trained": trained,
+                         "rewards_4bit": cfg.reward.quantization.load_in_4bit, "micro_batches": max(1, rows // (2 * mb)),
+                         "frozen": (Forward(2 * mb, length, logit_len, False),) + (score,) * len(rewards)})
+    algo = ALGORITHMS[a.algorithm]
+    monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
+    reference = _reference(cfg, None, policy, load) if algo.needs_reference or monitor else None
+    critic = None
+    adapters = base["adapters"]
+    if algo.needs_value and cfg.model.lora.enabled and not a.value_model:
+        adapters += adapters + policy.hidden + 1  # a second adapter and the value head on the policy's base
+    elif algo.needs_value:
+        critic = load(a.value_model, "algo.value_model") if a.value_model else rewards[0] if rewards else policy
+    frozen = [Forward(mb, length, logit_len, False)] * (1 + (reference is not None or monitor))  # π_old, π_ref
+    frozen += [score] * (len(rewards) + (critic is not None or algo.needs_value))
+    steps = a.ppo_epochs * a.num_minibatches
+    return Layout(**{**base, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
+                     "critic": critic, "adapters": adapters, "generation": gen, "entropy": a.entropy_coef > 0,
+                     "trained": Forward(mb, length, logit_len, True), "frozen": tuple(frozen),
+                     "optimizer_steps": steps, "accum": max(1, rows // a.num_minibatches // mb),
+                     "micro_batches": a.ppo_epochs * max(1, rows // mb)})
+
+
+def with_changes(cfg: Any, changes: dict[str, Any]) -> Any:
+    """`cfg` with dotted keys replaced ({"model.lora.enabled": True}), not validated again: the planner's what-ifs."""
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        cfg = dataclasses.replace(cfg, **{head: with_changes(getattr(cfg, head), {rest: value}) if rest else value})
+    return cfg
