@@ -4,10 +4,27 @@ import logging
 
 __version__ = "0.1.0"
 
-# bitsandbytes (the `qlora` extra; peft imports it whenever it is installed) logs at import, on CPUs with AVX512-BF16,
-# that the optional `kernels` package (a kernel fetched from the hub) is missing, then uses its own CPU kernel: a line
-# on every run, with nothing for the user to do.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# Dependencies that speak when they are imported, with nothing for the user to do: bitsandbytes (the `qlora` extra;
+# peft imports it whenever it is installed) asks the optional `kernels` package for a CPU kernel from the hub on CPUs
+# with AVX512-BF16, and logs when it cannot have it; `kernels` logs, offline, that it skipped the publisher trust
+# check. Their notices go to the `rlhfkit` logger at debug level (`rlhfkit --verbose` shows them), so that a one-line
+# error stays one line; an error of theirs keeps its level.
+QUIETED_LOGGERS = ("kernels", "bitsandbytes.backends.cpu.ops")
+
+
+class _ToDebugLog(logging.Handler):
+    """Hands a dependency's record to the `rlhfkit` logger, at debug level below ERROR, named by its logger."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = logging.DEBUG if record.levelno < logging.ERROR else record.levelno
+        logging.getLogger("rlhfkit").log(level, "%s: %s", record.name, record.getMessage())
+
+
+for _name in QUIETED_LOGGERS:
+    _logger = logging.getLogger(_name)
+    if not any(isinstance(h, _ToDebugLog) for h in _logger.handlers):
+        _logger.addHandler(_ToDebugLog())
+    _logger.propagate = False
 
 
 def __getattr__(name: str):

@@ -17,9 +17,19 @@ from rlhfkit.errors import UserError
 from rlhfkit.stages import STAGES, stage_config
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line, as every other refusal of rlhfkit (argparse writes its usage
+    first); the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        _say(f"rlhfkit: error: {message} (see `{self.prog} --help`)")
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhfkit", description="Align language models with human preferences.")
+    parser = _Parser(prog="rlhfkit", description="Align language models with human preferences.")
     parser.add_argument("--version", action="version", version=f"rlhfkit {version('rlhfkit')}")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, (_, _, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=f"rlhfkit {name}: {help_text}")
@@ -53,7 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     from rlhfkit.label.command import add_label_parser  # the arguments live with the command
 
     add_label_parser(sub)
+    for stage_parser in sub.choices.values():  # also after the stage; SUPPRESS keeps a --verbose given before it
+        stage_parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
+
+
+VERBOSE_HELP = ("show the debug log too: the notices dependencies print when imported (kernels, bitsandbytes) and "
+                "transformers' warnings")
 
 
 def _add_plan_parser(sub) -> None:
@@ -95,17 +111,21 @@ def _process_rank() -> int:
     return 0
 
 
-def _setup_logging() -> None:
+def _setup_logging(verbose: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("rlhfkit: %(message)s"))
     log = logging.getLogger("rlhfkit")
     log.handlers[:] = [handler]
     # Under torchrun / accelerate launch, information is logged once (process 0); warnings and errors by every process.
-    log.setLevel(logging.INFO if _process_rank() == 0 else logging.WARNING)
+    # --verbose: the debug log too, which holds the dependencies' import-time notices (rlhfkit.QUIETED_LOGGERS).
+    log.setLevel(logging.DEBUG if verbose else logging.INFO if _process_rank() == 0 else logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
+    if verbose:
+        hf_logging.set_verbosity_warning()
+    else:
+        hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # weight loading/saving bars would bury rlhfkit's own progress
 
 
@@ -151,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # overrides after --device and the like
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _setup_logging()
+    _setup_logging(getattr(args, "verbose", False))
     try:
         if args.stage == "dashboard":
             run_dashboard(args.run_dir, args.out)
