@@ -72,7 +72,9 @@ def masked_whiten(
         mean, var = masked_mean(x, mask), masked_var(x, mask)
     else:
         m, xf = mask.bool(), x.float()
-        n, total = all_reduce(torch.stack([m.sum().float(), xf[m].sum()]))  # global count and sum
+        (total,) = summed({"count": m.sum().float(), "sum": xf[m].sum()}, sum_over=all_reduce, device=x.device,
+                          dtype=torch.float32)  # the global count and sum
+        n, total = total["count"], total["sum"]
         if n < 2:
             raise ValueError(f"masked_var needs at least 2 valid positions, got {int(n)}")
         mean = total / n
@@ -137,3 +139,30 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         probs = torch.exp(z - lse.unsqueeze(-1))  # (T, V)
         rows.append(lse - (probs * z).sum(-1))
     return torch.stack(rows)  # (B, T)
+
+
+def summed(*groups: dict[str, torch.Tensor | float], sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> tuple[dict[str, torch.Tensor], ...]:
+    """Each group {name: scalar} with every value summed by `sum_over` (an all-reduce over processes; None: one
+    process), in one call: a tuple of dicts of 0-d `dtype` tensors, one per group, under the same names.
+
+    Values travel by name, never by position: every caller passes the same groups and names, and the packing order
+    (group, then sorted name) is decided here, so a figure added on one side cannot shift another's value. A loop
+    keeps its own bookkeeping (weights, counts, flags) in a group of its own, apart from the figures it logs."""
+    keys = [(g, name) for g, group in enumerate(groups) for name in sorted(group)]
+    out: tuple[dict[str, torch.Tensor], ...] = tuple({} for _ in groups)
+    if not keys:
+        return out
+    local = torch.stack([torch.as_tensor(groups[g][name], dtype=dtype, device=device).detach().reshape(()).to(device)
+                         for g, name in keys])
+    totals = sum_over(local) if sum_over is not None else local
+    for i, (g, name) in enumerate(keys):
+        out[g][name] = totals[i]
+    return out
+
+
+def sums_by_name(*groups: dict[str, torch.Tensor | float], sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> tuple[dict[str, float], ...]:
+    """`summed`, as Python floats: the figures a loop logs and the counts it divides them by."""
+    return tuple({name: float(v) for name, v in group.items()}
+                 for group in summed(*groups, sum_over=sum_over, device=device, dtype=dtype))

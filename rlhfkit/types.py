@@ -152,6 +152,57 @@ class ToolCounts(_TensorBatch):
 
 
 @dataclass(frozen=True)
+class ToolFigures:
+    """The tool figures of a set of episodes, from their `ToolCounts` (every process's rows, gathered by the caller):
+    the one definition training logs (`tools/...`, with TRL 1.16's two names as aliases of the same numbers) and
+    evaluation reports (`agent/...`, eval.json's `agent` section).
+
+    A call is any call the policy made: run, or malformed (it did not parse, named no tool of its episode or did not
+    fit the tool's schema: not run). A failure is a call that gave no result: a run that raised, timed out or returned
+    what cannot be printed, or a malformed call. Malformed calls therefore count, as calls and as failures, on both
+    sides: TRL runs an unknown name or refused arguments and counts the call failed; here such a call is not run, and a
+    finished turn that does not parse counts one malformed call, which TRL does not see.
+    """
+
+    episodes: int
+    turns: int  # assistant turns
+    calls: int  # every call the policy made: run + malformed
+    failures: int  # calls without a result: failed runs + malformed
+    malformed: int  # calls not run
+    timeouts: int  # runs past tools.timeout_s (among the failures)
+    per_tool: tuple[tuple[str, int], ...] = ()  # (tool, runs of it) in the toolbox's order
+
+    # TRL 1.16's metric names -> ours: training logs both, the same number under each
+    TRL_NAMES = {"call_frequency": "calls_per_episode", "failure_frequency": "failures_per_call"}
+
+    @classmethod
+    def of(cls, counts: ToolCounts) -> "ToolFigures":
+        malformed = int(counts.malformed.sum())
+        return cls(episodes=int(counts.calls.numel()), turns=int(counts.turns.sum()),
+                   calls=int(counts.calls.sum()) + malformed, failures=int(counts.failures.sum()) + malformed,
+                   malformed=malformed, timeouts=int(counts.timeouts.sum()),
+                   per_tool=tuple((name, int(counts.per_tool[:, k].sum())) for k, name in enumerate(counts.tool_names)))
+
+    def as_dict(self) -> dict[str, float]:
+        """The shares: per episode (0 without episodes) and per call (0 without calls), and each tool's runs per
+        episode under `calls_per_episode/<tool>`."""
+        per_episode = lambda n: n / self.episodes if self.episodes else 0.0  # noqa: E731
+        per_call = lambda n: n / self.calls if self.calls else 0.0  # noqa: E731
+        out = {"calls_per_episode": per_episode(self.calls), "failures_per_call": per_call(self.failures),
+               "malformed_per_call": per_call(self.malformed), "timeouts_per_call": per_call(self.timeouts),
+               "turns_per_episode": per_episode(self.turns)}
+        out.update({f"calls_per_episode/{name}": per_episode(n) for name, n in self.per_tool})
+        return out
+
+    def metrics(self, prefix: str = "tools/") -> dict[str, float]:
+        """`as_dict` under `prefix`, with TRL's names beside ours (a TRL user's dashboard reads tools/call_frequency)."""
+        figures = self.as_dict()
+        out = {prefix + k: v for k, v in figures.items()}
+        out.update({prefix + trl: figures[ours] for trl, ours in self.TRL_NAMES.items()})
+        return out
+
+
+@dataclass(frozen=True)
 class Rollout(_TensorBatch):
     """Sampled responses to left-padded prompts, one row per sample (prompt i's k samples are adjacent).
 

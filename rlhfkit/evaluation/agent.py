@@ -7,7 +7,9 @@ gate an SFT model must pass before reward modelling: pure functions of the episo
   episode (an exact name, arguments that fit the schema), and `agent.format_check`, when given, accepts it.
 - Task completion: the share of episodes whose task-judge score reaches `agent.task_threshold`; an episode the judge
   returns None for is not judged and counts on neither side of the share.
-- Per episode: tool calls run, failed calls (raised, timed out, unprintable), malformed calls (not run), assistant turns.
+- The tool figures: `types.ToolFigures`, the same object and definition training logs (a call is any call the policy
+  made, malformed ones included; a failure a call without a result): calls and turns per episode, failures, malformed
+  calls and timeouts per call, each tool's runs per episode.
 - The gate (the agent recipe's rule before reward modelling): format accuracy >= `gate.format_accuracy` (0.95) and
   task completion >= `gate.task_completion` (0.80); undecided (None) when a figure is missing.
 
@@ -25,38 +27,34 @@ from typing import Callable
 
 from rlhfkit.errors import UserError, first_line
 from rlhfkit.tools import Toolbox, import_ref
-from rlhfkit.types import ToolCounts
+from rlhfkit.types import ToolCounts, ToolFigures
 
 
 @dataclass(frozen=True)
 class AgentFigures:
     """One model's agent figures over its episodes (counts, so that shares can be checked by hand)."""
 
-    episodes: int
-    turns: int  # assistant turns
-    formatted_turns: int  # of them, turns in the agent format
+    tools: ToolFigures  # what the episodes' tool calls did: training's definition (`ToolFigures`)
+    formatted_turns: int  # of the assistant turns, those in the agent format
     judged: int  # episodes the task judge scored (0 without a judge)
     completed: int  # of them, episodes that reach the threshold
-    calls: int  # tool calls run
-    failures: int  # of them, calls that raised, timed out or returned what cannot be printed
-    malformed: int  # calls that did not parse or fit a tool (not run)
 
     @property
     def format_accuracy(self) -> float | None:
-        return self.formatted_turns / self.turns if self.turns else None
+        return self.formatted_turns / self.tools.turns if self.tools.turns else None
 
     @property
     def task_completion(self) -> float | None:
         return self.completed / self.judged if self.judged else None
 
     def as_dict(self) -> dict:
-        """eval.json's `agent.policy` / `agent.reference`: the counts, the two shares and the per-episode means."""
-        per_episode = lambda n: n / self.episodes if self.episodes else None  # noqa: E731
-        return {"format_accuracy": self.format_accuracy, "task_completion": self.task_completion,
-                "calls_per_episode": per_episode(self.calls), "failures_per_episode": per_episode(self.failures),
-                "malformed_per_episode": per_episode(self.malformed), "turns_per_episode": per_episode(self.turns),
-                "episodes": self.episodes, "turns": self.turns, "formatted_turns": self.formatted_turns,
-                "judged": self.judged, "completed": self.completed}
+        """eval.json's `agent.policy` / `agent.reference`: the two shares, the tool figures (`ToolFigures.as_dict`)
+        and the counts."""
+        t = self.tools
+        return {"format_accuracy": self.format_accuracy, "task_completion": self.task_completion, **t.as_dict(),
+                "episodes": t.episodes, "turns": t.turns, "calls": t.calls, "failures": t.failures,
+                "malformed": t.malformed, "formatted_turns": self.formatted_turns, "judged": self.judged,
+                "completed": self.completed}
 
 
 def turn_formats(completions, well_formed, format_check: Callable | None = None) -> list[list[bool]]:
@@ -91,10 +89,8 @@ def agent_figures(counts: ToolCounts, completions, task_scores: list | None = No
     row it does not judge; no list without a judge), the pass threshold and the user's format rule."""
     formats = turn_formats(completions, counts.well_formed, format_check)
     scores = [s for s in (task_scores or []) if s is not None]
-    return AgentFigures(
-        episodes=len(formats), turns=sum(map(len, formats)), formatted_turns=sum(map(sum, formats)),
-        judged=len(scores), completed=sum(s >= threshold for s in scores),
-        calls=int(counts.calls.sum()), failures=int(counts.failures.sum()), malformed=int(counts.malformed.sum()))
+    return AgentFigures(tools=ToolFigures.of(counts), formatted_turns=sum(map(sum, formats)), judged=len(scores),
+                        completed=sum(s >= threshold for s in scores))
 
 
 def gate(format_accuracy: float | None, task_completion: float | None, min_format_accuracy: float,

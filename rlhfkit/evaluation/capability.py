@@ -18,6 +18,7 @@ import torch
 from rlhfkit.data import collate_sft
 from rlhfkit.losses.sft import token_nll
 from rlhfkit.models import Reference, scored_logits
+from rlhfkit.ops import sums_by_name
 
 
 @dataclass(frozen=True)
@@ -39,30 +40,31 @@ class AlignmentTax:
 
 
 @torch.no_grad()
-def response_nll(model, examples: Sequence[dict], pad_token_id: int, batch_size: int, device) -> torch.Tensor:
-    """(2,) [Σ NLL, token count] of the labelled (response) tokens of tokenised SFT `examples` under `model`, in fp32.
+def response_nll(model, examples: Sequence[dict], pad_token_id: int, batch_size: int, device) -> dict[str, torch.Tensor]:
+    """{"nll": Σ NLL, "tokens": token count} of the labelled (response) tokens of tokenised SFT `examples` under
+    `model` (fp64 sums of fp32 NLLs).
 
     Sums, not a mean, so that shares from several processes add up to the whole set's figure."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(examples), batch_size):
         batch = collate_sft(list(examples[start : start + batch_size]), pad_token_id).to(device)
         logits, first = scored_logits(model, batch.input_ids, batch.attention_mask, batch.labels)  # (B, T-first, V)
-        nll, parts = token_nll(logits, batch.labels[:, first:])  # (B, T-first-1)
-        total += torch.stack([nll.double().sum(), parts["mask"].double().sum()])
-    return total
+        token_nlls, parts = token_nll(logits, batch.labels[:, first:])  # (B, T-first-1)
+        nll, tokens = nll + token_nlls.double().sum(), tokens + parts["mask"].double().sum()
+    return {"nll": nll, "tokens": tokens}
 
 
-def alignment_tax(policy_sums: torch.Tensor, reference_sums: torch.Tensor,
-                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AlignmentTax:
-    """The `AlignmentTax` of two `response_nll` results (this process's share; `all_reduce` sums them over
-    processes when given)."""
-    sums = torch.stack([policy_sums, reference_sums])  # (2, 2)
-    if all_reduce is not None:
-        sums = all_reduce(sums)
-    tokens = int(sums[0, 1].item())
+def alignment_tax(policy_sums: dict[str, torch.Tensor], reference_sums: dict[str, torch.Tensor],
+                  sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AlignmentTax:
+    """The `AlignmentTax` of two `response_nll` results (this process's share; `sum_over` sums them over processes
+    when given, by name: `ops.sums_by_name`)."""
+    device = policy_sums["nll"].device
+    policy, reference = sums_by_name(policy_sums, reference_sums, sum_over=sum_over, device=device)
+    tokens = int(policy["tokens"])
     if tokens == 0:
         raise ValueError("no response tokens to score in the capability set")
-    return AlignmentTax(policy_nll=float(sums[0, 0] / tokens), reference_nll=float(sums[1, 0] / tokens), tokens=tokens)
+    return AlignmentTax(policy_nll=policy["nll"] / tokens, reference_nll=reference["nll"] / tokens, tokens=tokens)
 
 
 def frozen_reference(reference, policy):
@@ -81,9 +83,9 @@ def measure_alignment_tax(policy, reference, examples: Sequence[dict], pad_token
     policy_sums = response_nll(policy, mine, pad_token_id, batch_size, device)
     with frozen_reference(reference, policy) as ref:
         reference_sums = response_nll(ref, mine, pad_token_id, batch_size, device)
-    reduce = None
+    sum_over = None
     if world > 1:
-        from accelerate.utils import reduce as all_reduce
+        from accelerate.utils import reduce
 
-        reduce = lambda t: all_reduce(t, reduction="sum")  # noqa: E731
-    return alignment_tax(policy_sums, reference_sums, all_reduce=reduce)
+        sum_over = lambda t: reduce(t, reduction="sum")  # noqa: E731
+    return alignment_tax(policy_sums, reference_sums, sum_over=sum_over)

@@ -24,8 +24,8 @@ from rlhfkit.reward_functions import extra_columns, source_stats
 
 
 # The agent figures a training run logs under eval/agent/ (the shares and per-episode means; the counts stay in eval.json).
-AGENT_LOGGED = ("format_accuracy", "task_completion", "calls_per_episode", "failures_per_episode",
-                "malformed_per_episode", "turns_per_episode")
+AGENT_LOGGED = ("format_accuracy", "task_completion", "calls_per_episode", "failures_per_call", "malformed_per_call",
+                "timeouts_per_call", "turns_per_episode")
 
 
 @torch.no_grad()

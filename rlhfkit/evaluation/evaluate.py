@@ -572,8 +572,8 @@ def summary_table(report: dict) -> str:
     if agent := report.get("agent"):
         rows += [(label, agent["policy"][key], agent["reference"] and agent["reference"][key], None) for label, key in (
             ("format accuracy", "format_accuracy"), ("task completion", "task_completion"),
-            ("tool calls / episode", "calls_per_episode"), ("  failed / episode", "failures_per_episode"),
-            ("  malformed / episode", "malformed_per_episode"), ("turns / episode", "turns_per_episode"))]
+            ("tool calls / episode", "calls_per_episode"), ("  failed / call", "failures_per_call"),
+            ("  malformed / call", "malformed_per_call"), ("turns / episode", "turns_per_episode"))]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
     lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]

@@ -427,28 +427,3 @@ class GrowingLayer(DynamicLayer):
         if self.length:
             self.buffers = tuple(b[indices] for b in self.buffers)
             self.keys, self.values = (b[..., : self.length, :] for b in self.buffers)
-
-
-def tool_figures(counts: ToolCounts) -> dict[str, float]:
-    """The step's tool figures from its episodes' counts (all processes' rows, gathered by the caller).
-
-    TRL 1.16's two, with a call being any call the policy made (run, or malformed: TRL runs an unknown name or
-    arguments a tool refuses and counts a failure; here they are not run, and a finished turn that does not parse counts
-    one malformed call, which TRL does not see):
-        tools/call_frequency     calls per episode
-        tools/failure_frequency  failed or malformed calls per call (0 without calls)
-    and beyond TRL: tools/malformed_frequency and tools/timeout_frequency (per call, 0 without calls),
-    tools/turns_mean (assistant turns per episode) and tools/calls/<name> (runs of each tool per episode)."""
-    episodes = max(int(counts.calls.numel()), 1)
-    calls = int(counts.calls.sum() + counts.malformed.sum())
-    per_call = lambda n: float(n) / calls if calls else 0.0  # noqa: E731
-    figures = {
-        "tools/call_frequency": calls / episodes,
-        "tools/failure_frequency": per_call(counts.failures.sum() + counts.malformed.sum()),
-        "tools/malformed_frequency": per_call(counts.malformed.sum()),
-        "tools/timeout_frequency": per_call(counts.timeouts.sum()),
-        "tools/turns_mean": float(counts.turns.sum()) / episodes,
-    }
-    for k, name in enumerate(counts.tool_names):
-        figures[f"tools/calls/{name}"] = float(counts.per_tool[:, k].sum()) / episodes
-    return figures

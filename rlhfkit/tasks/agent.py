@@ -317,7 +317,7 @@ def acceptance(methods: dict) -> dict[str, bool]:
 
 def format_table(methods: dict) -> str:
     cols = [("task done", "task_completion"), ("format ok", "format_accuracy"), ("calls/ep", "calls_per_episode"),
-            ("malformed/ep", "malformed_per_episode"), ("turns/ep", "turns_per_episode")]
+            ("malformed/call", "malformed_per_call"), ("turns/ep", "turns_per_episode")]
     lines = [f"{'method':<15}" + "".join(f"{c:>12}" for c, _ in cols)]
     for m, f in methods.items():
         lines.append(f"{m:<15}" + "".join(f"{(f[k] or 0) * 100:>11.1f}%" if k in ("task_completion", "format_accuracy")

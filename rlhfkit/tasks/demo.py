@@ -168,8 +168,8 @@ class Policy:
                           for ro in dev]).cpu()
 
 
-    def capability_nll(self, records_file: str) -> torch.Tensor:
-        """(2,) [Σ NLL, tokens] of the reference responses in `records_file` (SFT format) under this model
+    def capability_nll(self, records_file: str) -> dict[str, torch.Tensor]:
+        """{"nll": Σ NLL, "tokens": count} of the reference responses in `records_file` (SFT format) under this model
         (`evaluation.capability.response_nll`)."""
         from rlhfkit.config import DataConfig
         from rlhfkit.data import build_datasets
@@ -177,7 +177,8 @@ class Policy:
 
         data = DataConfig(train=records_file, max_length=512, max_prompt_length=256)
         examples = build_datasets("sft", data, self.tokenizer, 0)[0]
-        return response_nll(self.model, examples, self.tokenizer.pad_token_id, 16, _device()).cpu()
+        sums = response_nll(self.model, examples, self.tokenizer.pad_token_id, 16, _device())
+        return {name: value.cpu() for name, value in sums.items()}
 
 
 @torch.no_grad()

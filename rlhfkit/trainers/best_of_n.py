@@ -126,7 +126,7 @@ def best_of_n(t, iteration: int, step: int) -> tuple[list[dict], dict[str, float
             continue
         keep_batch(t, tally, b, batch(b), ro, state, iteration)
     names = ("score", "scored", "best", "prompts", "gold")
-    sums = sums_by_name(run, {**{k: tally.sums.get(k, 0.0) for k in names}, "kept": len(tally.kept)})
+    (sums,) = sums_by_name(run, {**{k: tally.sums.get(k, 0.0) for k in names}, "kept": len(tally.kept)})
     kept = [e for _, e in sorted(gather_object(tally.kept), key=lambda be: be[0])]  # batch order (a stable sort)
     gathered = gather_object([tally.per_source])  # one dict per process
     sources = source_stats({name: torch.tensor([v for d in gathered for v in d[name]], dtype=torch.float32)

@@ -20,6 +20,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import IntervalStrategy
 
 from rlhfkit.errors import UserError, first_line
+from rlhfkit.ops import sums_by_name
 
 def stage_of(cfg) -> str:
     """The stage (`rlhfkit <stage>`) that runs `cfg`: the one whose config class it is (sft, rm, dpo, orpo, kto, rft,
@@ -157,11 +158,10 @@ class Callbacks:
         """(stop, save): whether a callback on any process set `control.should_training_stop`, `should_save`."""
         if not self.callbacks:
             return False, False
-        import torch
-
         c = self.control
-        asked = sum_over_processes(torch.tensor([float(c.should_training_stop), float(c.should_save)]))
-        return bool(asked[0] > 0), bool(asked[1] > 0)
+        (asked,) = sums_by_name({"stop": float(c.should_training_stop), "save": float(c.should_save)},
+                                sum_over=sum_over_processes)
+        return asked["stop"] > 0, asked["save"] > 0
 
     def call(self, event: str, **kwargs) -> None:
         """`event` on each callback in order (nothing without callbacks); a callback's returned control replaces the

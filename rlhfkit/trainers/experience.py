@@ -33,7 +33,7 @@ from rlhfkit.rollout import RolloutMaker
 from rlhfkit.sharding import gathered_weights
 from rlhfkit.trainers.optim import Fault
 from rlhfkit.trainers.processes import sums_by_name
-from rlhfkit.types import Experience, PromptBatch, Rollout, ToolCounts
+from rlhfkit.types import Experience, PromptBatch, Rollout, ToolCounts, ToolFigures
 
 
 @dataclass(frozen=True)
@@ -214,9 +214,7 @@ def rollout_stats(run, rewards: Rewards, ro: Rollout, scores: torch.Tensor, rows
     if "gold" in g:
         stats["objective/gold"] = g["gold"].mean()
     if ro.tools is not None:
-        from rlhfkit.rollout.tool_loop import tool_figures
-
-        stats.update(tool_figures(gather_counts(run, ro.tools)))
+        stats.update(ToolFigures.of(gather_counts(run, ro.tools)).metrics("tools/"))
     return {k: float(v) for k, v in stats.items()}
 
 
@@ -234,6 +232,6 @@ def logged_means(run, values: dict[str, list[float]]) -> dict[str, float]:
         from accelerate.utils import gather_object
 
         names = sorted(set(gather_object(names)))
-    sums = sums_by_name(run, {**{f"{n}\0sum": sum(values.get(n, [])) for n in names},
-                              **{f"{n}\0count": len(values.get(n, [])) for n in names}})
-    return {n: sums[f"{n}\0sum"] / sums[f"{n}\0count"] for n in names if sums[f"{n}\0count"]}
+    sums, counts = sums_by_name(run, {n: sum(values.get(n, [])) for n in names},
+                                {n: len(values.get(n, [])) for n in names})
+    return {n: sums[n] / counts[n] for n in names if counts[n]}

@@ -29,6 +29,7 @@ from rlhfkit.data import collate_unpaired
 from rlhfkit.losses.kto import kto_loss
 from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
 from rlhfkit.trainers.offline import OfflineTrainer, micro_batch_positions
+from rlhfkit.trainers.processes import sums_by_name
 from rlhfkit.types import UnpairedBatch
 
 logger = logging.getLogger("rlhfkit")
@@ -122,16 +123,17 @@ class KTOTrainer(OfflineTrainer):
         every process calls it, with or without rows)."""
         acc = self.accelerator
         policy = self.run.unwrap(self.model)
-        sums = torch.zeros(2, device=acc.device)  # summed log-ratio, rows
+        sums = {"log_ratio": torch.zeros((), device=acc.device), "rows": 0.0}
         for i, b in enumerate(batches):
             b = b.to(acc.device)
             with acc.autocast():
                 logprobs, _ = sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)  # (B,)
                 ref_logprobs = self.reference.sequence_logprobs(policy, b.kl_input_ids, b.kl_attention_mask, b.kl_labels)
             if counted is None or counted[i]:
-                sums += torch.stack([(logprobs.float() - ref_logprobs.float()).sum(), logprobs.new_tensor(float(len(logprobs)))])
-        sums = acc.reduce(sums, reduction="sum")
-        return sums[0] / sums[1].clamp(min=1)
+                sums = {"log_ratio": sums["log_ratio"] + (logprobs.float() - ref_logprobs.float()).sum(),
+                        "rows": sums["rows"] + len(logprobs)}
+        (total,) = sums_by_name(self.run, sums)
+        return torch.tensor(total["log_ratio"] / max(total["rows"], 1.0), device=acc.device)
 
     def count(self, batch: UnpairedBatch) -> int:
         return batch.input_ids.shape[0]

@@ -63,10 +63,10 @@ def train_step(run: Run, optim: Optim, model, micro: list, count: Callable, comp
             sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32, device=acc.device).detach() * n
     # One sum over processes: the metric sums and the non-finite losses. The skip is decided on it, so every process
     # skips the same steps and DDP replicas stay identical.
-    totals = sums_by_name(run, {**sums, "\0nonfinite": nonfinite})
-    out = {k: v / max(total, 1) for k, v in totals.items() if k != "\0nonfinite"}
+    totals, own = sums_by_name(run, sums, {"nonfinite": nonfinite})
+    out = {k: v / max(total, 1) for k, v in totals.items()}
     out["lr"] = optim.lr
-    result = optimizer_step(optim, step, Fault.LOSS if totals["\0nonfinite"] > 0 else None)
+    result = optimizer_step(optim, step, Fault.LOSS if own["nonfinite"] > 0 else None)
     if optim.max_grad_norm is not None:
         out["grad_norm"] = result.grad_norm
     out["faults/skipped_total"] = float(optim.bad_steps)
@@ -273,6 +273,5 @@ class OfflineTrainer:
         # The main process names the metrics: a process whose share is empty (an eval set smaller than the world
         # size) adds zeros to the same sums.
         keys = broadcast_object_list([sorted(sums)])[0] if self.world > 1 else sorted(sums)
-        zero = torch.zeros((), device=acc.device)
-        totals = acc.reduce(torch.stack([sums.get(k, zero) for k in keys] + [items]), reduction="sum")
-        return {f"eval/{k}": totals[i].item() / totals[-1].item() for i, k in enumerate(keys)}
+        totals, own = sums_by_name(self.run, {k: sums.get(k, 0.0) for k in keys}, {"items": items})
+        return {f"eval/{k}": v / own["items"] for k, v in totals.items()}

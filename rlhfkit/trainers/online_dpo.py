@@ -172,7 +172,7 @@ class OnlineDPOTrainer:
             sums["nonfinite"] = sums["nonfinite"] + float(not torch.isfinite(loss))
         if self.ptx is not None and train:
             sums["nonfinite"] = sums["nonfinite"] + self.ptx.backward(self.model, step - 1, last=True)
-        total = sums_by_name(run, sums)
+        (total,) = sums_by_name(run, sums)
         result = optimizer_step(self.optim, step, Fault.LOSS if total["nonfinite"] > 0 else None)
         samples = 2 * n * run.world
         metrics = {k: total[k] / max(total["kept"], 1.0) for k in PAIR_METRICS} if train else {}

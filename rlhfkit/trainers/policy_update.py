@@ -92,11 +92,11 @@ class PolicyUpdate:
         return self.finish(tally, norms, kept, early_stopped=False)
 
     def finish(self, tally: Tally, norms: list[float], kept, early_stopped: bool) -> Update:
-        sums = sums_by_name(self.run, {**tally.sums, "\0weight": tally.weight, "\0gap": tally.gap,
-                                       "\0gap_tokens": tally.gap_tokens})
-        metrics = {k: v / max(sums["\0weight"], 1.0) for k, v in sums.items() if not k.startswith("\0")}
-        if sums["\0gap_tokens"] > 0:
-            metrics["policy/sampler_logprob_gap"] = sums["\0gap"] / sums["\0gap_tokens"]
+        sums, own = sums_by_name(self.run, tally.sums,
+                                 {"weight": tally.weight, "gap": tally.gap, "gap_tokens": tally.gap_tokens})
+        metrics = {k: v / max(own["weight"], 1.0) for k, v in sums.items()}
+        if own["gap_tokens"] > 0:
+            metrics["policy/sampler_logprob_gap"] = own["gap"] / own["gap_tokens"]
         if self.ptx is not None:
             metrics.update(self.ptx.metrics())
         if norms:
@@ -145,7 +145,7 @@ class PolicyUpdate:
             kl_weighted, weight = kl_weighted + approxkl * w, weight + w
         if self.ptx is not None:  # PPO-ptx: + ptx_coef · NLL of this optimizer step's ptx batch
             nonfinite += self.ptx.backward(self.model, update, last=True)
-        control = sums_by_name(self.run, {"nonfinite": nonfinite, "approxkl": kl_weighted, "tokens": weight})
+        (control,) = sums_by_name(self.run, {"nonfinite": nonfinite, "approxkl": kl_weighted, "tokens": weight})
         return control["nonfinite"] > 0, control["approxkl"] / max(control["tokens"], 1.0)
 
     def no_sync(self, sync: bool):

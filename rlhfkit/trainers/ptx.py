@@ -80,7 +80,7 @@ class Ptx:
 
     def metrics(self) -> dict[str, float]:
         """`loss/ptx_avg` of the step's ptx batches, over every process (collective)."""
-        sums = sums_by_name(self.run, self.sums)
+        (sums,) = sums_by_name(self.run, self.sums)
         return {"loss/ptx_avg": sums["nll"] / max(sums["tokens"], 1.0)}
 
 

@@ -34,9 +34,11 @@ def test_grpo_with_tools_and_an_environment_from_the_cli(tmp_path):
                  f"tools.functions=[{TOOLS}:add]", f"tools.environment={TOOLS}:Tally", "tools.max_calls=2",
                  f"reward.function={TOOLS}:completion_turns"]) == 0
     last = rows(out / "metrics.jsonl")[-1]
-    assert {"tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency", "tools/timeout_frequency",
-            "tools/turns_mean", "tools/calls/add", "tools/calls/bump"} <= set(last)
-    assert last["tools/turns_mean"] >= 1.0
+    assert {"tools/call_frequency", "tools/failure_frequency", "tools/calls_per_episode", "tools/failures_per_call",
+            "tools/malformed_per_call", "tools/timeouts_per_call", "tools/turns_per_episode",
+            "tools/calls_per_episode/add", "tools/calls_per_episode/bump"} <= set(last)
+    assert last["tools/turns_per_episode"] >= 1.0
+    assert last["tools/call_frequency"] == last["tools/calls_per_episode"]  # TRL's name: an alias of the same number
     assert "rewards/Tally/mean" in last  # the environment's get_reward() is a reward source
     saved = yaml.safe_load((out / "config.yaml").read_text())["tools"]
     assert saved["functions"] == [f"{TOOLS}:add"] and saved["environment"] == f"{TOOLS}:Tally"
@@ -83,7 +85,8 @@ def test_a_policy_that_calls_the_tool_trains_on_its_episodes(tmp_path):
                        f"tools.functions=[{TOOLS}:add]"])
     trainer_of("grpo", cfg, Objects(reward_funcs=(read_five,), tools=(add,), rollout=steer)).fit()
     last = rows(tmp_path / "steered" / "metrics.jsonl")[-1]
-    assert last["tools/call_frequency"] == 1.0 and last["tools/calls/add"] == 1.0 and last["tools/turns_mean"] == 2.0
+    assert last["tools/call_frequency"] == 1.0 and last["tools/calls_per_episode/add"] == 1.0
+    assert last["tools/turns_per_episode"] == 2.0
     assert last["tools/failure_frequency"] == 0.0 and last["rewards/read_five/mean"] == 1.0
     assert seen[0] == [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},

@@ -41,7 +41,7 @@ def test_every_stage_ran_and_eval_json_has_every_figure(agent_run):
 
 def test_grpo_ran_with_the_tool_and_the_samples_are_whole_episodes(agent_run):
     metrics = [r for r in read(os.path.join(agent_run, "grpo", "metrics.jsonl")) if "tools/call_frequency" in r]
-    assert len(metrics) == QUICK.grpo_steps and "tools/calls/multiply" in metrics[-1]
+    assert len(metrics) == QUICK.grpo_steps and "tools/calls_per_episode/multiply" in metrics[-1]
     for method in METHODS:
         samples = read(os.path.join(agent_run, f"eval_samples_{method}.jsonl"))
         assert len(samples) == QUICK.eval_prompts

@@ -6,7 +6,7 @@ import torch
 
 from rlhfkit.errors import UserError
 from rlhfkit.evaluation.agent import AgentFigures, agent_figures, gate, gate_lines, turn_formats
-from rlhfkit.types import Rows, ToolCounts
+from rlhfkit.types import Rows, ToolCounts, ToolFigures
 from tests.unit.test_tool_loop import END, add, call, fail, run, tiny  # noqa: F401 - tiny is a fixture
 
 CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
@@ -33,12 +33,13 @@ def test_format_accuracy_task_completion_and_per_episode_figures_by_hand():
     counts, completions = episodes()
     figures = agent_figures(counts, completions, task_scores=[1.0, None, 0.5], threshold=1.0)
     # turns 2 + 1 + 2 = 5, well formed 2 + 0 + 1 = 3; judged 2 (the None row is not), completed 1 (0.5 < 1.0)
-    assert figures == AgentFigures(episodes=3, turns=5, formatted_turns=3, judged=2, completed=1, calls=1, failures=0,
-                                   malformed=1)
+    # calls: 1 run + 1 malformed (a call is any call the policy made); failures: the malformed one (no result)
+    tools = ToolFigures(episodes=3, turns=5, calls=2, failures=1, malformed=1, timeouts=0, per_tool=(("add", 1),))
+    assert figures == AgentFigures(tools=tools, formatted_turns=3, judged=2, completed=1)
     d = figures.as_dict()
     assert d["format_accuracy"] == 3 / 5 and d["task_completion"] == 1 / 2
-    assert d["calls_per_episode"] == 1 / 3 and d["malformed_per_episode"] == 1 / 3 and d["turns_per_episode"] == 5 / 3
-    assert d["failures_per_episode"] == 0.0
+    assert d["calls_per_episode"] == 2 / 3 and d["malformed_per_call"] == 1 / 2 and d["turns_per_episode"] == 5 / 3
+    assert d["failures_per_call"] == 1 / 2 and d["calls_per_episode/add"] == 1 / 3
     # A lower threshold passes the 0.5 episode too; no judge: no task completion.
     assert agent_figures(counts, completions, [1.0, None, 0.5], threshold=0.5).task_completion == 1.0
     assert agent_figures(counts, completions).task_completion is None
@@ -63,16 +64,19 @@ def test_format_check_adds_its_rule_and_never_sees_malformed_turns():
 
 
 def test_gate_passes_fails_or_is_undecided():
-    ok = AgentFigures(episodes=10, turns=20, formatted_turns=19, judged=10, completed=8, calls=10, failures=0, malformed=1)
+    ok = AgentFigures(tools=ToolFigures(episodes=10, turns=20, calls=11, failures=1, malformed=1, timeouts=0),
+                      formatted_turns=19, judged=10, completed=8)
     g = gate(ok.format_accuracy, ok.task_completion, 0.95, 0.8)
     assert g == {"format_accuracy": {"value": 0.95, "threshold": 0.95, "passed": True},
                  "task_completion": {"value": 0.8, "threshold": 0.8, "passed": True}, "passed": True}
     assert gate_lines(g) == ["gate before reward modelling: PASSED: format accuracy 0.95 (>= 0.95), task completion 0.8 "
                              "(>= 0.8)"]
-    low = AgentFigures(episodes=10, turns=20, formatted_turns=18, judged=10, completed=9, calls=10, failures=0, malformed=2)
+    low = AgentFigures(tools=ToolFigures(episodes=10, turns=20, calls=12, failures=2, malformed=2, timeouts=0),
+                      formatted_turns=18, judged=10, completed=9)
     assert gate(low.format_accuracy, low.task_completion, 0.95, 0.8)["passed"] is False
     assert gate(low.format_accuracy, low.task_completion, 0.9, 0.8)["passed"] is True
-    unjudged = AgentFigures(episodes=10, turns=20, formatted_turns=20, judged=0, completed=0, calls=0, failures=0, malformed=0)
+    unjudged = AgentFigures(tools=ToolFigures(episodes=10, turns=20, calls=0, failures=0, malformed=0, timeouts=0),
+                      formatted_turns=20, judged=0, completed=0)
     g = gate(unjudged.format_accuracy, unjudged.task_completion, 0.95, 0.8)
     assert g["passed"] is None and g["task_completion"]["passed"] is None and g["format_accuracy"]["passed"] is True
     assert "UNDECIDED" in gate_lines(g)[0] and "task completion - (>= 0.8)" in gate_lines(g)[0]
@@ -87,7 +91,9 @@ def test_the_tool_loop_flags_each_turn(tiny):
                        "raw " + call("nope", x=1)[:-len(END)]], tools=(add, fail), max_new_tokens=400)
     assert list(ro.tools.well_formed) == [(True, True), (True,), (True, True), (False,), (False, True)]
     figures = agent_figures(ro.tools, ro.completions)
-    assert (figures.turns, figures.formatted_turns, figures.calls, figures.failures, figures.malformed) == (8, 6, 2, 1, 2)
+    # calls: 2 run + 2 malformed; failures: the raising call + the 2 malformed
+    t = figures.tools
+    assert (t.turns, figures.formatted_turns, t.calls, t.failures, t.malformed) == (8, 6, 4, 3, 2)
     cut, _ = run(tiny, ["add 2 3"], max_new_tokens=10)  # the call itself is longer than 10 tokens
     assert list(cut.tools.well_formed) == [(False,)] and agent_figures(cut.tools, cut.completions).format_accuracy == 0.0
 
@@ -119,11 +125,25 @@ def test_evaluation_plays_the_tool_loop_and_reports_the_agent_section(tiny):
     result = compare(*parts, tok, prompts, {"answered": python_judge(answered, tok)}, params,
                      agent=AgentOptions(task_judge="answered", task_threshold=1.0))
     agent = result["agent"]
-    assert agent["policy"] == {"format_accuracy": 0.75, "task_completion": 1 / 3, "calls_per_episode": 1 / 3,
-                               "failures_per_episode": 0.0, "malformed_per_episode": 1 / 3, "turns_per_episode": 4 / 3,
-                               "episodes": 3, "turns": 4, "formatted_turns": 3, "judged": 3, "completed": 1}
+    assert agent["policy"] == {"format_accuracy": 0.75, "task_completion": 1 / 3, "calls_per_episode": 2 / 3,
+                               "failures_per_call": 1 / 2, "malformed_per_call": 1 / 2, "timeouts_per_call": 0.0,
+                               "turns_per_episode": 4 / 3, "calls_per_episode/add": 1 / 3, "calls_per_episode/fail": 0.0,
+                               "episodes": 3, "turns": 4, "calls": 2, "failures": 1, "malformed": 1,
+                               "formatted_turns": 3, "judged": 3, "completed": 1}
     assert agent["reference"] is None and agent["task_judge"] == "answered"
     assert result["policy"]["reward"]["answered"]["mean"] == 1 / 3
     # Lengths count the policy's tokens only: the first episode's tool result and header are not in it.
     turn1, turn2 = call("add", a=2, b=3), f"got 5{END}"
     assert result["samples"][0]["policy"]["length"] == len(tok(turn1 + turn2, add_special_tokens=False)["input_ids"])
+
+
+def test_training_and_evaluation_report_the_same_tool_figures():
+    """One definition: the held-out figures (eval.json's agent section, eval/agent/ in training) hold exactly the
+    numbers training logs under tools/ for the same episodes, TRL's two names included as aliases."""
+    counts, completions = episodes()
+    evaluated = agent_figures(counts, completions).as_dict()
+    trained = ToolFigures.of(counts).metrics("tools/")
+    assert {f"tools/{k}": evaluated[k] for k in ToolFigures.of(counts).as_dict()} == {
+        k: v for k, v in trained.items() if k not in ("tools/call_frequency", "tools/failure_frequency")}
+    assert trained["tools/call_frequency"] == evaluated["calls_per_episode"] == 2 / 3
+    assert trained["tools/failure_frequency"] == evaluated["failures_per_call"] == 1 / 2

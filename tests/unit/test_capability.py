@@ -31,8 +31,8 @@ EXAMPLES = [  # prompt tokens labelled -100; responses of 2 and 3 tokens
 
 def test_uniform_model_scores_log_v_per_token():
     sums = response_nll(FixedLogits([0.0] * V), EXAMPLES, pad_token_id=0, batch_size=1, device="cpu")
-    assert sums[1].item() == 5  # 2 + 3 response tokens
-    assert sums[0].item() == pytest.approx(5 * math.log(V), rel=1e-6)
+    assert sums["tokens"].item() == 5  # 2 + 3 response tokens
+    assert sums["nll"].item() == pytest.approx(5 * math.log(V), rel=1e-6)
 
 
 def test_tax_is_the_difference_in_nats_per_token():
@@ -50,15 +50,19 @@ def test_tax_is_the_difference_in_nats_per_token():
 
 
 def test_shares_add_up_to_the_whole_set():
-    """Two processes' shares, summed by `all_reduce`, give the one-process figure (a token mean, not a mean of means)."""
+    """Two processes' shares, summed by `sum_over`, give the one-process figure (a token mean, not a mean of means)."""
     model, ref = FixedLogits([0.0, 1.0, 0.0, 3.0, 0.0]), FixedLogits([0.0] * V)
     whole = alignment_tax(response_nll(model, EXAMPLES, 0, 2, "cpu"), response_nll(ref, EXAMPLES, 0, 2, "cpu"))
-    shares = [torch.stack([response_nll(model, [e], 0, 2, "cpu"), response_nll(ref, [e], 0, 2, "cpu")]) for e in EXAMPLES]
-    total = shares[0] + shares[1]
-    split = alignment_tax(response_nll(model, EXAMPLES[:1], 0, 2, "cpu"), response_nll(ref, EXAMPLES[:1], 0, 2, "cpu"),
-                          all_reduce=lambda local: total)
+    shares = [(response_nll(model, [e], 0, 2, "cpu"), response_nll(ref, [e], 0, 2, "cpu")) for e in EXAMPLES]
+    # the other process's packed sums, in the packing order every process uses (ops.sums_by_name)
+    other = alignment_tax(*shares[1], sum_over=lambda local: local.clone())
+    packed_other = torch.tensor([shares[1][0]["nll"], shares[1][0]["tokens"], shares[1][1]["nll"], shares[1][1]["tokens"]],
+                                dtype=torch.float64)
+    split = alignment_tax(*shares[0], sum_over=lambda local: local + packed_other)
+    assert other.tokens == 3
     assert split.policy_nll == pytest.approx(whole.policy_nll, rel=1e-9)
+    assert split.reference_nll == pytest.approx(whole.reference_nll, rel=1e-9)
     assert split.tokens == whole.tokens
     # A mean of the two examples' own means would differ: the responses have 2 and 3 tokens.
-    per_example = [(s[0, 0] / s[0, 1]).item() for s in shares]
+    per_example = [(p["nll"] / p["tokens"]).item() for p, _ in shares]
     assert sum(per_example) / 2 != pytest.approx(whole.policy_nll, rel=1e-6)

@@ -215,3 +215,16 @@ def test_masked_whiten_with_all_reduce_uses_the_global_batch():
         got = masked_whiten(xi, mi, all_reduce=summing_with(*other))
         torch.testing.assert_close(got, whole[:3] if i == 0 else whole[3:], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(masked_whiten(x[:3], mask[:3]), whole[:3])  # each shard's own statistics differ
+
+
+def test_sums_by_name_keeps_each_group_apart_and_goes_by_name():
+    """Groups come back apart under their own names; the sum over processes (here a scripted one adding a second
+    process's packed values) is matched to names by the packing order decided inside, not by the caller."""
+    from rlhfkit.ops import sums_by_name
+
+    figures, own = sums_by_name({"b": 2.0, "a": torch.tensor(1.0)}, {"weight": 4})
+    assert figures == {"a": 1.0, "b": 2.0} and own == {"weight": 4.0}
+    # the other process packs the same groups and names the same way: (a, b | weight)
+    figures, own = sums_by_name({"b": 2.0, "a": 1.0}, {"weight": 4}, sum_over=lambda t: t + torch.tensor([10.0, 20.0, 40.0], dtype=t.dtype))
+    assert figures == {"a": 11.0, "b": 22.0} and own == {"weight": 44.0}
+    assert sums_by_name({}, {}) == ({}, {})

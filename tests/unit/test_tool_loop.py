@@ -18,9 +18,9 @@ from rlhfkit.errors import UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rewards import Rewards, reward_inputs
-from rlhfkit.rollout.tool_loop import ToolLoop, tool_figures, tool_suffix
+from rlhfkit.rollout.tool_loop import ToolLoop, tool_suffix
 from rlhfkit.tools import Toolbox
-from rlhfkit.types import PromptBatch, ToolCounts
+from rlhfkit.types import PromptBatch, ToolCounts, ToolFigures
 from tests.scripted import Scripted
 from tests.smoke.agent_tools import add, fail, inc, recording
 
@@ -311,17 +311,22 @@ def test_seed_per_prompt_gives_a_prompt_the_same_episodes_in_any_batch(tiny):
 
 
 def test_tool_figures_match_trl_definitions():
-    """call_frequency: calls (run or malformed) per episode; failure_frequency: failed or malformed calls per call."""
+    """calls_per_episode (TRL's call_frequency): calls, run or malformed, per episode; failures_per_call (TRL's
+    failure_frequency): failed or malformed calls per call. Training logs both names, the same numbers."""
     counts = ToolCounts(calls=torch.tensor([2, 0, 1, 0]), failures=torch.tensor([1, 0, 0, 0]),
                         timeouts=torch.tensor([1, 0, 0, 0]), malformed=torch.tensor([0, 1, 0, 0]),
                         turns=torch.tensor([3, 2, 2, 1]), per_tool=torch.tensor([[2, 0], [0, 0], [0, 1], [0, 0]]),
                         tool_names=("add", "fail"))
-    assert tool_figures(counts) == {
-        "tools/call_frequency": 4 / 4, "tools/failure_frequency": 2 / 4, "tools/malformed_frequency": 1 / 4,
-        "tools/timeout_frequency": 1 / 4, "tools/turns_mean": 8 / 4, "tools/calls/add": 2 / 4, "tools/calls/fail": 1 / 4}
+    figures = ToolFigures.of(counts)
+    assert figures == ToolFigures(episodes=4, turns=8, calls=4, failures=2, malformed=1, timeouts=1,
+                                  per_tool=(("add", 2), ("fail", 1)))
+    assert figures.metrics("tools/") == {
+        "tools/calls_per_episode": 4 / 4, "tools/failures_per_call": 2 / 4, "tools/malformed_per_call": 1 / 4,
+        "tools/timeouts_per_call": 1 / 4, "tools/turns_per_episode": 8 / 4, "tools/calls_per_episode/add": 2 / 4,
+        "tools/calls_per_episode/fail": 1 / 4, "tools/call_frequency": 4 / 4, "tools/failure_frequency": 2 / 4}
     none = ToolCounts(*(torch.zeros(2, dtype=torch.long),) * 5, per_tool=torch.zeros(2, 1, dtype=torch.long),
                       tool_names=("add",))
-    assert tool_figures(none)["tools/failure_frequency"] == 0.0
+    assert ToolFigures.of(none).metrics()["tools/failure_frequency"] == 0.0
 
 
 def test_a_tokenizer_that_cannot_run_the_loop_is_refused_in_one_line():
