@@ -8,7 +8,9 @@ other candidates, a prompts or candidates file without prompts.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hmac
 import ipaddress
 import json
 import logging
@@ -17,11 +19,13 @@ import secrets
 import socket
 import tempfile
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text
 from rlhfkit.label.candidates import SamplingSpec, fingerprint, file_digest, make_pairs, read_candidates, sample_groups
 from rlhfkit.label.export import flag_rows, preference_rows, write_jsonl
+from rlhfkit.label.guard import HostAllowList, valid_annotator
 from rlhfkit.label.store import Store
 
 logger = logging.getLogger("rlhfkit")
@@ -46,6 +50,8 @@ class LabelOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
+    allow_host: tuple[str, ...] = ()  # more Host names to answer to (a proxy's, another name of this machine)
+    annotators: tuple[str, ...] = ()  # one link each, with its own token
     lease: float = 30.0  # minutes an open item stays its annotator's before another may take it
     export: str | None = None
     export_flags: str | None = None
@@ -63,7 +69,8 @@ def run_label(opts: LabelOptions) -> None:
         raise UserError("--reward-model is read by --figures (its accuracy on the labels) or --result (its scores)")
     if opts.reads:
         making = [f"--{name.replace('_', '-')}" for name in ("candidates", "model", "compare", "prompts", "config", "token",
-                                                             "num_samples", "max_prompts") if getattr(opts, name) is not None]
+                                                             "num_samples", "max_prompts", "allow_host", "annotators")
+                  if getattr(opts, name) not in (None, ())]
         if making or opts.overrides:
             raise UserError(f"--export, --export-flags, --figures and --result read an existing --db: "
                             f"{', '.join(making) or opts.overrides[0]} does not apply")
@@ -72,11 +79,13 @@ def run_label(opts: LabelOptions) -> None:
         raise UserError(f"--overlap must be a share in [0, 1], got {opts.overlap}")
     if opts.lease <= 0:
         raise UserError(f"--lease must be a positive number of minutes, got {opts.lease}")
-    token = access_token(opts.host, opts.token)
+    hosts = host_allow_list(opts)
+    check_annotators(opts)
+    token = None if opts.annotators else access_token(opts.host, opts.token)
     check_port_free(opts.host, opts.port)
     store = Store(opts.db, lease_s=60 * opts.lease)
     prepare(store, opts)
-    serve(store, opts.host, opts.port, token)
+    serve(store, opts, hosts, token, person_links(store, opts.annotators))
 
 
 # 1. Candidates ---------------------------------------------------------------------------------------------------
@@ -161,7 +170,50 @@ def check_port_free(host: str, port: int) -> None:
                             "address is not this machine's; pass --port") from None
 
 
-def serve(store: Store, host: str, port: int, token: str | None) -> None:
+def check_annotators(opts: LabelOptions) -> None:
+    for i, name in enumerate(opts.annotators):
+        if not valid_annotator(name):
+            raise UserError(f"--annotators: expected names of 1-64 letters, digits, spaces or . _ @ -, separated by "
+                            f"commas; got {name!r}")
+        if name in opts.annotators[:i]:
+            raise UserError(f"--annotators: {name!r} is named twice")
+    if opts.annotators and opts.token is not None:
+        raise UserError("--token does not apply with --annotators: each person's link carries its own token")
+
+
+def person_links(store: Store, annotators: tuple[str, ...]) -> dict[str, str]:
+    """{name: token} for --annotators: each token derived from the database's own secret and the name, so that a
+    restart prints the same links and nobody can make one from a name alone."""
+    if not annotators:
+        return {}
+    secret = store.secret("link_secret").encode()
+    return {name: base64.urlsafe_b64encode(hmac.digest(secret, name.encode(), "sha256")).decode()[:32]
+            for name in annotators}
+
+
+def printed_names(host: str) -> tuple[str, ...]:
+    """The names a colleague opens the page under, beyond the loopback: listening on every address, this machine's
+    name and the address it reaches the network from (without sending anything); else the address itself."""
+    if host not in ("0.0.0.0", "::"):
+        return () if is_loopback(host) else (host,)
+    names = [socket.gethostname()]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: a route is chosen, no packet leaves
+            names.append(s.getsockname()[0])
+        except OSError:
+            pass  # no network: the name only
+    return tuple(n for n in names if n and not is_loopback(n))
+
+
+def host_allow_list(opts: LabelOptions) -> HostAllowList:
+    try:
+        return HostAllowList.serving(opts.host, opts.port, printed_names(opts.host), opts.allow_host)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def serve(store: Store, opts: LabelOptions, hosts: HostAllowList, token: str | None, people: dict[str, str]) -> None:
     try:
         import uvicorn
 
@@ -169,11 +221,21 @@ def serve(store: Store, host: str, port: int, token: str | None) -> None:
     except ImportError as exc:
         raise UserError(f"rlhfkit label's server needs starlette and uvicorn ({exc}): pip install 'rlhfkit[label]'") from None
 
-    p = store.progress()
-    shown = socket.gethostname() if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host  # all addresses
-    address = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
-    print(f"rlhfkit label: {p.done}/{p.total} judgements made; open {address}", flush=True)
-    uvicorn.Server(uvicorn.Config(make_app(store, token), host=host, port=port, log_level="warning")).run()
+    p, host, port = store.progress(), opts.host, opts.port
+    names = printed_names(host)
+    shown = names[0] if host in ("0.0.0.0", "::") and names else f"[{host}]" if ":" in host else host
+    address = f"http://{shown}:{port}/"
+    if people:
+        print(f"rlhfkit label: {p.done}/{p.total} judgements made; one link per person (each judges and undoes only "
+              "as themself):", flush=True)
+        for name, tok in people.items():
+            print(f"  {name}: {address}?{urlencode({'token': tok})}", flush=True)
+    else:
+        print(f"rlhfkit label: {p.done}/{p.total} judgements made; open {address}" + (f"?token={token}" if token else ""),
+              flush=True)
+    print(f"rlhfkit label: answers to Host {', '.join(hosts.hosts)} (others with --allow-host)", flush=True)
+    app = make_app(store, token, people=people, hosts=hosts)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
 
 
 # 3. Reading the database -----------------------------------------------------------------------------------------
@@ -311,6 +373,13 @@ def add_label_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs a token)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--token", help="access token every request must carry (default: random beyond the loopback)")
+    srv.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",
+                     help="also answer requests for this Host (a proxy's name, another name of this machine); "
+                          "repeatable. By default only the address it listens on, localhost, 127.0.0.1, [::1] and "
+                          "the names it prints")
+    srv.add_argument("--annotators", metavar="NAME,NAME,...",
+                     help="a shared server: print one link per person, each with its own token; each judges and "
+                          "undoes only as themself")
     srv.add_argument("--lease", type=float, default=30.0, metavar="MINUTES",
                      help="an item left open this long may go to another annotator (default 30)")
     out = p.add_argument_group("outputs (no server; works while one runs)")
@@ -324,6 +393,8 @@ def add_label_parser(sub) -> None:
 
 
 def options_from(args) -> LabelOptions:
-    names = [f.name for f in dataclasses.fields(LabelOptions) if f.name not in ("overrides", "num_samples")]
+    own = ("overrides", "num_samples", "allow_host", "annotators")
+    names = [f.name for f in dataclasses.fields(LabelOptions) if f.name not in own]
+    annotators = () if args.annotators is None else tuple(n.strip() for n in args.annotators.split(","))
     return LabelOptions(**{n: getattr(args, n) for n in names}, overrides=tuple(args.overrides),
-                        num_samples=args.num_samples)
+                        num_samples=args.num_samples, allow_host=tuple(args.allow_host), annotators=annotators)

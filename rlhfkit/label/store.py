@@ -128,6 +128,13 @@ class Store:
         rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
         return rows[0][0] if rows else None
 
+    def secret(self, key: str) -> str:
+        """A random value kept in the database under `key`, made on first use: what the per-person links are derived
+        from, so that a restart prints the same links (whoever can read the database can make them)."""
+        with self._write() as db:
+            db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, secrets.token_urlsafe(32)))
+            return db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
+
     def is_empty(self) -> bool:
         return not self._read("SELECT 1 FROM items LIMIT 1")
 

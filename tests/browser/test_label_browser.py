@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -61,6 +62,8 @@ class Server:
             assert self.proc.poll() is None, self.proc.stdout.read()
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/progress", timeout=1)
+                return
+            except urllib.error.HTTPError:  # up, and asking for a link's token (--annotators)
                 return
             except OSError:
                 time.sleep(0.2)
@@ -177,3 +180,34 @@ def test_markup_in_a_response_is_shown_as_text(browser, server):
     _press(browser, "1", "2")  # the tool conversation renders each turn, the call and the tool's result readably
     text = browser.find_element("id", "side-a").text + browser.find_element("id", "side-b").text
     assert "get_weather({\"city\":\"Paris\"})" in text and "TOOL · GET_WEATHER" in text and "It is sunny in Paris" in text
+
+
+def test_per_person_links_act_as_their_person(browser, tmp_path):
+    """`--annotators alice,bob`: each printed link opens the page as its person (no name asked), in one browser."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from rlhfkit.label.store import Store
+
+    cands = tmp_path / "candidates.jsonl"
+    cands.write_text("".join(json.dumps(c) + "\n" for c in LAMPS))
+    db = str(tmp_path / "people.db")
+    srv = Server(["--db", db, "--candidates", str(cands), "--annotators", "alice,bob"], _free_port())
+    srv.start()
+    try:
+        links: dict[str, str] = {}
+        while len(links) < 2:  # printed before the server listened
+            name, _, url = srv.proc.stdout.readline().strip().partition(": ")
+            if url.startswith("http://"):
+                links[name] = url
+        for who, first, nxt in (("alice", "0", "1"), ("bob", "2", "3")):  # alice holds item 1 open when bob comes
+            browser.get(links[who])
+            WebDriverWait(browser, 10).until(lambda d, first=first: _item(d) == first and d.find_element("id", "who").text)
+            assert browser.find_element("id", "who").text == f"{who}: 0 judged"
+            assert not browser.find_element("id", "signin").is_displayed()
+            _press(browser, "1", nxt)
+        assert [(j.item, j.annotator) for j in Store(db).judgements()] == [(0, "alice"), (2, "bob")]
+        browser.get(f"http://127.0.0.1:{srv.port}/")  # no link, but the cookie of the last one opened: bob
+        WebDriverWait(browser, 10).until(lambda d: d.find_element("id", "who").text == "bob: 1 judged")
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(10)

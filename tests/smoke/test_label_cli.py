@@ -17,6 +17,8 @@ from rlhfkit.label.command import LabelOptions, access_token, prepare
 from rlhfkit.label.store import Store
 
 PROMPTS = "data/tiny/prompts_eval.jsonl"
+LOCAL = "http://127.0.0.1:8000"  # the address the app serves by default (a foreign Host is refused)
+JSON = {"Content-Type": "application/json"}  # writes are taken only as JSON
 
 
 @pytest.fixture
@@ -32,7 +34,7 @@ def _state(store: Store):
 
 
 def test_bad_requests_get_a_4xx_and_change_nothing(store):
-    client = TestClient(make_app(store))
+    client = TestClient(make_app(store), base_url=LOCAL)
     item = client.get("/api/item", params={"annotator": "ann"}).json()
     assert (item["item"], item["a"], item["b"]) == (0, "y0", "x0")  # item 0 is swapped: the second response on the left
     before = _state(store)
@@ -44,7 +46,7 @@ def test_bad_requests_get_a_4xx_and_change_nothing(store):
         ({**good, "harmful": ["left"]}, 422, "harmful"), ({**good, "token": "forged"}, 409, "stale submission"),
     ]
     for body, status, message in bad:
-        r = client.post("/api/judge", content=body if isinstance(body, bytes) else json.dumps(body))
+        r = client.post("/api/judge", content=body if isinstance(body, bytes) else json.dumps(body), headers=JSON)
         assert r.status_code == status and message in r.json()["error"], (body, r.status_code, r.text)
         assert _state(store) == before
     r = client.post("/api/judge", json=good)
@@ -57,7 +59,7 @@ def test_bad_requests_get_a_4xx_and_change_nothing(store):
     assert client.get("/api/item", params={"annotator": "<script>"}).status_code == 400
     # The page may run only its own script, whatever a response holds.
     assert client.get("/").headers["content-security-policy"].startswith("default-src 'self'; script-src 'self'")
-    assert client.post("/api/undo", content=b"nope").status_code == 400 and _state(store) == after
+    assert client.post("/api/undo", content=b"nope", headers=JSON).status_code == 400 and _state(store) == after
     r = client.post("/api/undo", json={"annotator": "ann"})
     assert r.json()["next"]["item"] == 0 and store.judgements() == []
     assert client.get("/api/progress").json() == {"done": 0, "total": 3, "annotators": {}}
@@ -68,7 +70,7 @@ def test_two_annotators_at_once_through_the_routes(tmp_path):
 
     store = Store(str(tmp_path / "two.db"))
     store.create([Pair(f"p{i}", Candidate("x", "m1"), Candidate("y", "m2"), overlap=i < 4) for i in range(20)], "fp", "t", "collect")
-    client = TestClient(make_app(store))
+    client = TestClient(make_app(store), base_url=LOCAL)
     judged: dict[str, list[int]] = {"ann": [], "bob": []}
 
     def annotate(who: str) -> None:
@@ -90,7 +92,7 @@ def test_two_annotators_at_once_through_the_routes(tmp_path):
 
 def test_every_request_needs_the_token(store):
     token = "t" * 24
-    client = TestClient(make_app(store, token))
+    client = TestClient(make_app(store, token), base_url=LOCAL)
     for path in ("/", "/static/label.js", "/api/progress", "/api/item?annotator=a"):
         r = client.get(path)
         assert r.status_code == 401 and "access token" in r.json()["error"], path

@@ -215,3 +215,28 @@ def test_flag_export_is_what_the_red_team_report_reads(tmp_path):
     assert (sides["policy"].flags, sides["policy"].judged_responses, sides["policy"].harmful_rate) == (1, 2, 0.5)
     assert (sides["reference"].flags, sides["reference"].judged_responses, sides["reference"].harmful_rate) == (0, 2, 0.0)
     assert sides["unmatched"] == {}
+
+
+def test_host_allow_list_names_what_the_server_serves():
+    from rlhfkit.label.guard import HostAllowList
+
+    # Every address (0.0.0.0): no browser names it, so it is left out; the printed names join the loopback's.
+    hosts = HostAllowList.serving("0.0.0.0", 8000, printed=("LabHost", "10.0.0.5"), extra=("labels.example", "[::1]:9"))
+    assert hosts.hosts == ("localhost:8000", "127.0.0.1:8000", "[::1]:8000", "labhost:8000", "10.0.0.5:8000",
+                           "labels.example", "labels.example:8000", "[::1]:9")
+    assert [hosts.allows(h) for h in ("LabHost:8000", "[0:0::1]:8000", "0.0.0.0:8000", "labhost", "labhost:80", None)] == [
+        True, True, False, False, False, False]
+    # On port 80 a browser leaves the port out: both forms.
+    assert HostAllowList.serving("::1", 80).hosts == ("localhost:80", "127.0.0.1:80", "[::1]:80", "localhost",
+                                                      "127.0.0.1", "[::1]")
+    assert [hosts.allows_origin(o) for o in ("http://localhost:8000", "https://labels.example", "http://labels.example:81",
+                                             "null", "file://", "http://localhost:8000/x")] == [True, True, False, False,
+                                                                                                 False, False]
+
+
+def test_the_link_secret_is_made_once_and_kept(tmp_path):
+    store = _store(tmp_path, [_pair(0)])
+    secret = store.secret("link_secret")
+    assert len(secret) >= 32 and store.secret("link_secret") == secret
+    store.close()
+    assert Store(str(tmp_path / "l.db")).secret("link_secret") == secret

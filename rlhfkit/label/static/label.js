@@ -7,6 +7,8 @@ let annotator = null;   // who is labelling (the URL's ?annotator=, else remembe
 let current = null;     // the item on screen: {item, token, ...}
 let harmful = new Set(); // the sides flagged harmful for the item on screen ("a", "b")
 let busy = false;       // a request is in flight: keys wait, so nothing is sent twice
+// A per-person link's token (?token=): sent with every request, so two people's links in one browser stay apart.
+const linkToken = new URLSearchParams(location.search).get("token");
 
 function setStatus(text, isError) {
   $("status").textContent = text;
@@ -82,10 +84,12 @@ function show(data) {
   render($("right"), data.b);
 }
 
+// The server takes writes only as JSON (Content-Type: application/json) from its own page: keep both.
 async function call(method, path, body) {
+  const headers = body ? {"Content-Type": "application/json"} : {};
+  if (linkToken) headers["X-Label-Token"] = linkToken;
   const response = await fetch(path, {
-    method, headers: body ? {"Content-Type": "application/json"} : {},
-    body: body ? JSON.stringify(body) : undefined, credentials: "same-origin",
+    method, headers, body: body ? JSON.stringify(body) : undefined, credentials: "same-origin",
   });
   const data = await response.json();
   if (!response.ok) throw new Error(data.error || ("HTTP " + response.status));
@@ -142,18 +146,22 @@ document.addEventListener("keydown", (e) => {
   if (action) { e.preventDefault(); action(); }
 });
 
-function start(name) {
+function start(name, remember) {
   annotator = name;
-  localStorage.setItem("rlhfkit-label-annotator", name);
+  if (remember) localStorage.setItem("rlhfkit-label-annotator", name);
   $("signin").hidden = true;
   load();
 }
 
-document.addEventListener("DOMContentLoaded", () => {
+document.addEventListener("DOMContentLoaded", async () => {
   for (const b of document.querySelectorAll("[data-choice]")) b.addEventListener("click", () => choose(b.dataset.choice));
   for (const b of document.querySelectorAll("[data-flag]")) b.addEventListener("click", () => flag(b.dataset.flag));
   $("undo").addEventListener("click", undo);
-  $("signin").addEventListener("submit", (e) => { e.preventDefault(); start($("name").value.trim()); });
+  $("signin").addEventListener("submit", (e) => { e.preventDefault(); start($("name").value.trim(), true); });
+  // A per-person link names its person: the page acts as them and asks no name.
+  let me = null;
+  try { me = (await call("GET", "api/me")).annotator; } catch (e) { setStatus(e.message, true); return; }
+  if (me) { start(me, false); return; }
   const name = new URLSearchParams(location.search).get("annotator") || localStorage.getItem("rlhfkit-label-annotator");
-  if (name) start(name); else { $("signin").hidden = false; $("name").focus(); }
+  if (name) start(name, true); else { $("signin").hidden = false; $("name").focus(); }
 });
