@@ -5,6 +5,12 @@ is one decorated function here and one test; the trainer looks it up by name thr
 
 Registered: "gae", "rloo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline".
 
+The group-relative estimators ("rloo", "grpo", "reinforce_pp_baseline") share one scaling choice, `scale_rewards`
+(TRL's name and meaning): divide each sample's centred score by its group's standard deviation ("group"), by the
+whole batch's ("batch", the Lite PPO of arXiv 2508.08221), or not at all ("none"); "dr_grpo" is "grpo"
+with "none". "grpo" also takes several reward sources normalised one by one before their weighted sum (GDPO,
+`normalize_then_sum_advantages`).
+
 Where rewards come from: the trainer builds per-token `rewards` with `per_token_rewards` (score at the last response
 token, -β·KL at every token when the algorithm puts KL in the reward) and keeps the sequence-level `scores` as well.
 GAE, RLOO and REINFORCE++ read `rewards`; GRPO reads `scores` (its KL term lives in the loss).
@@ -43,7 +49,13 @@ class AdvantageInput:
         lam: GAE λ ("gae").
         whiten: whiten the advantages over the batch's valid tokens as a last step ("gae", "rloo", "grpo",
             "dr_grpo"). The REINFORCE++ estimators always whiten: the global normalisation is the method.
-        eps: added to the group standard deviation ("grpo"); TRL uses 1e-4.
+        eps: added to the standard deviation that divides the scores ("grpo", "rloo", "reinforce_pp_baseline" with
+            `scale_rewards` group or batch); TRL uses 1e-4.
+        scale_rewards: "group", "batch" or "none" (see the module's docstring); None = the estimator's own: "group"
+            for "grpo", "none" for "rloo" and "reinforce_pp_baseline" (their papers divide by nothing). "dr_grpo"
+            is always "none"; the other estimators take None only.
+        source_scores: (B, S) each reward source's own score, NaN where it did not score the row; with
+            `source_weights` (S,), GDPO's normalise-then-sum ("grpo" only; `scores` then only fills `returns`).
         all_reduce: under data parallelism, sums a tensor over all processes: whitening (and REINFORCE++'s global
             normalisation) then uses the statistics of the whole global batch, as one process holding it would.
             Group statistics need none: a prompt's samples are always on one process.
@@ -59,6 +71,9 @@ class AdvantageInput:
     whiten: bool = False
     eps: float = 1e-4
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    scale_rewards: str | None = None
+    source_scores: torch.Tensor | None = None  # (B, S)
+    source_weights: torch.Tensor | None = None  # (S,)
 
     def __post_init__(self) -> None:
         if self.rewards.dim() != 2:
@@ -77,6 +92,17 @@ class AdvantageInput:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:
             raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+        if self.scale_rewards not in (None, *SCALE_REWARDS):
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} or None, got {self.scale_rewards!r}")
+        if (self.source_scores is None) != (self.source_weights is None):
+            raise ValueError("source_scores and source_weights come together (GDPO's normalise-then-sum)")
+        if self.source_scores is not None and (self.source_scores.shape[0] != batch or self.source_scores.dim() != 2
+                                               or self.source_weights.shape != self.source_scores.shape[1:]):
+            raise ValueError(f"source_scores must be (B={batch}, S) and source_weights (S,), got "
+                             f"{tuple(self.source_scores.shape)} and {tuple(self.source_weights.shape)}")
+
+
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 AdvantageFn = Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]
@@ -280,6 +306,7 @@ def gae(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     = Â + V (the critic's target, taken before any whitening, as TRL). TRL's PPO then whitens the advantages: set
     `whiten=True` for its behaviour.
     """
+    _scale_mode(inp, "gae", None)
     mask = inp.response_mask.bool()
     values = torch.where(mask, _require(inp.values, "values", "gae").float(), 0.0)
     advantages = _gae(inp.rewards.float(), values, mask, inp.gamma, inp.lam)
@@ -292,7 +319,8 @@ def rloo(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out, Ahmadian et al. 2024, arXiv 2402.14740 (after Kool et al. 2019).
 
     With k samples per prompt and R_i = Σ_t r_{i,t} the sequence return (score - β·Σ KL when KL is in the reward):
-    A_i = R_i - 1/(k-1) Σ_{j≠i} R_j = k/(k-1) (R_i - mean_j R_j), the same at every token of sample i.
+    A_i = R_i - 1/(k-1) Σ_{j≠i} R_j = k/(k-1) (R_i - mean_j R_j), the same at every token of sample i, divided by
+    the group's or the batch's std of R with `scale_rewards` group or batch (default none, as the paper).
     returns = R_i at every valid token. Groups of one raise ValueError.
     """
     mask = inp.response_mask.bool()
@@ -300,18 +328,98 @@ def rloo(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     sequence_returns = masked_sum(inp.rewards, mask, dim=-1)  # (B,)
     mean, _, size = group_stats(sequence_returns, group_ids)
     baseline = (mean * size - sequence_returns) / (size - 1)  # mean of the other k - 1 samples
-    advantages = _broadcast(sequence_returns - baseline, mask)
-    return _finish(advantages, mask, inp.whiten, inp.all_reduce), _broadcast(sequence_returns, mask)
+    centred = _scaled(sequence_returns - baseline, sequence_returns, group_ids, inp, "none", "rloo")
+    return _finish(_broadcast(centred, mask), mask, inp.whiten, inp.all_reduce), _broadcast(sequence_returns, mask)
 
 
-def _group_relative(inp: AdvantageInput, scale_by_std: bool, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_std(x: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The sample standard deviation (Bessel) of (B,) `x` over the whole batch: every process's rows with
+    `all_reduce` (a sum over processes), as TRL's `nanstd` over its gathered rewards. A scalar."""
+    reduce = all_reduce or (lambda v: v)
+    x = x.float()
+    n, total = reduce(torch.stack([x.new_tensor(float(x.numel())), x.sum()]))
+    if n < 2:
+        raise ValueError(f"the batch standard deviation needs at least 2 samples, got {int(n)}")
+    return torch.sqrt(reduce(((x - total / n) ** 2).sum()) / (n - 1))
+
+
+def _scale_mode(inp: AdvantageInput, name: str, default: str | None) -> str | None:
+    """`inp.scale_rewards`, or the estimator's `default` when None; ValueError for an estimator that scales nothing
+    (default None) or one whose scaling is fixed ("dr_grpo")."""
+    if inp.scale_rewards is not None and inp.scale_rewards != default and name in ("dr_grpo", "gae", "reinforce_pp"):
+        raise ValueError(f"advantage estimator {name!r} takes no scale_rewards (got {inp.scale_rewards!r})")
+    if inp.source_scores is not None and name != "grpo":
+        raise ValueError(f"advantage estimator {name!r} takes no source_scores: normalise-then-sum is GRPO's (GDPO)")
+    return inp.scale_rewards if inp.scale_rewards is not None else default
+
+
+def _scaled(centred: torch.Tensor, raw: torch.Tensor, group_ids: torch.Tensor, inp: AdvantageInput, default: str,
+            name: str) -> torch.Tensor:
+    """(B,) centred scores divided as `scale_rewards` says: by the std of `raw` in the sample's group, or in the whole
+    batch, plus eps (TRL 1.16's GRPOTrainer: `advantages / (std_rewards + 1e-4)`), or not at all."""
+    mode = _scale_mode(inp, name, default)
+    if mode == "none":
+        return centred
+    std = group_stats(raw, group_ids)[1] if mode == "group" else batch_std(raw, inp.all_reduce)
+    return centred / (std + inp.eps)
+
+
+def _group_relative(inp: AdvantageInput, default: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     mask = inp.response_mask.bool()
     scores = inp.scores.float()
-    mean, std, _ = group_stats(scores, _require(inp.group_ids, "group_ids", name))
-    per_sequence = scores - mean
-    if scale_by_std:
-        per_sequence = per_sequence / (std + inp.eps)
+    group_ids = _require(inp.group_ids, "group_ids", name)
+    if inp.source_scores is not None:
+        _scale_mode(inp, name, default)  # refuses the estimators that do not take sources
+        if inp.scale_rewards is not None:
+            raise ValueError("scale_rewards does not apply with source_scores: normalise-then-sum scales each source "
+                             "by its group std and the sum by the batch std")
+        per_sequence = normalize_then_sum_advantages(inp.source_scores, inp.source_weights, group_ids, inp.eps,
+                                                     inp.all_reduce)
+    else:
+        mean, _, _ = group_stats(scores, group_ids)
+        per_sequence = _scaled(scores - mean, scores, group_ids, inp, default, name)
     return _finish(_broadcast(per_sequence, mask), mask, inp.whiten, inp.all_reduce), _broadcast(scores, mask)
+
+
+def normalize_then_sum_advantages(source_scores: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor,
+                                  eps: float = 1e-4, all_reduce=None) -> torch.Tensor:
+    """GDPO's advantage over several reward sources: each source normalised within its group, then summed, then the
+    sum normalised over the batch: "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+    Optimization", arXiv 2601.05242 (its decoupled normalisation); TRL's `multi_objective_aggregation=
+    "normalize_then_sum"`.
+
+    A_i = (Σ_k w_k ẑ_ik - mean_batch) / (std_batch + eps), ẑ_ik = (r_ik - mean_group(r_k)) / (std_group(r_k) + eps).
+    Summing first lets a source with a large spread drown the others; normalising each first gives every source
+    the same say. A source that did not score a row (NaN) is left out of its group's statistics and of the row's sum;
+    a row no source scored gets advantage 0 and is left out of the batch statistics, as TRL does. Standard
+    deviations are the sample ones (Bessel); the batch statistics span every process with `all_reduce`.
+
+    Args:
+        source_scores: (B, S) fp32, NaN where a source returned None.
+        weights: (S,) each source's weight.
+        group_ids: (B,) long, equal for samples of one prompt.
+
+    Returns:
+        (B,) per-sequence advantages.
+    """
+    x = source_scores.float()
+    scored = ~torch.isnan(x)  # (B, S)
+    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = unique_ids.numel()
+    zeros = x.new_zeros(num_groups, x.shape[1])
+    counts = zeros.index_add(0, inverse, scored.float())  # (G, S)
+    means = zeros.index_add(0, inverse, torch.where(scored, x, 0.0)) / counts  # NaN for a source no row of a group has
+    deviations = torch.where(scored, x - means[inverse], 0.0)
+    stds = torch.sqrt(zeros.index_add(0, inverse, deviations ** 2) / (counts - 1))  # NaN for fewer than 2 scored
+    normalised = (x - means[inverse]) / (stds[inverse] + eps)  # (B, S), NaN where unscored or undefined
+    weighted = normalised * weights.to(x.device).float()
+    summed = torch.where(torch.isnan(weighted), 0.0, weighted).sum(-1)  # TRL's nansum
+    any_scored = scored.any(-1)  # (B,)
+    reduce = all_reduce or (lambda v: v)
+    n, total = reduce(torch.stack([any_scored.sum().float(), summed[any_scored].sum()]))
+    mean = total / n
+    std = torch.sqrt(reduce(((summed[any_scored] - mean) ** 2).sum()) / (n - 1))
+    return torch.where(any_scored, (summed - mean) / (std + eps), 0.0)
 
 
 @register_estimator("grpo")
@@ -320,20 +428,21 @@ def grpo(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
 
     A_i = (s_i - mean_group(s)) / (std_group(s) + eps) on the sequence scores, the same at every token of sample i.
     std is the sample standard deviation (Bessel, k - 1), as TRL's GRPOTrainer (`nanstd`); eps = 1e-4 as TRL.
-    returns = s_i at every valid token.
+    `scale_rewards` batch divides by the batch's std instead, none by nothing; with `source_scores`, GDPO's
+    `normalize_then_sum_advantages`. returns = s_i at every valid token.
     """
-    return _group_relative(inp, scale_by_std=True, name="grpo")
+    return _group_relative(inp, "group", "grpo")
 
 
 @register_estimator("dr_grpo")
 def dr_grpo(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO advantage, Liu et al. 2025, arXiv 2503.20783: GRPO without the division by the group std.
 
-    A_i = s_i - mean_group(s) (TRL's `scale_rewards="none"`). Dividing by the std up-weights prompts that are almost
-    always solved or failed; the paper removes it along with the 1/|o_i| length normalisation (that part is the
-    "seq-mean-token-sum-norm" aggregation). returns = s_i at every valid token.
+    A_i = s_i - mean_group(s): "grpo" with `scale_rewards="none"` (TRL's name). Dividing by the std up-weights
+    prompts that are almost always solved or failed; the paper removes it along with the 1/|o_i| length
+    normalisation (that part is the "seq-mean-token-sum-norm" aggregation). returns = s_i at every valid token.
     """
-    return _group_relative(inp, scale_by_std=False, name="dr_grpo")
+    return _group_relative(inp, "none", "dr_grpo")
 
 
 @register_estimator("reinforce_pp")
@@ -343,6 +452,7 @@ def reinforce_pp(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     G_t = Σ_{s≥t} γ^{s-t} r_s over the valid tokens (per-token rewards carrying the k1 KL penalty and the score),
     then whitened over all valid tokens of the batch (mean 0, unbiased variance 1). returns = G_t (before whitening).
     """
+    _scale_mode(inp, "reinforce_pp", None)
     mask = inp.response_mask.bool()
     return _whitened_return_to_go(inp.rewards.float(), mask, inp.gamma, inp.all_reduce)
 
@@ -351,9 +461,13 @@ def reinforce_pp(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
 def reinforce_pp_baseline(inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline, Hu 2025, arXiv 2501.03262: for k samples per prompt, the group-mean score
     is subtracted from each sample's score (at its last valid token) before the return-to-go and the global
-    normalisation of "reinforce_pp". returns = the return-to-go after the baseline.
+    normalisation of "reinforce_pp" (and divided by the group's or batch's std with `scale_rewards` group or batch).
+    returns = the return-to-go after the baseline.
     """
     mask = inp.response_mask.bool()
-    mean, _, _ = group_stats(inp.scores, _require(inp.group_ids, "group_ids", "reinforce_pp_baseline"))
-    rewards = inp.rewards.float() - _last_valid(mask) * mean.unsqueeze(-1)  # (B, R)
+    group_ids = _require(inp.group_ids, "group_ids", "reinforce_pp_baseline")
+    scores = inp.scores.float()
+    mean, _, _ = group_stats(scores, group_ids)
+    centred = _scaled(scores - mean, scores, group_ids, inp, "none", "reinforce_pp_baseline")
+    rewards = inp.rewards.float() + _last_valid(mask) * (centred - scores).unsqueeze(-1)  # the score, centred (B, R)
     return _whitened_return_to_go(rewards, mask, inp.gamma, inp.all_reduce)

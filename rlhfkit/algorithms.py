@@ -38,6 +38,8 @@ class Algorithm:
         default_loss_agg: `aggregate` mode used unless the config overrides it.
         whiten_by_default: whiten the advantages over the rollout unless `algo.whiten_advantages` says otherwise
             (TRL's PPO does; the group-relative estimators are already normalised).
+        scale_rewards: the group-relative estimator's scaling unless `algo.scale_rewards` says otherwise ("group",
+            "batch", "none"; None = the estimator's own, `advantages.AdvantageInput.scale_rewards`).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Algorithm:
     kl_in_loss: bool = False
     default_loss_agg: str = "token-mean"
     whiten_by_default: bool = False
+    scale_rewards: str | None = None
 
     def __post_init__(self) -> None:
         if self.advantage not in ESTIMATORS:
@@ -96,13 +99,15 @@ register_algorithm(Algorithm(name="rloo", family="rloo", advantage="rloo", needs
 # GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3): group-normalised advantage, k3 KL in the loss, 1/|o_i| per sequence.
 register_algorithm(Algorithm(name="grpo", family="grpo", advantage="grpo", needs_reference=True, needs_groups=True,
                              kl_in_loss=True, default_loss_agg="seq-mean-token-mean"))
-# Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std scaling, no length normalisation, no KL term.
-register_algorithm(Algorithm(name="dr_grpo", family="grpo", advantage="dr_grpo", needs_groups=True,
+# Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std scaling (GRPO's estimator with scale_rewards "none"), no length
+# normalisation, no KL term.
+register_algorithm(Algorithm(name="dr_grpo", family="grpo", advantage="grpo", needs_groups=True, scale_rewards="none",
                              default_loss_agg="seq-mean-token-sum-norm"))
 # DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO's advantage, no KL (§2.3), token-level loss (§3.3). Clip-Higher is the
-# config's clip_eps_high (0.28 in the paper). Dynamic sampling (§3.2) is only approximated, and only when the config
-# sets `algo.dynamic_filtering`: groups whose samples all scored the same are masked out of the loss
-# (`advantages.loss_mask`) but not replaced by newly sampled ones as in the paper, so the step trains on fewer samples.
+# config's clip_eps_high (0.28 in the paper). Dynamic sampling (§3.2) when the config sets `algo.dynamic_filtering`:
+# groups whose samples all scored the same are dropped and more prompts sampled until the step holds
+# `algo.rollout_batch_size` groups with signal, for at most `algo.max_sampling_rounds` rounds
+# (`trainers.dynamic_sampling`); a step still short trains on what it found, the rest masked out of the loss.
 register_algorithm(Algorithm(name="dapo", family="grpo", advantage="grpo", needs_groups=True))
 # REINFORCE++ (Hu 2025, arXiv 2501.03262): return-to-go of k1-penalised rewards, globally whitened.
 register_algorithm(Algorithm(name="reinforce_pp", family="reinforce_pp", advantage="reinforce_pp", needs_reference=True,

@@ -490,12 +490,41 @@ class Reference:
         with torch.no_grad(), policy.disable_adapter() if self.shared else contextlib.nullcontext():
             yield policy if self.shared else self.model
 
+    def sync(self, policy, alpha: float) -> None:
+        """TR-DPO's reference update from the unwrapped `policy` (`mix_weights`); a second model only."""
+        if self.model is None:
+            raise RuntimeError("only a reference that is a model of its own can be synced with the policy")
+        mix_weights(self.model, policy, alpha)
+
     def release(self) -> None:
         """Free a second model once its log-probs are precomputed."""
         self.model = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def mix_weights(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """θ_target ← α·θ_source + (1 - α)·θ_target for every parameter, matched by name; α = 1 copies `source`.
+
+    TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment",
+    arXiv 2404.09656, §3: the soft update with weight α, the hard update at α = 1), applied every τ steps by the
+    caller. Each product is taken in the target's dtype (a reference held in bf16 stays bf16). A parameter missing
+    on either side raises UserError: the two are not the same architecture.
+    """
+    theirs = dict(source.named_parameters())
+    ours = dict(target.named_parameters())
+    if ours.keys() != theirs.keys():
+        missing = sorted(ours.keys() ^ theirs.keys())[:3]
+        raise UserError(f"algo.sync_ref_model: the reference and the policy differ in their parameters ({', '.join(missing)}"
+                        " ...): the reference must be the policy's architecture")
+    for name, param in ours.items():
+        update = theirs[name].detach().to(param.dtype)
+        if alpha == 1:
+            param.copy_(update)
+        else:
+            param.mul_(1 - alpha).add_(update, alpha=alpha)
 
 
 def disable_dropout(model: torch.nn.Module) -> int:

@@ -69,8 +69,19 @@ class DPOOptions:
     precompute_ref_logprobs: bool = False
     # The reference model; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
     ref_model: str | None = None
+    # TR-DPO (Gorbatovski et al. 2024, arXiv 2404.09656): every ref_model_sync_steps optimizer steps the reference
+    # becomes α·policy + (1-α)·reference (α = ref_model_mixup_alpha; 1 replaces it). TRL's names and defaults. Needs
+    # full fine-tuning (with LoRA the reference is the policy's own base); a checkpoint carries the moved reference.
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: Annotated[float, Interval(gt=0, le=1)] = 0.6  # TR-DPO's α: the policy's share in the mix
+    ref_model_sync_steps: PosInt = 512  # TR-DPO's τ: optimizer steps between two syncs
 
     def check(self):
+        if self.sync_ref_model and self.loss_type == "simpo":
+            yield "sync_ref_model", "has no reference to sync with loss_type=simpo (SimPO uses none)"
+        if self.sync_ref_model and self.precompute_ref_logprobs:
+            yield "sync_ref_model", ("and precompute_ref_logprobs are exclusive: log-probs computed once cannot follow a "
+                                     "reference that moves")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
             yield "label_smoothing", f"applies only to loss_type sigmoid (cDPO) or simpo, got loss_type={self.loss_type}"
         if self.loss_type == "simpo" and self.ref_model is not None:
@@ -84,6 +95,27 @@ class DPOOptions:
 class DPOConfig(TrainConfig):
     padding_free_supported = True
     algo: DPOOptions = field(default_factory=DPOOptions)
+
+    def check(self):
+        yield from super().check()
+        yield from ref_sync_check(self.algo, self.model, True)
+
+
+def ref_sync_check(algo, model: ModelConfig, has_reference: bool):
+    """TR-DPO's reference sync needs a reference model of its own and full fine-tuning: with LoRA the reference is the
+    policy's frozen base (or a model whose weights do not match the adapted policy's), so mixing the policy into it is
+    not defined (TRL refuses PEFT too). Its two numbers apply only with it."""
+    if not algo.sync_ref_model:
+        for key, default in (("ref_model_mixup_alpha", 0.6), ("ref_model_sync_steps", 512)):
+            if getattr(algo, key) != default:
+                yield f"algo.{key}", "applies only with algo.sync_ref_model=true"
+        return
+    if not has_reference:
+        yield "algo.sync_ref_model", f"needs a reference model: {algo.algorithm} trains no KL term"
+    elif model.lora.enabled:
+        yield "algo.sync_ref_model", ("is not supported with LoRA: the reference is the policy's frozen base, which the "
+                                      "adapters sit on, so mixing the policy into it would move the policy as well "
+                                      "(TRL refuses it with PEFT too)")
 
 
 @dataclass(frozen=True)
@@ -158,7 +190,25 @@ class OnlineOptions:
     whiten_advantages: bool | None = None  # whiten advantages over the rollout; None = only for PPO (GAE)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None  # None = algorithm default
     target_kl: Positive | None = None  # stop a rollout's remaining epochs once approx-KL exceeds this
-    dynamic_filtering: bool = False  # DAPO: drop groups whose samples all scored the same (no signal)
+    # DAPO's dynamic sampling (arXiv 2503.14476 §3.2): a group whose samples all scored the same (no signal) is dropped
+    # and more prompts are sampled, up to algo.max_sampling_rounds rounds, until the step holds rollout_batch_size groups
+    # with signal; a step still short then trains on the groups it has, the rest masked out of the loss.
+    dynamic_filtering: bool = False
+    max_sampling_rounds: PosInt = 3  # with dynamic_filtering: rollout rounds per step at most (1 = mask, never refill)
+    # How the group-relative estimators (grpo, dapo, dr_grpo, rloo, reinforce_pp_baseline) divide a sample's centred
+    # score (TRL's scale_rewards): by its group's std, by the whole batch's, or not at all; null = the algorithm's own
+    # (group for grpo and dapo, none for the others).
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    # Several reward sources (grpo's estimator: grpo, dapo, dr_grpo): sum the weighted scores, then normalise
+    # (sum_then_normalize), or normalise each source in its group, sum, then normalise over the batch (normalize_then_sum:
+    # GDPO, arXiv 2601.05242; TRL's multi_objective_aggregation).
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    # TR-DPO (Gorbatovski et al. 2024, arXiv 2404.09656): every ref_model_sync_steps steps the reference becomes
+    # α·policy + (1-α)·reference (α = ref_model_mixup_alpha; 1 replaces it). TRL's names and defaults. Needs an
+    # algorithm with a KL term and full fine-tuning; a checkpoint carries the moved reference.
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: Annotated[float, Interval(gt=0, le=1)] = 0.6  # TR-DPO's α: the policy's share in the mix
+    ref_model_sync_steps: PosInt = 512  # TR-DPO's τ: steps (rollouts) between two syncs
     mask_truncated: bool = False  # DAPO: responses without EOS take no loss
     value_model: str | None = None  # critic initialisation; None = the first reward model, else the policy
     # With `value_model` a causal LM (no trained score head): start the critic's value head at random instead of
@@ -219,9 +269,12 @@ class OnlineConfig(TrainConfig):
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
-        elif ALGORITHMS[name].advantage not in ("gae", "reinforce_pp") and k < 2:
+            return
+        yield from advantage_check(self.algo, ALGORITHMS[name], self.reward)
+        yield from ref_sync_check(self.algo, self.model, ALGORITHMS[name].needs_reference)
+        if ALGORITHMS[name].advantage not in ("gae", "reinforce_pp") and k < 2:
             yield "generation.num_samples", f"{name} compares samples of one prompt: needs >= 2, got {k}"
-        if name in ALGORITHMS and ALGORITHMS[name].needs_reference and self.kl.monitor is not None:
+        if ALGORITHMS[name].needs_reference and self.kl.monitor is not None:
             yield "kl.monitor", (f"applies to algorithms that train no KL term (dapo, dr_grpo): {name} measures the KL to "
                                  "its reference anyway")
         if self.algo.old_logprob_source == "sampler" and self.generation.engine != "rlhfkit":
@@ -232,6 +285,31 @@ class OnlineConfig(TrainConfig):
             yield "algo.num_minibatches", f"must divide the rollout's {samples} samples"
         elif (samples // self.algo.num_minibatches) % self.optim.per_device_batch_size:
             yield "optim.per_device_batch_size", f"must divide the minibatch of {samples // self.algo.num_minibatches} samples"
+
+
+def advantage_check(algo: OnlineOptions, method, reward: RewardConfig):
+    """The advantage options each estimator takes: scaling for the group-relative ones, normalise-then-sum for GRPO's,
+    dynamic sampling for those that compare a group's samples."""
+    group_relative = method.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+    if algo.scale_rewards is not None and not group_relative:
+        yield "algo.scale_rewards", (f"applies to the group-relative algorithms (grpo, dapo, dr_grpo, rloo, "
+                                     f"reinforce_pp_baseline); {algo.algorithm} has no group to scale by")
+    if algo.dynamic_filtering and not method.needs_groups:
+        yield "algo.dynamic_filtering", f"drops groups whose samples all scored the same: {algo.algorithm} has no groups"
+    if algo.max_sampling_rounds != 3 and not algo.dynamic_filtering:
+        yield "algo.max_sampling_rounds", "applies only with algo.dynamic_filtering=true"
+    if algo.multi_objective_aggregation == "normalize_then_sum":
+        if method.advantage != "grpo":
+            yield "algo.multi_objective_aggregation", (f"normalize_then_sum is GRPO's (grpo, dapo, dr_grpo), not "
+                                                       f"{algo.algorithm}'s")
+        elif algo.scale_rewards is not None:
+            yield "algo.scale_rewards", ("does not apply with normalize_then_sum (each source is scaled by its group std "
+                                         "and the sum by the batch std)")
+        for key, value, default in (("reward.normalize", reward.normalize, "none"), ("reward.clip", reward.clip, None),
+                                    ("reward.missing_eos_penalty", reward.missing_eos_penalty, None)):
+            if value != default:
+                yield key, ("shapes the summed score, which algo.multi_objective_aggregation=normalize_then_sum does not "
+                            "use (it normalises each source's own)")
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class ExperienceMaker:
         finite = run.on_every_process(all(bool(torch.isfinite(x).all()) for x in (scores, old_logprobs, ref_logprobs, values)
                                           if x is not None))
         moments = self.moments.copy()  # kept only if the step is: a skipped step leaves no trace
-        exp = self.estimate(ro, scores, old_logprobs, ref_logprobs, values, moments if finite else RunningMoments())  # 4.
+        exp = self.estimate(ro, scores, old_logprobs, ref_logprobs, values, moments if finite else RunningMoments(),
+                            scored.per_source)  # 4.
         stats.update(self.rollout_stats(exp, rows, state))
         logged, extras = self.rewards.logs.take()  # log_metric / log_extra: the step's metrics, the rows' columns
         stats.update(logged_means(run, logged))
@@ -133,7 +134,14 @@ class ExperienceMaker:
         values = cat(lambda c: critic_values(critic, critic, c)) if critic is not None else None
         return old, ref, values
 
-    def estimate(self, ro: Rollout, scores, old_logprobs, ref_logprobs, values, moments: RunningMoments) -> Experience:
+    def source_scores(self, per_source: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) each reward source's own scores (NaN where it returned None) and their (S,) weights, in the
+        sources' order: GDPO's normalise-then-sum reads them instead of the weighted total."""
+        values = torch.stack([per_source[name] for name in self.rewards.names], -1).float()
+        return values, self.rewards.weights.to(values.device)
+
+    def estimate(self, ro: Rollout, scores, old_logprobs, ref_logprobs, values, moments: RunningMoments,
+                 per_source: dict[str, torch.Tensor] | None = None) -> Experience:
         """4. The EOS penalty, normalisation and clipping of the scores, the KL once per token, the per-token rewards
         and the advantages — statistics over the global batch, as one process would compute them."""
         cfg, algo, run = self.cfg, self.algo, self.run
@@ -146,10 +154,13 @@ class ExperienceMaker:
                                     self.kl_control.value if algo.kl_in_reward else 0.0)
         whiten = cfg.algo.whiten_advantages if cfg.algo.whiten_advantages is not None else algo.whiten_by_default
         # Advantages see every response (`mask`): a sample excluded from the loss still counts in its group's baseline.
+        sources = self.source_scores(per_source) if cfg.algo.multi_objective_aggregation == "normalize_then_sum" else None
         advantages, returns = compute_advantages(algo.advantage, AdvantageInput(
             rewards=rewards, scores=shaped, response_mask=mask, values=values, group_ids=ro.group_ids,
             gamma=cfg.algo.gamma, lam=cfg.algo.lam, whiten=whiten,
-            all_reduce=(lambda x: run.accelerator.reduce(x, "sum")) if run.world > 1 else None))
+            all_reduce=(lambda x: run.accelerator.reduce(x, "sum")) if run.world > 1 else None,
+            scale_rewards=None if sources else cfg.algo.scale_rewards or algo.scale_rewards,
+            source_scores=sources[0] if sources else None, source_weights=sources[1] if sources else None))
         return Experience(
             rollout=ro, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
             shaped_scores=shaped, kl=kl.sum(1) if kl is not None else None, advantages=advantages, returns=returns,

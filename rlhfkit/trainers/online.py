@@ -35,6 +35,7 @@ from rlhfkit.trainers.online_setup import (PromptStream, Samples, StepLog, load_
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler, optimizer_step
 from rlhfkit.trainers.policy_update import PolicyUpdate, Update
 from rlhfkit.trainers.ptx import Ptx
+from rlhfkit.trainers.ref_sync import RefSync
 from rlhfkit.trainers.run import Run
 
 
@@ -117,6 +118,8 @@ class OnlineTrainer:
                                      run, one_pass)
         self.update = PolicyUpdate(cfg, self.algo, run, self.model, self.value, self.shares_base, self.optim, ptx,
                                    self.kl_ctl, one_pass)
+        self.ref_sync = RefSync(self.ref, a.ref_model_mixup_alpha, a.ref_model_sync_steps, acc.distributed_type) \
+            if a.sync_ref_model else None  # TR-DPO
 
     def refuse_unsupported_critic(self, value) -> None:
         acc = self.accelerator
@@ -167,6 +170,8 @@ class OnlineTrainer:
                              * self.cfg.generation.num_samples * run.world,
                              **{"faults/skipped_total": self.optim.bad_steps, "time/rollout_s": t1 - t0,
                                 "time/update_s": time.perf_counter() - t1})
+                if self.ref_sync is not None:
+                    self.ref_sync.after_step(step + 1, run.unwrap(self.model))
                 self.end_step(step + 1, made, stats, update.fault is not None, seq_kl)
                 if run.stopping:  # a callback stopped the run (end_step wrote its checkpoint)
                     break
@@ -190,6 +195,8 @@ class OnlineTrainer:
         from rlhfkit.models import save_model
 
         save_model(models[0], self.tokenizer, directory, merge_lora=False)
+        if self.ref_sync is not None:
+            self.ref_sync.save(directory, self.tokenizer)
         value_dir = os.path.join(os.path.dirname(directory), "value_model")
         if self.shares_base:
             self.run.unwrap(self.value).save(value_dir)
@@ -200,6 +207,8 @@ class OnlineTrainer:
         from rlhfkit.checkpoint import load_model_weights
         from rlhfkit.sharding import loaded_weights
 
+        if self.ref_sync is not None:
+            self.ref_sync.load(checkpoint)
         for module, sub in ((self.model, "model"), (self.value, "value_model")):
             if module is None:
                 continue

@@ -21,6 +21,7 @@ from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
 from rlhfkit.objects import Objects
 from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs, sequence_logprobs_padding_free
 from rlhfkit.trainers.offline import OfflineTrainer
+from rlhfkit.trainers.ref_sync import RefSync
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
 
 logger = logging.getLogger("rlhfkit")
@@ -68,6 +69,7 @@ class PreferenceTrainer(OfflineTrainer):
         super().__init__(cfg, objects)
         self.method = "orpo" if isinstance(cfg.algo, ORPOOptions) else cfg.algo.loss_type
         self.reference: Reference | None = None
+        self.ref_sync: RefSync | None = None  # TR-DPO's reference sync (algo.sync_ref_model)
 
     def load_model(self, tokenizer):
         policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
@@ -83,6 +85,29 @@ class PreferenceTrainer(OfflineTrainer):
         super().setup()
         if self.reference is not None and self.cfg.algo.precompute_ref_logprobs:
             self.precompute_ref_logprobs()
+
+    def build(self) -> None:
+        super().build()
+        algo = self.cfg.algo
+        if getattr(algo, "sync_ref_model", False):  # TR-DPO (checked before any model loads: a second reference model)
+            self.ref_sync = RefSync(self.reference, algo.ref_model_mixup_alpha, algo.ref_model_sync_steps,
+                                    self.accelerator.distributed_type)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        metrics = super().train_step(step)
+        if self.ref_sync is not None:
+            self.ref_sync.after_step(step + 1, self.run.unwrap(self.model))
+        return metrics
+
+    def save_models(self, directory: str, models: list) -> None:
+        super().save_models(directory, models)
+        if self.ref_sync is not None:
+            self.ref_sync.save(directory, self.tokenizer)
+
+    def load_models(self, checkpoint: str) -> None:
+        super().load_models(checkpoint)
+        if self.ref_sync is not None:
+            self.ref_sync.load(checkpoint)
 
     @torch.no_grad()
     def precompute_ref_logprobs(self) -> None:

@@ -187,3 +187,44 @@ def test_a_micro_batch_holds_its_own_rows_text(tmp_path):
     part = made.experience.select(torch.tensor([2, 0]))
     assert list(part.rollout.texts) == ["c", "a tool"]
     assert list(replace(part.rollout).completions) == ["c", "a tool"]
+
+
+def first_source(completions, **kwargs):
+    return [1.0, 3.0, 2.0, 2.0]
+
+
+def second_source(completions, **kwargs):
+    return [0.0, 2.0, 4.0, 0.0]
+
+
+def test_normalize_then_sum_reads_each_sources_own_scores(tmp_path):
+    """GDPO (algo.multi_objective_aggregation=normalize_then_sum) through the experience maker, weights (1, 2). Each
+    source's z in its group: source 1 ∓1/√2 then 0, 0 (a tie); source 2 ∓1/√2 then ±1/√2. Weighted sums ∓3/√2, ±√2;
+    over the batch mean 0, Bessel std √(13/3)."""
+    overrides = [f"output_dir={tmp_path}", "algo.algorithm=grpo", "generation.num_samples=2", "algo.rollout_batch_size=2",
+                 "optim.per_device_batch_size=2", "algo.multi_objective_aggregation=normalize_then_sum"]
+    cfg = load_config(OnlineConfig, "configs/grpo_tiny.yaml", overrides)
+    rewards = Rewards(cfg.reward, None, "cpu", given=[first_source, second_source], given_weights=[1.0, 2.0])
+    maker = ExperienceMaker(ScriptedRollout(), rewards, ScriptedReference(), None, FixedKLController(0.0),
+                            RunningMoments(), cfg, get_algorithm("grpo"), OneProcess(), one_pass=True)
+    prompts = PromptBatch(torch.tensor([[1, 2], [2, 1]]), torch.ones(2, 2, dtype=torch.long))
+    made = maker.make(TableLM(POLICY), prompts, [{"prompt": "p0", "columns": {}}, {"prompt": "p1", "columns": {}}], 0, 1)
+    r2, std = math.sqrt(2), math.sqrt(13 / 3)
+    expected = torch.tensor([-3 / r2, 3 / r2, r2, -r2]) / std
+    torch.testing.assert_close(made.experience.advantages[:, 0], expected, rtol=1e-3, atol=1e-4)
+    assert made.stats["objective/scores"] == pytest.approx((1 + 7 + 10 + 2) / 4)  # the weighted total is still logged
+
+
+def test_scale_rewards_batch_through_the_experience_maker(tmp_path):
+    """grpo with algo.scale_rewards=batch: scores 1, 3 | 2, 2, centred by their groups' means (2, 2): -1, 1, 0, 0;
+    divided by the batch's Bessel std √(2/3) (plus 1e-4), not the groups' (√2 and 0)."""
+    overrides = [f"output_dir={tmp_path}", "algo.algorithm=grpo", "generation.num_samples=2", "algo.rollout_batch_size=2",
+                 "optim.per_device_batch_size=2", "algo.scale_rewards=batch"]
+    cfg = load_config(OnlineConfig, "configs/grpo_tiny.yaml", overrides)
+    maker = ExperienceMaker(ScriptedRollout(), Rewards(cfg.reward, None, "cpu", given=[fixed_scores]),
+                            ScriptedReference(), None, FixedKLController(0.0), RunningMoments(), cfg,
+                            get_algorithm("grpo"), OneProcess(), one_pass=True)
+    prompts = PromptBatch(torch.tensor([[1, 2], [2, 1]]), torch.ones(2, 2, dtype=torch.long))
+    made = maker.make(TableLM(POLICY), prompts, [{"prompt": "p0", "columns": {}}, {"prompt": "p1", "columns": {}}], 0, 1)
+    expected = torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (math.sqrt(2 / 3) + 1e-4)
+    torch.testing.assert_close(made.experience.advantages[:, 0], expected)
