@@ -5,7 +5,9 @@ flags for the red-team report.
 - `candidates`: the items to judge, from a file of ready-made responses or sampled once from one model (k per
   prompt) or two (compare mode), as typed `Pair`s.
 - `store`: SQLite in WAL mode; who gets which item, every judgement committed before the page hears it was saved.
-- `app`: the Starlette routes and the access-token check; `static/` the page (plain HTML and JS).
+- `app`: the Starlette routes; `static/` the page (plain HTML and JS).
+- `guard`: what the server refuses before any route (another site's Host, Origin or write, a body over the cap)
+  and the access tokens, shared or one per person.
 - `export`: preference rows and harmful-flag rows; `figures`: agreement, Cohen's kappa, the human win rate.
 - `command`: the CLI's `rlhfkit label`, which wires them together.
 """
