@@ -13,6 +13,8 @@ JSON-lines file it is written to (once, in the cache: `$RLHFKIT_CACHE/datasets/<
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -134,14 +136,55 @@ def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weight
         raise UserError("config key 'model.num_layers' cuts a model while loading it; a model object is already "
                         "loaded: cut it before passing it, or pass its name")
     cfg = build_stage_config(stage, data)
-    objects = Objects(model=None if isinstance(model, str) else model, tokenizer=tokenizer,
+    # The run prepares its own copy of a given tokenizer (padding side, pad token, model.chat_template): the caller's
+    # stays as it was. Copying is cheap; a tokenizer's vocabulary, once grown by a pad token, could not be restored.
+    objects = Objects(model=None if isinstance(model, str) else model,
+                      tokenizer=copy.deepcopy(tokenizer) if tokenizer is not None else None,
                       reward_funcs=tuple(_as_list(reward_funcs)),
                       reward_weights=tuple(reward_weights) if reward_weights is not None else None,
                       callbacks=tuple(callbacks or ()), tools=tools[0], environment_factory=tools[1])
-    trainer = trainer_of(stage, cfg, objects if stage != "eval" else None)
-    metrics = trainer.fit()
-    trained = trainer.run.unwrap(trainer.model) if hasattr(trainer, "model") else None
+    import torch
+
+    given_models = [m for m in [model, *(f[0] if isinstance(f, tuple) else f for f in _as_list(reward_funcs))]
+                    if isinstance(m, torch.nn.Module)]
+    with as_found(given_models):
+        trainer = trainer_of(stage, cfg, objects if stage != "eval" else None)
+        metrics = trainer.fit()
+        trained = trainer.run.unwrap(trainer.model) if hasattr(trainer, "model") else None
     return TrainResult(metrics=metrics, output_dir=cfg.output_dir, model=trained)
+
+
+@contextlib.contextmanager
+def as_found(models: list):
+    """Gives the caller's model objects back as they were, when the run returns or raises: each module's train/eval
+    mode, each parameter's `requires_grad`, the KV-cache and pad-token settings of its config and gradient
+    checkpointing, all of which the run sets while it prepares, trains, samples from or scores with them. Their
+    weights are the run's business (a trained model is trained); so are the LoRA layers a run adds."""
+    saved = [_model_state(m) for m in models]
+    try:
+        yield
+    finally:
+        for model, (modes, flags, config, checkpointing) in zip(models, saved):
+            for module, training in modes:
+                module.training = training
+            for parameter, requires_grad in flags:
+                parameter.requires_grad_(requires_grad)
+            for owner, name, value in config:
+                setattr(owner, name, value)
+            if not checkpointing and getattr(model, "is_gradient_checkpointing", False):
+                model.gradient_checkpointing_disable()
+                if getattr(model, "_require_grads_hooks", None):  # set with checkpointing under LoRA (models._prepare)
+                    model.disable_input_require_grads()
+
+
+def _model_state(model) -> tuple:
+    """(modes, requires_grad flags, config attributes, checkpointing) of a model object, for `as_found`."""
+    config = [(owner, name, getattr(owner, name)) for owner, names in (
+        (getattr(model, "config", None), ("use_cache", "pad_token_id")),
+        (getattr(model, "generation_config", None), ("pad_token_id",))) if owner is not None
+        for name in names if hasattr(owner, name)]
+    return ([(m, m.training) for m in model.modules()], [(p, p.requires_grad) for p in model.parameters()], config,
+            getattr(model, "is_gradient_checkpointing", False))
 
 
 # The config's origins ------------------------------------------------------------------------------------------
