@@ -1,5 +1,5 @@
 """The controllers of the KL coefficient β of KL-regularised RLHF: fixed, and adaptive (Ziegler et al. 2019,
-arXiv 1909.08593, §2.2). The KL itself (estimators, per-token and per-sequence figures) is `rlhfkit.kl`'s.
+arXiv 1909.08593, §2.2); and Skywork-OR1's controller of the entropy bonus's coefficient. The KL itself (estimators, per-token and per-sequence figures) is `rlhfkit.kl`'s.
 
 Both expose `.value` (the current β), `.update(current_kl, n_steps)` after each rollout batch, and
 `state_dict()` / `load_state_dict()` of plain floats (JSON-serialisable, saved with the trainer state so a resumed
@@ -9,6 +9,8 @@ This module imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
+
+import math
 
 
 class FixedKLController:
@@ -64,3 +66,31 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+class AdaptiveEntropyController:
+    """Skywork-OR1's adaptive entropy control (He et al. 2025, arXiv 2505.22312, §3.2.2), with TRL's semantics: the
+    coefficient c moves by ±Δ each optimizer step (up while the step's entropy is at or below the target, down
+    otherwise, within [c_min, c_max]), and the bonus applies only while the last step's entropy was at or below the
+    target. `value` is the coefficient the next step applies. State: a JSON-able dict, saved with the checkpoint."""
+
+    def __init__(self, coef: float, target: float, delta: float, low: float, high: float):
+        self.coef, self.target, self.delta, self.low, self.high = float(coef), target, delta, low, high
+        self.last_entropy = math.inf  # no step measured yet: no bonus, as TRL starts
+
+    @property
+    def value(self) -> float:
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        """After an optimizer step whose mean token entropy (every process) was `entropy`."""
+        step = self.delta if entropy <= self.target else -self.delta
+        self.coef = min(max(self.coef + step, self.low), self.high)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef, "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef = float(state["coef"])
+        self.last_entropy = math.inf if state["last_entropy"] is None else float(state["last_entropy"])

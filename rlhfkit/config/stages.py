@@ -188,7 +188,52 @@ class OnlineOptions:
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0  # discount
     lam: Annotated[float, Interval(ge=0, le=1)] = 0.95  # GAE λ
     whiten_advantages: bool | None = None  # whiten advantages over the rollout; None = only for PPO (GAE)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None  # None = algorithm default
+    # How the per-token loss is reduced (losses.aggregate); None = the objective's own (luspo: seq-mean-token-sum; gspo,
+    # gspo_token, gmpo, sapo: seq-mean-token-mean; cispo, vespo: token-mean), else the algorithm's default.
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"] | None = None
+    # The policy objective (docs/objectives.md; one registered function each in rlhfkit.losses): ppo_clip (PPO's clipped
+    # surrogate), gspo / gspo_token (arXiv 2507.18071), cispo (2506.13585), sapo (2511.20347), gmpo (2507.20673),
+    # dppo_binary_tv / dppo_binary_kl (2602.04879), clip_cov / kl_cov (2505.22617), luspo (2602.05261), vespo (2602.10693).
+    policy_loss: Literal["ppo_clip", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "dppo_binary_tv", "dppo_binary_kl",
+                         "clip_cov", "kl_cov", "luspo", "vespo"] = "ppo_clip"
+    # The importance ratio: "token" π(y_t)/π_old(y_t), or "sequence", GSPO's exp(mean_t log ratio) per sequence;
+    # None = the objective's own (sequence for gspo, gspo_token, luspo; token otherwise).
+    importance_sampling_level: Literal["token", "sequence"] | None = None
+    delta: Annotated[float, Gt(1)] | None = None  # INTELLECT-2's two-sided clip (arXiv 2505.07291): the unclipped ratio capped at delta
+    # Cap on the detached importance weight of cispo (ScaleRL's ε_max; TRL's epsilon_high under loss_type=cispo) and
+    # dppo_*; None = the objective's own (cispo 5.0, dppo 20.0).
+    ratio_cap: Positive | None = None
+    sapo_temperature_pos: Positive = 1.0  # SAPO's gate temperature for A > 0
+    sapo_temperature_neg: Positive = 1.05  # ... for A <= 0 (the paper: larger, so negative updates fade faster)
+    vespo_k_pos: NonNeg = 2.0  # VESPO's Gamma weight φ(w) = e^λ w^k e^{-λw}: its power k for A >= 0
+    vespo_lambda_pos: NonNeg = 3.0  # VESPO: its decay λ for A >= 0
+    vespo_k_neg: NonNeg = 3.0  # VESPO: k for A < 0
+    vespo_lambda_neg: NonNeg = 2.0  # VESPO: λ for A < 0
+    dppo_threshold: Positive | None = None  # DPPO's divergence bound δ; None = 0.15 (binary TV) or 0.05 (binary KL)
+    clip_cov_ratio: Annotated[float, Interval(gt=0, le=1)] = 2e-4  # Clip-Cov: share of tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # Clip-Cov: lower end of the covariance window the detached tokens are drawn from
+    clip_cov_ub: float = 5.0  # Clip-Cov: upper end of that window
+    kl_cov_ratio: Annotated[float, Interval(gt=0, le=1)] = 2e-4  # KL-Cov: share of tokens (top covariance) penalised
+    kl_cov_coef: NonNeg = 1.0  # KL-Cov: weight of |log π - log π_old| on them
+    # Keep only the top ρ share of tokens by entropy in the policy loss (arXiv 2506.01939; the paper: 0.2); 1 = all.
+    top_entropy_quantile: Annotated[float, Interval(ge=0, le=1)] = 1.0
+    # Skywork-OR1's adaptive entropy (arXiv 2505.22312), TRL's semantics: entropy_coef is the start value, moved by
+    # ±entropy_coef_delta each optimizer step within [entropy_coef_min, entropy_coef_max], up while the step's mean
+    # token entropy is <= entropy_target; the bonus applies only while the last step's entropy was <= the target.
+    adaptive_entropy: bool = False
+    entropy_target: NonNeg = 0.2  # nats
+    entropy_coef_min: NonNeg = 0.0  # adaptive entropy: the coefficient's floor
+    entropy_coef_max: NonNeg = 1.0  # adaptive entropy: its ceiling
+    entropy_coef_delta: Positive = 0.005  # adaptive entropy: its step per optimizer step
+    # DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9): a negative-advantage sequence whose mean
+    # log π_sampler - log π exceeds this is dropped from the loss; None = off.
+    off_policy_mask_threshold: Positive | None = None
+    bias_corrected_kl: bool = False  # the k3 KL term times the importance ratio (DeepSeek-V3.2, eq. 8); needs a KL in the loss
+    # Sampler-mismatch correction (docs/objectives.md): the loss weighted by w = π_old/π_sampler per token or per
+    # sequence, truncated to [min, max] or masked outside it; logs the mismatch KL and the share corrected.
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    rollout_correction_min: NonNeg | None = None  # lower bound; None = open
+    rollout_correction_max: Positive | None = 3.0  # upper bound; None = open (TRL's vllm_importance_sampling_clip_max)
     target_kl: Positive | None = None  # stop a rollout's remaining epochs once approx-KL exceeds this
     # DAPO's dynamic sampling (arXiv 2503.14476 §3.2): a group whose samples all scored the same (no signal) is dropped
     # and more prompts are sampled, up to algo.max_sampling_rounds rounds, until the step holds rollout_batch_size groups
@@ -222,6 +267,9 @@ class OnlineOptions:
         if self.allow_new_value_head and not self.value_model:
             yield "allow_new_value_head", ("applies only with algo.value_model (without it the critic starts from the "
                                            "first reward model's trained head, or from the policy with a new head)")
+        from rlhfkit.config.objective_check import objective_refusals
+
+        yield from objective_refusals(self)
 
 
 def tools_check(tools: ToolsConfig, reward: RewardConfig, generation: GenerationConfig, data: DataConfig):
@@ -277,6 +325,10 @@ class OnlineConfig(TrainConfig):
         if ALGORITHMS[name].needs_reference and self.kl.monitor is not None:
             yield "kl.monitor", (f"applies to algorithms that train no KL term (dapo, dr_grpo): {name} measures the KL to "
                                  "its reference anyway")
+        if (self.algo.rollout_correction != "none" or self.algo.off_policy_mask_threshold is not None) \
+                and self.generation.engine != "rlhfkit":
+            key = "algo.rollout_correction" if self.algo.rollout_correction != "none" else "algo.off_policy_mask_threshold"
+            yield key, "reads the log-probs rlhfkit's decode loop recorded: needs generation.engine=rlhfkit"
         if self.algo.old_logprob_source == "sampler" and self.generation.engine != "rlhfkit":
             yield "algo.old_logprob_source", ("'sampler' reads rlhfkit's decode loop: needs generation.engine=rlhfkit "
                                         "(transformers' generate applies the model's own generation config)")

@@ -20,7 +20,7 @@ import torch
 
 from rlhfkit.ops import masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum")
 
 
 def aggregate(
@@ -42,6 +42,8 @@ def aggregate(
         GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3); TRL's "grpo".
       - "seq-mean-token-sum-norm": Σ_{i,t} ℓ_{i,t} / (num_seqs · max_len) — a constant normaliser, so no length bias
         (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783); TRL's "dr_grpo" with max_len = max_completion_length.
+      - "seq-mean-token-sum": Σ_{i,t} ℓ_{i,t} / num_seqs — each sequence weighs its length: the length-unbiased
+        sequence loss of LUSPO (arXiv 2602.05261); TRL's "luspo". verl's mode of the same name.
 
     A sequence with no valid token contributes 0 to "seq-mean-token-mean" (its token count is clamped to 1) but still
     counts in num_seqs, as in TRL.
@@ -68,4 +70,6 @@ def aggregate(
     if mode == "seq-mean-token-sum-norm":
         max_len = loss.shape[-1] if max_len is None else max_len
         return masked_sum(loss, mask) / (num_seqs * max_len)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss, mask) / num_seqs
     raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")

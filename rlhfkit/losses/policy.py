@@ -1,5 +1,6 @@
-"""Policy and value losses of the online RL methods: PPO's clipped surrogate (with DAPO's asymmetric clip and
-dual clip) and the clipped value loss.
+"""Policy and value losses of the online RL methods: the per-token policy loss of the online loop (a registered
+objective, `losses.objectives`, with its masks, weights, KL term and entropy bonus), PPO's clipped surrogate, and the
+clipped value loss.
 
 Both return `(loss, metrics)`: `loss` is per token, shape (B, R), UNREDUCED — reduce it with
 `rlhfkit.losses.aggregate.aggregate` and global counts; `metrics` holds detached (B, R) tensors. All math is fp32.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from rlhfkit.kl import kl_penalty
-from rlhfkit.ops import LOG_RATIO_CLAMP
+from rlhfkit.losses import policy_clip, policy_cov, policy_weighted  # noqa: F401 (they register the objectives)
+from rlhfkit.losses.objectives import OBJECTIVES, ObjectiveParams, get_objective, importance_log_weight, log_ratio  # noqa: F401
 
 
 def ppo_policy_loss(
@@ -26,103 +28,89 @@ def ppo_policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate per token: max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high)), ρ = π / π_old.
-
-    Schulman et al. 2017, arXiv 1707.06347, eq. 7 (L^CLIP, negated to a loss), with:
-      - asymmetric clipping ε_high ≠ ε_low ("Clip-Higher", DAPO, Yu et al. 2025, arXiv 2503.14476, §3.1);
-      - dual clip c > 1 (Ye et al. 2020, arXiv 1912.09729, their dual-clip objective): for A < 0 the loss is further
-        capped at -c·A, so a token whose ratio has exploded cannot dominate the update.
-
-    Deliberate deviation: log ρ is clamped to [-20, 20] before exp (see `rlhfkit.ops.LOG_RATIO_CLAMP`); inside that
-    range — every sane rollout — the result equals TRL's.
+    """PPO clipped surrogate per token: max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high)), ρ = π / π_old — the token-level
+    "ppo_clip" objective (`losses.policy_clip.clipped_surrogate`: Schulman et al. 2017, arXiv 1707.06347, eq. 7, with
+    DAPO's Clip-Higher and the dual clip of arXiv 1912.09729), for callers that hold no mask.
 
     Args:
         logprobs: (B, R) log π_θ of the sampled tokens (requires grad).
         old_logprobs: (B, R) log π_old of the same tokens, from rollout time.
         advantages: (B, R) advantage per token.
-        clip_eps: ε_low in (0, 1).
-        clip_eps_high: ε_high > 0; None means ε_low (symmetric PPO).
-        dual_clip: c > 1, or None for no dual clip.
+        clip_eps: ε_low in (0, 1); clip_eps_high: ε_high > 0, None = ε_low; dual_clip: c > 1 or None.
 
     Returns:
         loss: (B, R) fp32, unreduced, not masked.
-        metrics: detached (B, R) fp32 tensors, masked-mean them for logging:
-          "clipfrac" 1 where the clipped term is the active one (TRL's `pg_losses2 > pg_losses`);
-          "dual_clipfrac" 1 where the dual clip is active (all 0 without dual clip);
-          "approxkl" ½ (log π - log π_old)², the k2 estimate of KL(π_old || π) that TRL logs as policy/approxkl_avg;
-          "ratio" ρ.
+        metrics: detached (B, R) fp32 tensors: "clipfrac" 1 where the clipped term is the active one (TRL's
+        clip_ratio/region), "clip_low", "clip_high", "dual_clipfrac", "approxkl" ½ (log π - log π_old)² (TRL's PPO
+        policy/approxkl_avg), "ratio" ρ.
     """
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if not 0 < clip_eps < 1:
-        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
-    if not clip_eps_high > 0:
-        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-
-    log_ratio = logprobs.float() - old_logprobs.float()  # (B, R)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, R)
-    adv = advantages.float()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(loss, dtype=torch.bool)
-    if dual_clip is not None:
-        cap = -adv * dual_clip  # > 0 where A < 0
-        dual_active = (adv < 0) & (loss > cap)
-        loss = torch.where(dual_active, cap, loss)
-
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": (clipped > unclipped).float(),
-            "dual_clipfrac": dual_active.float(),
-            "approxkl": 0.5 * log_ratio.detach() ** 2,
-            "ratio": ratio.detach(),
-        }
-    return loss, metrics
+    params = ObjectiveParams(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip)
+    return get_objective("ppo_clip").fn(logprobs, old_logprobs, advantages, torch.ones_like(advantages), params)
 
 
 def policy_objective(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
     *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
+    objective: str = "ppo_clip",
+    params: ObjectiveParams = ObjectiveParams(),
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    bias_corrected_kl: bool = False,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_keep: torch.Tensor | None = None,
+    sequence_keep: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The online loop's per-token loss: `ppo_policy_loss` + β·k3(π, π_ref) - c·H(π(·|s_t)).
+    """The online loop's per-token loss, in TRL's order (`GRPOTrainer._compute_loss`):
+    objective × off-policy sequence mask × top-entropy token mask × rollout-correction weights, + β·KL, - c·H.
 
-    - The KL term (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3) is added only with `ref_logprobs` and β > 0.
+    - The objective is the registered `objective` (`losses.objectives`), reading `params`.
+    - `sequence_keep` (B, 1): DeepSeek-V3.2's off-policy mask (`correction.off_policy_sequence_mask`); `token_keep`
+      (B, R): the top-entropy tokens (`correction.top_entropy_mask`); `is_weights` (B, R) or (B, 1): the sampler-mismatch
+      correction (`correction.rollout_correction`) — folded into VESPO's own weight instead of multiplying its loss.
+    - The KL term (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3-4) β·k3(π, π_ref) is added only with `ref_logprobs`
+      and β > 0. `bias_corrected_kl`: k3 times the importance weight ρ (at `params.level`, with its gradient), so its
+      gradient is the unbiased gradient of KL(π_θ || π_ref) for samples from π_old (DeepSeek-V3.2, arXiv 2512.02556,
+      §3.1, eq. 8).
     - The entropy bonus uses the entropy of the whole next-token distribution, `entropy` (B, R) from the same
-      forward's logits (`rlhfkit.ops.entropy_from_logits`), as PPO's `c₂·S[π](s_t)` (Schulman et al. 2017, eq. 9).
-      The sampled token's -log π(y_t) is an unbiased estimate of H but its gradient is zero in expectation, so it
-      cannot serve as a bonus.
+      forward's logits (`rlhfkit.ops.entropy_from_logits`), as PPO's `c₂·S[π](s_t)` (Schulman et al. 2017, eq. 9),
+      on the same tokens as the loss (`token_keep`). The sampled token's -log π(y_t) is an unbiased estimate of H
+      but its gradient is zero in expectation, so it cannot serve as a bonus.
 
     Args:
-        logprobs, old_logprobs, advantages: as `ppo_policy_loss`, (B, R).
-        ref_logprobs: (B, R) log π_ref of the sampled tokens, or None (no KL term).
-        kl_coef: β >= 0.
-        entropy: (B, R) entropies of π at each response position (requires grad), or None (no bonus).
-        entropy_coef: c >= 0.
+        logprobs, old_logprobs, advantages: (B, R), as `losses.objectives`; mask: (B, R) the tokens that count (the
+        sequence-level pieces read it); None = all.
+        ref_logprobs: (B, R) log π_ref, or None (no KL term); kl_coef: β >= 0.
+        entropy: (B, R) entropies of π at each response position (requires grad), or None; entropy_coef: c >= 0.
 
     Returns:
-        loss: (B, R) fp32, unreduced; metrics: those of `ppo_policy_loss`, plus "surrogate" (the clipped surrogate
-        alone, detached).
+        loss: (B, R) fp32, unreduced; metrics: the objective's, plus "surrogate" (the objective after the masks and
+        weights, detached) and, with the KL term, "kl" (the k3 per token, before any bias correction).
     """
-    loss, metrics = ppo_policy_loss(logprobs, old_logprobs, advantages, clip_eps=clip_eps,
-                                    clip_eps_high=clip_eps_high, dual_clip=dual_clip)
+    mask = torch.ones_like(advantages) if mask is None else mask
+    spec = get_objective(objective)
+    folds = spec.takes_is_weights and is_weights is not None
+    loss, metrics = spec.fn(logprobs, old_logprobs, advantages, mask, params, is_weights=is_weights) if folds \
+        else spec.fn(logprobs, old_logprobs, advantages, mask, params)
+    for factor in (sequence_keep, token_keep, None if folds else is_weights):
+        if factor is not None:
+            loss = loss * factor.float()
     metrics["surrogate"] = loss.detach()
     if ref_logprobs is not None and kl_coef:
-        loss = loss + kl_coef * kl_penalty(logprobs, ref_logprobs, "k3")
+        kl = kl_penalty(logprobs, ref_logprobs, "k3")
+        metrics["kl"] = kl.detach()
+        if bias_corrected_kl:
+            kl = kl * torch.exp(importance_log_weight(log_ratio(logprobs, old_logprobs), mask, params.level))
+        loss = loss + kl_coef * kl
     if entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the entropy of the policy's distribution (entropy=...)")
-        loss = loss - entropy_coef * entropy.float()
+        bonus = entropy.float() if token_keep is None else entropy.float() * token_keep.float()
+        loss = loss - entropy_coef * bonus
     return loss, metrics
 
 

@@ -23,7 +23,7 @@ from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig
 from rlhfkit.critic import PolicyAndCritic, SharedBaseCritic, load_critic
 from rlhfkit.errors import UserError
-from rlhfkit.kl_control import AdaptiveKLController, FixedKLController
+from rlhfkit.kl_control import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from rlhfkit.models import Reference, disable_dropout, load_causal_lm
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards, RunningMoments
@@ -69,6 +69,8 @@ class OnlineTrainer:
             self.start_step = int(state["step"])
             self.kl_ctl.load_state_dict(json.loads(state["kl_controller"]))
             self.moments.load_state_dict(json.loads(state["reward_moments"]))
+            if self.entropy_ctl is not None:
+                self.entropy_ctl.load_state_dict(json.loads(state["entropy_controller"]))
             run.restore_rng(state)
 
     def build(self, ptx_set) -> None:
@@ -113,11 +115,13 @@ class OnlineTrainer:
         k = cfg.kl
         self.kl_ctl = AdaptiveKLController(k.coef, k.target, k.horizon) if k.controller == "adaptive" else FixedKLController(k.coef)
         self.moments = RunningMoments()
+        self.entropy_ctl = AdaptiveEntropyController(a.entropy_coef, a.entropy_target, a.entropy_coef_delta,
+                                                     a.entropy_coef_min, a.entropy_coef_max) if a.adaptive_entropy else None
         rollout = rollout_maker(cfg, self.tokenizer, self.objects)
         self.maker = ExperienceMaker(rollout, self.reward, self.ref, self.value, self.kl_ctl, self.moments, cfg, self.algo,
                                      run, one_pass)
         self.update = PolicyUpdate(cfg, self.algo, run, self.model, self.value, self.shares_base, self.optim, ptx,
-                                   self.kl_ctl, one_pass)
+                                   self.kl_ctl, one_pass, self.entropy_ctl)
         self.ref_sync = RefSync(self.ref, a.ref_model_mixup_alpha, a.ref_model_sync_steps, acc.distributed_type) \
             if a.sync_ref_model else None  # TR-DPO
 
@@ -220,4 +224,6 @@ class OnlineTrainer:
 
     def checkpoint(self, step: int) -> None:
         extra = {"kl_controller": json.dumps(self.kl_ctl.state_dict()), "reward_moments": json.dumps(self.moments.state_dict())}
+        if self.entropy_ctl is not None:
+            extra["entropy_controller"] = json.dumps(self.entropy_ctl.state_dict())
         self.run.save_checkpoint(step, self.trained_models(), self.save_models, self.optim, extra)

@@ -2,6 +2,11 @@
 step → `algo.target_kl` break. Counting over processes is `trainers.processes`' (one global share of the tokens and
 sequences per minibatch, sums by name); the arithmetic is `losses.policy`'s and `losses.aggregate`'s.
 
+The policy loss is the registered objective `algo.policy_loss` (`losses.objectives`), called through the registry;
+its masks and weights (top-entropy tokens, the off-policy sequence mask, the sampler-mismatch correction) are
+`losses.correction`'s, and the adaptive entropy coefficient is `kl_control.AdaptiveEntropyController`'s, updated after
+each optimizer step with that step's mean token entropy over every process.
+
 Only the policy's own tokens take a loss: the experience's `loss_mask` is 0 off the rollout's action mask, so a
 tool result takes no policy loss, no KL term, no entropy bonus and no value loss.
 """
@@ -13,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhfkit.config.objective_check import objective_params
 from rlhfkit.critic import critic_values
 from rlhfkit.losses.aggregate import aggregate
-from rlhfkit.losses.policy import policy_objective, value_loss
+from rlhfkit.losses.correction import off_policy_sequence_mask, rollout_correction, top_entropy_mask
+from rlhfkit.losses.policy import get_objective, policy_objective, value_loss
 from rlhfkit.models import rollout_logprobs
 from rlhfkit.ops import masked_mean
 from rlhfkit.trainers.experience import pad_to
@@ -51,13 +58,30 @@ class Update:
     early_stopped: bool = False
 
 
+# The objectives' metrics (losses.objectives) and the names they are logged under (TRL's where TRL has the figure).
+LOGGED = {"surrogate": "loss/policy_avg", "approxkl": "policy/approxkl_avg", "clipfrac": "policy/clipfrac_avg",
+          "ratio": "val/ratio", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
+          "dual_clipfrac": "policy/dual_clipfrac_avg", "covfrac": "policy/cov_selected_frac", "phi": "vespo/phi_seq_mean"}
+CORRECTION_LOGGED = {"mismatch_kl": "sampling/mismatch_kl", "logp_diff": "sampling/sampling_logp_difference/mean",
+                     "corrected": "sampling/corrected_frac", "is_ratio": "sampling/importance_sampling_ratio/mean"}
+
+
+def figure(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """A metric's mean: over the masked tokens for a (B, R) one, over the sequences for a (B, 1) one (as TRL)."""
+    return float(x.float().mean()) if x.shape[-1] == 1 else float(masked_mean(x, mask))
+
+
 class PolicyUpdate:
-    def __init__(self, cfg, algo, run, model, critic, shares_base: bool, optim, ptx, kl_control, one_pass: bool):
+    def __init__(self, cfg, algo, run, model, critic, shares_base: bool, optim, ptx, kl_control, one_pass: bool,
+                 entropy_control=None):
         """`model`/`critic`: the prepared policy and critic (None without one); `shares_base`: the critic is a second
         adapter on the policy's base, backpropagated on its own; `ptx`: the PPO-ptx term (`trainers.ptx`) or None;
-        `kl_control`: β's controller, read when the KL is in the loss; `one_pass`: π_old is this update's own forward."""
+        `kl_control`: β's controller, read when the KL is in the loss; `one_pass`: π_old is this update's own forward;
+        `entropy_control`: the adaptive entropy coefficient's controller, or None (a fixed `algo.entropy_coef`)."""
         self.cfg, self.algo, self.run, self.model, self.critic = cfg, algo, run, model, critic
         self.shares_base, self.optim, self.ptx, self.kl_control, self.one_pass = shares_base, optim, ptx, kl_control, one_pass
+        self.entropy_control, self.params = entropy_control, objective_params(cfg.algo)
+        self.objective = get_objective(cfg.algo.policy_loss)
 
     def __call__(self, exp: Experience, step: int) -> Update:
         """`algo.ppo_epochs` passes of `algo.num_minibatches` optimizer steps over the experience (step `step`,
@@ -79,11 +103,13 @@ class PolicyUpdate:
                 # π_old from the sampler: its gap to the training forward, read where the weights are still the
                 # sampler's (the first minibatch of the first epoch).
                 gap = a.old_logprob_source == "sampler" and not self.one_pass and epoch == m == 0
-                nonfinite, approxkl = self.minibatch(exp, idx, tally, kept, gap, (step - 1) * total + done)
+                nonfinite, approxkl, entropy = self.minibatch(exp, idx, tally, kept, gap, (step - 1) * total + done)
                 result = optimizer_step(self.optim, step, Fault.LOSS if nonfinite else None, schedule_steps=total - done)
                 done += 1
                 if result.fault is not None:
                     return Update({}, None, result.fault)
+                if self.entropy_control is not None:
+                    self.entropy_control.update(entropy)
                 if result.grad_norm is not None:
                     norms.append(result.grad_norm)  # global already: the same on every process
                 if a.target_kl is not None and approxkl > a.target_kl:
@@ -102,24 +128,30 @@ class PolicyUpdate:
         if norms:
             metrics["grad_norm"] = sum(norms) / len(norms)  # the mean over the step's updates
         metrics["policy/early_stopped"] = float(early_stopped)
+        if self.entropy_control is not None:
+            metrics["policy/entropy_coef"] = self.entropy_control.coef
         return Update(metrics, kept, None, early_stopped)
 
-    def minibatch(self, exp: Experience, idx: torch.Tensor, tally: Tally, kept, gap: bool, update: int) -> tuple[bool, float]:
+    def minibatch(self, exp: Experience, idx: torch.Tensor, tally: Tally, kept, gap: bool, update: int) -> tuple[bool, float, float]:
         """Backward of one minibatch, micro-batch by micro-batch, then of the ptx batch of the run's `update`-th
         optimizer step (0-based) if any; returns (a loss was non-finite on some process, the minibatch's approx-KL
-        over every process). Gradients are all-reduced once, in the minibatch's last backward (`no_sync`)."""
-        micro, agg = self.cfg.optim.per_device_batch_size, self.cfg.algo.loss_agg or self.algo.default_loss_agg
+        over every process, its mean token entropy over every process). Gradients are all-reduced once, in the
+        minibatch's last backward (`no_sync`)."""
+        micro = self.cfg.optim.per_device_batch_size
+        # the reduction: the config's, else the objective's own (the paper's), else the algorithm's default
+        agg = self.cfg.algo.loss_agg or self.objective.loss_agg or self.algo.default_loss_agg
         share = global_share(self.run, {"tokens": exp.loss_mask[idx].sum(), "seqs": float(len(idx))})
         # clamp: a minibatch whose tokens are all masked out (every sample truncated) normalises by 1, not 0
         num_tokens, num_seqs = max(share["tokens"], 1.0), max(share["seqs"], 1.0)
-        nonfinite, kl_weighted, weight = 0.0, 0.0, 0.0
+        nonfinite, kl_weighted, weight, entropy = 0.0, 0.0, 0.0, [0.0, 0.0]
         apart = self.critic is not None and self.shares_base
         for i in range(0, len(idx), micro):
             rows = idx[i : i + micro]
             batch = exp.select(rows).trimmed()  # at its own longest response
             last = i + micro >= len(idx) and self.ptx is None
             with self.no_sync(last or apart):
-                loss, parts, logprobs, approxkl = self.policy_loss(batch, agg, num_tokens, num_seqs)
+                loss, parts, logprobs, approxkl, ent = self.policy_loss(batch, agg, num_tokens, num_seqs)
+                entropy = [entropy[0] + ent[0], entropy[1] + ent[1]]
                 if self.critic is not None and not apart:  # one backward of the sum
                     value_part, value_metrics = self.critic_loss(batch, num_tokens)
                     loss = loss + value_part
@@ -145,8 +177,10 @@ class PolicyUpdate:
             kl_weighted, weight = kl_weighted + approxkl * w, weight + w
         if self.ptx is not None:  # PPO-ptx: + ptx_coef · NLL of this optimizer step's ptx batch
             nonfinite += self.ptx.backward(self.model, update, last=True)
-        (control,) = sums_by_name(self.run, {"nonfinite": nonfinite, "approxkl": kl_weighted, "tokens": weight})
-        return control["nonfinite"] > 0, control["approxkl"] / max(control["tokens"], 1.0)
+        (control,) = sums_by_name(self.run, {"nonfinite": nonfinite, "approxkl": kl_weighted, "tokens": weight,
+                                             "entropy": entropy[0], "entropy_tokens": entropy[1]})
+        return (control["nonfinite"] > 0, control["approxkl"] / max(control["tokens"], 1.0),
+                control["entropy"] / max(control["entropy_tokens"], 1.0))
 
     def no_sync(self, sync: bool):
         """DDP: no gradient all-reduce in a micro-batch's forward and backward unless `sync` (the minibatch's last, as
@@ -159,25 +193,54 @@ class PolicyUpdate:
         return stack
 
     def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
-        """(loss, metrics, this forward's detached log-probs, approx-KL) of a micro-batch, normalised by its
-        minibatch's global counts (see losses.aggregate); Dr. GRPO's constant is `generation.max_new_tokens`, whatever
-        width this rollout was padded to."""
+        """(loss, metrics, this forward's detached log-probs, approx-KL, (Σ entropy, tokens) over the tokens the loss
+        keeps) of a micro-batch, normalised by its minibatch's global counts (see losses.aggregate); Dr. GRPO's
+        constant is `generation.max_new_tokens`, whatever width this rollout was padded to."""
         a, mask, temperature = self.cfg.algo, batch.loss_mask, self.cfg.generation.temperature
-        logprobs, entropy = rollout_logprobs(self.model, batch.rollout, temperature, with_entropy=True) if a.entropy_coef \
-            else (rollout_logprobs(self.model, batch.rollout, temperature), None)
+        control = self.entropy_control
+        if a.entropy_coef or control is not None or a.top_entropy_quantile < 1:
+            logprobs, entropy = rollout_logprobs(self.model, batch.rollout, temperature, with_entropy=True)
+        else:
+            logprobs, entropy = rollout_logprobs(self.model, batch.rollout, temperature), None
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        terms, metrics = self.masks_and_weights(batch, logprobs, old, entropy)
         per_token, m = policy_objective(
-            logprobs, old, batch.advantages, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high,
-            dual_clip=a.dual_clip, ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None,
-            kl_coef=self.kl_control.value, entropy=entropy, entropy_coef=a.entropy_coef)
-        loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                         max_len=self.cfg.generation.max_new_tokens)
-        approxkl = masked_mean(m["approxkl"], mask)
-        metrics = {"loss/policy_avg": masked_mean(m["surrogate"], mask), "policy/approxkl_avg": approxkl,
-                   "policy/clipfrac_avg": masked_mean(m["clipfrac"], mask), "val/ratio": masked_mean(m["ratio"], mask)}
+            logprobs, old, batch.advantages, mask, objective=self.objective.name, params=self.params,
+            ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None, kl_coef=self.kl_control.value,
+            bias_corrected_kl=a.bias_corrected_kl, entropy=entropy,
+            entropy_coef=control.value if control is not None else a.entropy_coef, **terms)
+        loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.cfg.generation.max_new_tokens)
+        metrics.update({LOGGED[k]: figure(v, mask) for k, v in m.items() if k in LOGGED})
+        ent = (0.0, 0.0)
         if entropy is not None:
-            metrics["policy/entropy_avg"] = masked_mean(entropy.detach(), mask)
-        return loss, metrics, logprobs.detach(), float(approxkl)
+            metrics["policy/entropy_avg"] = figure(entropy.detach(), mask)
+            kept = mask.float() if terms.get("token_keep") is None else mask.float() * terms["token_keep"].float()
+            ent = (float((entropy.detach() * kept).sum()), float(kept.sum()))
+        return loss, metrics, logprobs.detach(), metrics["policy/approxkl_avg"], ent
+
+    def masks_and_weights(self, batch: Experience, logprobs, old, entropy) -> tuple[dict, dict[str, float]]:
+        """The keyword terms of `policy_objective` this config asks for — the top-entropy tokens (the quantile over
+        every process's tokens of this micro-batch, as TRL), DeepSeek-V3.2's off-policy sequence mask, the
+        sampler-mismatch weights — and their logged figures."""
+        a, mask, sampler = self.cfg.algo, batch.loss_mask, batch.rollout.sampler_logprobs
+        terms, metrics = {}, {}
+        if a.top_entropy_quantile < 1:
+            values = entropy.detach().float()[mask.bool()]
+            if self.run.world > 1:  # every process's tokens: pad to one length, gather, drop the padding
+                values = self.run.accelerator.gather(self.run.accelerator.pad_across_processes(values, pad_index=-1.0))
+                values = values[values >= 0]  # an entropy is never negative: -1 marks the padding
+            terms["token_keep"] = top_entropy_mask(entropy, mask, a.top_entropy_quantile, population=values)
+            metrics["policy/entropy_kept_frac"] = figure(terms["token_keep"], mask)
+        if a.off_policy_mask_threshold is not None:
+            terms["sequence_keep"] = off_policy_sequence_mask(batch.advantages, logprobs, sampler, mask,
+                                                              a.off_policy_mask_threshold)
+            metrics["policy/off_policy_masked_frac"] = 1.0 - figure(terms["sequence_keep"], mask)
+        if a.rollout_correction != "none":
+            weights, cm = rollout_correction(old, sampler, batch.rollout.action_mask, a.rollout_correction,
+                                             a.rollout_correction_min, a.rollout_correction_max)
+            terms["is_weights"] = weights
+            metrics.update({CORRECTION_LOGGED[k]: figure(v, mask) for k, v in cm.items()})
+        return terms, metrics
 
     def critic_loss(self, batch: Experience, num_tokens: float):
         """Clipped value loss of a micro-batch (token mean over the minibatch's global token count), times vf_coef."""

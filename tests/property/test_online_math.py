@@ -102,7 +102,7 @@ def test_entropy_bonus_gradient_is_the_exact_entropy_gradient():
     tokens = torch.randint(0, 5, (2, 3))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     new_lp = logprobs_from_logits(logits, tokens)
-    per_token, _ = policy_objective(new_lp, new_lp.detach(), torch.zeros(2, 3), clip_eps=0.2,
+    per_token, _ = policy_objective(new_lp, new_lp.detach(), torch.zeros(2, 3),
                                     entropy=entropy_from_logits(logits), entropy_coef=0.3)
     (got,) = torch.autograd.grad(aggregate(per_token, mask, "token-mean"), logits)
 
@@ -125,7 +125,7 @@ def test_trainer_entropy_bonus_follows_the_models_entropy(tmp_path):
 
     def loss_grads(coef):
         t.model.zero_grad(set_to_none=True)
-        loss, _, _, _ = update_with(t, entropy_coef=coef).policy_loss(exp, "token-mean", num_tokens, num_seqs)
+        loss, *_ = update_with(t, entropy_coef=coef).policy_loss(exp, "token-mean", num_tokens, num_seqs)
         loss.backward()
         return grads(t)
 
@@ -162,7 +162,7 @@ def _loss_and_grads(t, exp):
     t.model.train()
     t.model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    loss, _, _, _ = t.update.policy_loss(exp, "seq-mean-token-sum-norm", float(exp.loss_mask.sum()),
+    loss, *_ = t.update.policy_loss(exp, "seq-mean-token-sum-norm", float(exp.loss_mask.sum()),
                                          float(exp.loss_mask.shape[0]))
     loss.backward()
     return float(loss.detach()), grads(t)
@@ -279,8 +279,8 @@ def test_dapo_options_take_effect(tmp_path, monkeypatch):
     positive = float((exp.loss_mask * (exp.advantages > 0)).sum() / exp.loss_mask.sum())
     assert 0 < positive < 1
     t.model.train()
-    _, high, _, _ = t.update.policy_loss(shifted, "token-mean", 1.0, 8.0)
-    _, symmetric, _, _ = update_with(t, clip_eps_high=None).policy_loss(shifted, "token-mean", 1.0, 8.0)
+    _, high, *_ = t.update.policy_loss(shifted, "token-mean", 1.0, 8.0)
+    _, symmetric, *_ = update_with(t, clip_eps_high=None).policy_loss(shifted, "token-mean", 1.0, 8.0)
     assert float(high["val/ratio"]) == pytest.approx(1.25, rel=1e-5)
     assert float(high["policy/clipfrac_avg"]) == 0.0
     assert float(symmetric["policy/clipfrac_avg"]) == pytest.approx(positive, abs=1e-6)
