@@ -28,7 +28,7 @@ for _name in QUIETED_LOGGERS:
 
 
 def __getattr__(name: str):
-    """`rlhfkit.train` and `rlhfkit.TrainResult` (rlhfkit.api) and `rlhfkit.plan` (rlhfkit.plan), imported on first use so that `import rlhfkit` and
+    """`rlhfkit.train` and `rlhfkit.TrainResult` (rlhfkit.api), `rlhfkit.plan` and `rlhfkit.pipeline`, imported on first use so that `import rlhfkit` and
     `rlhfkit --help` stay instant (PEP 562)."""
     if name in ("train", "TrainResult"):
         from rlhfkit import api
@@ -38,4 +38,8 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("rlhfkit.plan")
+    if name == "pipeline":  # a callable package: rlhfkit.pipeline("pipeline.yaml")
+        import importlib
+
+        return importlib.import_module("rlhfkit.pipeline")
     raise AttributeError(f"module 'rlhfkit' has no attribute {name!r}")

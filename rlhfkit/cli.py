@@ -43,6 +43,17 @@ def _parser() -> argparse.ArgumentParser:
                        description="rlhfkit dashboard: draw a finished (or running) run's dashboard.png and report.html")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holding config.yaml and metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="where to write them (default: RUN_DIR)")
+    p = sub.add_parser("pipeline", help="run a pipeline file: its stages in order with their gates, wired, resumable, "
+                                         "iterated, with one report",
+                       description="rlhfkit pipeline: every stage of the file in order (SFT -> RM -> policy -> eval, "
+                                   "label, iterations), gated, skipped when done, resumed when interrupted; "
+                                   "report.html at its output_dir (docs/pipeline.md)")
+    p.add_argument("--config", required=True, metavar="PIPELINE.yaml", help="the pipeline file (see configs/pipelines/)")
+    p.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and every later one")
+    p.add_argument("--continue-past-gates", action="store_true",
+                   help="run on when a gate fails, recording it in pipeline.json and the report")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="output_dir=, iterations=, vars.NAME=, STAGE.key.sub= (a stage's overrides), STAGE.gate.FIGURE=")
     p = sub.add_parser("demo", help="end-to-end RLHF of SmolLM2-135M on a sentiment task: SFT, reward model, PPO/DPO/best-of-n, evaluation",
                        description="rlhfkit demo: SFT -> reward model -> PPO, DPO and best-of-4 on the built-in reviews task "
                                    "(gold judge: VADER sentiment), evaluated on held-out prompts; offline")
@@ -189,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                      overwrite=args.overwrite, full=args.full)
         elif args.stage == "plan":
             run_plan(args)
+        elif args.stage == "pipeline":
+            from rlhfkit.pipeline import run as run_pipeline
+
+            run_pipeline(args.config, args.overrides, from_stage=args.from_stage,
+                         continue_past_gates=args.continue_past_gates)
         elif args.stage == "label":
             from rlhfkit.label.command import options_from, run_label
 
@@ -200,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_command(args.stage, args.config, args.overrides, args.print_config)
     except UserError as exc:
+        if type(exc).__name__ == "GateFailed":  # the input was fine; a stage's result was not
+            _say(f"rlhfkit: pipeline stopped: {exc}")
+            return 3
         _say(f"rlhfkit: error: {exc}")
         return 2
     except KeyboardInterrupt:

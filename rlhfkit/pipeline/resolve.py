@@ -1,0 +1,227 @@
+"""Each stage's effective config: its file or inline keys, the automatic wiring from the stages before it, its
+overrides; validated as its own command validates it. The wiring is visible: every key it sets is a `Wire` naming the
+stage it comes from, printed before the run and shown in the report.
+
+The wiring (InstructGPT's three steps, Ouyang et al. 2022, arXiv 2203.02155, §3.1; 003 §1-§3):
+- the SFT output initialises the reward model and every policy (`model.name_or_path`);
+- the newest reward model becomes `reward.model` of the online stages and of `eval`;
+- the newest policy and its starting point (the reference) go to `eval` (`model.name_or_path`, `reference`, `run_dir`)
+  and to a blind comparison (`label` with `mode: compare`: `model`, `compare`);
+- the preference pairs of a `label` (collect) or `judge` stage become the next reward model's `data.train`;
+- every stage writes to `output_dir/<name>` (later rounds: `output_dir/round_<r>/<name>`).
+Precedence, later wins: the stage's config file, the wiring, its inline config keys, its overrides. An explicit key
+(inline or an override) always beats the wiring; a config file is a template the wiring fills in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhfkit.config.fields import merge, read_yaml
+from rlhfkit.errors import ConfigError, UserError
+from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON, StageSpec
+
+POLICY_STAGES = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "dpo", "orpo", "kto", "rft")
+REWARDED = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "rft", "eval")  # stages whose reward.model is wired
+PIPELINE_OWNED = ("overwrite", "resume")  # the pipeline decides these from the stage folder's state
+LABEL_KEYS = ("mode", "prompts", "candidates", "num_samples", "seed", "batch_size", "max_prompts", "overlap", "host",
+              "port", "token", "lease", "generation", "model", "compare", "poll_s")
+JUDGE_KEYS = ("model", "prompts", "num_samples", "seed", "batch_size", "max_prompts", "reward", "generation", "data")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One key the pipeline set: `key` = `value`, from stage `source`."""
+
+    key: str
+    value: Any
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.key} <- {self.source} ({self.value})"
+
+
+@dataclass
+class Upstream:
+    """What the stages so far produced, newest first in effect: each a (stage name, path)."""
+
+    sft: tuple[str, str] | None = None
+    rm: tuple[str, str] | None = None
+    policy: tuple[str, str] | None = None
+    reference: tuple[str, str] | None = None  # the policy's starting point
+    pairs: tuple[str, str] | None = None  # preference pairs (label collect, judge)
+    fingerprint: str = ""  # the chain of every earlier stage's fingerprint
+
+    def copy(self) -> "Upstream":
+        return dataclasses.replace(self)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A stage ready to run: its kind, folder, effective config (`cfg`: the validated stage config, or a mapping for
+    label, judge and python stages) and the wiring that went into it."""
+
+    spec: StageSpec
+    name: str  # the display name ("rm", "rm (round 2)")
+    round: int
+    dir: str
+    cfg: Any
+    data: dict  # the nested keys before validation: what the fingerprint hashes
+    wires: tuple[Wire, ...] = field(default_factory=tuple)
+
+    @property
+    def stage(self) -> str:
+        return self.spec.stage
+
+
+def stage_dir(root: str, name: str, round_: int) -> str:
+    return os.path.join(root, name) if round_ <= 1 else os.path.join(root, f"round_{round_}", name)
+
+
+def wires_for(spec: StageSpec, up: Upstream, out: str) -> list[Wire]:
+    """The keys the pipeline sets for stage `spec` given what came before it (see the module's docstring)."""
+    kind, w = spec.stage, [Wire("output_dir", out, "pipeline")] if spec.stage not in (LABEL, JUDGE, PYTHON) else []
+    if kind == "rm" and up.sft:
+        w.append(Wire("model.name_or_path", up.sft[1], up.sft[0]))
+    if kind == "rm" and up.pairs:
+        w.append(Wire("data.train", up.pairs[1], up.pairs[0]))
+    if kind in POLICY_STAGES and (up.policy or up.sft):
+        src = up.policy or up.sft  # a later round's policy starts from the last kept one
+        w.append(Wire("model.name_or_path", src[1], src[0]))
+    if kind in REWARDED and kind != "eval" and up.rm:
+        w.append(Wire("reward.model", [up.rm[1]], up.rm[0]))
+    if kind == "eval":
+        w += _eval_wires(up)
+    if kind == LABEL:
+        w += _label_wires(spec, up)
+    if kind == JUDGE and (up.policy or up.sft):
+        src = up.policy or up.sft
+        w.append(Wire("model", src[1], src[0]))
+    return w
+
+
+def _eval_wires(up: Upstream) -> list[Wire]:
+    w = []
+    if up.policy:
+        w += [Wire("model.name_or_path", up.policy[1], up.policy[0]), Wire("run_dir", up.policy[1], up.policy[0])]
+        if up.reference:
+            w.append(Wire("reference", up.reference[1], up.reference[0]))
+    elif up.sft:
+        w.append(Wire("model.name_or_path", up.sft[1], up.sft[0]))
+    if up.rm:
+        w.append(Wire("reward.model", [up.rm[1]], up.rm[0]))
+    return w
+
+
+def _label_wires(spec: StageSpec, up: Upstream) -> list[Wire]:
+    mode = _inline(spec).get("mode", spec.overrides.get("mode", "collect"))
+    src = up.policy or up.sft
+    if mode == "compare" and up.policy and up.reference:
+        return [Wire("model", up.policy[1], up.policy[0]), Wire("compare", up.reference[1], up.reference[0])]
+    return [Wire("model", src[1], src[0])] if src and mode == "collect" else []
+
+
+def _inline(spec: StageSpec) -> dict:
+    return spec.config if isinstance(spec.config, dict) else {}
+
+
+def _tree(wires: list[Wire]) -> dict:
+    out: dict = {}
+    for wire in wires:
+        *parents, last = wire.key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = wire.value
+    return out
+
+
+def _explicit(data: dict, key: str) -> bool:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def resolve(spec: StageSpec, up: Upstream, root: str, round_: int, where: str) -> Resolved:
+    """Stage `spec`'s effective, validated config given `up`; a problem is one `ConfigError` naming `where` (the
+    file and the stage) and the key."""
+    out = stage_dir(root, spec.name, round_)
+    name = spec.name if round_ <= 1 else f"{spec.name} (round {round_})"
+    explicit = merge(_inline(spec), spec.overrides)
+    owned = [k for k in PIPELINE_OWNED if k in explicit]
+    if owned:
+        raise ConfigError(f"{where}: config key '{owned[0]}': the pipeline sets it (a finished stage is skipped, an "
+                          f"interrupted one resumed); use --from {spec.name} to rerun it")
+    wires = [w for w in wires_for(spec, up, out) if not _explicit(explicit, w.key)]
+    try:
+        base = read_yaml(spec.config) if isinstance(spec.config, str) else {}
+        data = merge(merge(base, _tree(wires)), explicit)
+        cfg = _validate(spec, data, out)
+    except UserError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if spec.stage not in (LABEL, JUDGE, PYTHON):
+        out = cfg.output_dir
+    return Resolved(spec, name, round_, out, cfg, data, tuple(wires))
+
+
+def _validate(spec: StageSpec, data: dict, out: str) -> Any:
+    """The stage's own validation: `rlhfkit <stage>`'s config; label and judge keys; a python stage's function."""
+    from rlhfkit.stages import build_stage_config
+
+    if spec.stage == PYTHON:
+        return {"run": spec.run, "args": spec.args, "function": import_function(spec.run)}
+    if spec.stage in (LABEL, JUDGE):
+        known = LABEL_KEYS if spec.stage == LABEL else JUDGE_KEYS
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            raise ConfigError(f"config key '{unknown[0]}': not a {spec.stage} key (known: {', '.join(known)})")
+        if spec.stage == LABEL and data.get("mode", "collect") not in ("collect", "compare"):
+            raise ConfigError(f"config key 'mode': collect (preference pairs) or compare (a blind comparison), got "
+                              f"{data.get('mode')!r}")
+        needed = ("model", "prompts", "reward") if spec.stage == JUDGE else ()
+        missing = [k for k in needed if not data.get(k)]
+        if missing:
+            raise ConfigError(f"config key '{missing[0]}' is required by a judge stage")
+        return dict(data)
+    return build_stage_config(spec.stage, data)
+
+
+def import_function(ref: str):
+    module, _, name = ref.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"'run: {ref}' cannot be imported ({exc})") from None
+    if not callable(fn):
+        raise ConfigError(f"'run: {ref}' is not a function")
+    return fn
+
+
+def produced(r: Resolved, up: Upstream) -> Upstream:
+    """`up` after stage `r`: what later stages are wired to."""
+    nxt = up.copy()
+    if r.stage == "sft":
+        nxt.sft = (r.name, r.dir)
+    elif r.stage == "rm":
+        nxt.rm = (r.name, r.dir)
+    elif r.stage in POLICY_STAGES:
+        nxt.policy = (r.name, r.dir)
+        start = r.cfg.model.name_or_path
+        nxt.reference = (_source_of(start, up, r.name), start)
+    elif r.stage == JUDGE or r.stage == LABEL and r.cfg.get("mode", "collect") == "collect":
+        nxt.pairs = (r.name, os.path.join(r.dir, "pairs.jsonl"))
+    return nxt
+
+
+def _source_of(path: str, up: Upstream, default: str) -> str:
+    for entry in (up.policy, up.sft):
+        if entry and entry[1] == path:
+            return entry[0]
+    return f"{default}'s model.name_or_path"

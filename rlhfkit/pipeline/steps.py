@@ -1,0 +1,171 @@
+"""How one resolved stage runs, as its own command would, and the figures it reports.
+
+- an `rlhfkit` stage runs through `stages.run_stage` in this process (the same validation, outputs and checkpoints as
+  `rlhfkit <stage>`), or under `accelerate launch` when its `launch` says so (its effective config written to
+  `output_dir/.pipeline/<name>.yaml`, then `accelerate launch ARGS -m rlhfkit.cli <stage> --config that`);
+- `label` makes its items once (`rlhfkit label`'s own `prepare`, which resumes a database made for the same inputs),
+  serves the labelling page while the pipeline waits, and when every item is judged writes `pairs.jsonl` (collect)
+  or the human win rate (compare);
+- `python` calls a built-in task's function with a `StepContext` and its `args`.
+Figures come back from disk, so a stage run under a launcher, run here, or skipped reports the same ones: a training
+run's last value of every metric in metrics.jsonl, an eval's headline figures and its alarm count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from rlhfkit.errors import UserError
+from rlhfkit.io import atomic_write_text, read_jsonl_rows
+from rlhfkit.pipeline.resolve import Resolved
+from rlhfkit.pipeline.spec import LABEL, PYTHON
+
+logger = logging.getLogger("rlhfkit")
+PRIVATE = ".pipeline"  # the pipeline's own files under its output_dir
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a `python` stage's function gets: its folder and the folders of every stage so far, by name."""
+
+    output_dir: str  # this stage's folder (created, empty on a fresh run)
+    root: str  # the pipeline's output_dir
+    dirs: dict  # stage name -> folder, for every stage resolved so far in this run
+    resume: bool  # an earlier start of this stage was interrupted
+
+    def path(self, stage: str, *parts: str) -> str:
+        return os.path.join(self.dirs[stage], *parts)
+
+
+def run(r: Resolved, mode: str, root: str, dirs: dict) -> dict[str, float]:
+    """Run stage `r` (mode: "fresh", "resume" from its newest checkpoint, or "replace" an earlier run of it) and
+    return its figures."""
+    if r.stage == PYTHON:
+        os.makedirs(r.dir, exist_ok=True)
+        figures = r.cfg["function"](StepContext(r.dir, root, dict(dirs), mode == "resume"), **r.cfg["args"]) or {}
+        if not isinstance(figures, dict):
+            raise UserError(f"stage '{r.name}': {r.cfg['run']} returned {type(figures).__name__}, expected a dict of "
+                            "figures or None")
+        return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}
+    if r.stage == LABEL:
+        return run_label(r)
+    cfg = dataclasses.replace(r.cfg, overwrite=mode == "replace",
+                              **({"resume": mode == "resume"} if hasattr(r.cfg, "resume") else {}))
+    if r.spec.launch is not None:
+        launched(r, cfg, root)
+    else:
+        from rlhfkit.stages import run_stage
+
+        run_stage(r.stage, cfg)
+    return figures_of(r.stage, r.dir)
+
+
+def launched(r: Resolved, cfg, root: str) -> None:
+    """`accelerate launch <launch args> -m rlhfkit.cli <stage> --config <the effective config>`."""
+    from rlhfkit.config import config_to_yaml
+
+    path = os.path.join(root, PRIVATE, f"{os.path.relpath(r.dir, root).replace(os.sep, '_')}.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(path, config_to_yaml(cfg))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *r.spec.launch, "-m", "rlhfkit.cli", r.stage,
+           "--config", path]
+    print("  " + " ".join(cmd[1:]), flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        raise UserError(f"stage '{r.name}' under accelerate launch exited with status {rc} (its output is above); "
+                        "the same command resumes it")
+
+
+def figures_of(stage: str, folder: str) -> dict[str, float]:
+    """A finished stage's figures from its folder: eval's headline and alarm count, else metrics.jsonl's last value
+    of every metric."""
+    if stage == "eval":
+        from rlhfkit.evaluation.evaluate import headline
+
+        with open(os.path.join(folder, "eval.json"), encoding="utf-8") as f:
+            report = json.load(f)
+        return {**headline(report), "alarms": float(len(report.get("alarms") or []))}
+    path = os.path.join(folder, "metrics.jsonl")
+    figures: dict[str, float] = {}
+    for row in read_jsonl_rows(path) if os.path.isfile(path) else []:
+        figures.update({k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return figures
+
+
+# `label`: the pipeline waits for people ----------------------------------------------------------------------------
+
+
+def label_options(r: Resolved):
+    from rlhfkit.label.command import LabelOptions
+
+    keys = {f.name for f in dataclasses.fields(LabelOptions)}
+    given = {k: v for k, v in r.cfg.items() if k in keys and k not in ("compare",)}
+    compare = r.cfg.get("compare") if r.cfg.get("mode") == "compare" else None
+    overrides = tuple(f"generation.{k}={json.dumps(v)}" for k, v in (r.cfg.get("generation") or {}).items())
+    return LabelOptions(db=os.path.join(r.dir, "labels.db"), compare=compare, overrides=overrides, **given)
+
+
+def run_label(r: Resolved) -> dict[str, float]:
+    """Make the items (once), serve the page until every item is judged, then write the labels' outputs."""
+    from rlhfkit.label.command import access_token, check_port_free, prepare
+    from rlhfkit.label.store import Store
+
+    opts = label_options(r)
+    os.makedirs(r.dir, exist_ok=True)
+    store = Store(opts.db, lease_s=60 * opts.lease)
+    prepare(store, opts)
+    progress = store.progress()
+    if progress.done < progress.total:
+        token = access_token(opts.host, opts.token)
+        check_port_free(opts.host, opts.port)
+        _serve_until_done(store, opts.host, opts.port, token, float(r.cfg.get("poll_s", 2.0)))
+    return label_outputs(r, store)
+
+
+def _serve_until_done(store, host: str, port: int, token: str | None, poll_s: float) -> None:
+    """The labelling page, served in a thread while this one waits for the last judgement."""
+    import uvicorn
+
+    from rlhfkit.label.app import make_app
+
+    server = uvicorn.Server(uvicorn.Config(make_app(store, token), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    shown = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
+    p = store.progress()
+    print(f"  waiting for labels: {p.done}/{p.total} judgements made; open {shown} (the pipeline continues when "
+          "every item is judged; Ctrl-C stops it, and the same command picks up where the labels are)", flush=True)
+    try:
+        last = p.done
+        while (p := store.progress()).done < p.total:
+            if p.done != last:
+                print(f"  labels: {p.done}/{p.total}", flush=True)
+                last = p.done
+            time.sleep(poll_s)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def label_outputs(r: Resolved, store) -> dict[str, float]:
+    from rlhfkit.label.export import preference_rows, write_jsonl
+    from rlhfkit.label.figures import human_win_rate
+
+    judgements = store.judgements()
+    if r.cfg.get("mode", "collect") == "collect":
+        rows = preference_rows(judgements)
+        write_jsonl(rows, os.path.join(r.dir, "pairs.jsonl"))
+        return {"labels/pairs": float(len(rows)), "labels/judgements": float(len(judgements))}
+    human = human_win_rate(judgements)
+    figures = {"human/win_rate": human.win_rate, "human/win_rate_low": human.interval[0],
+               "human/win_rate_high": human.interval[1], "human/judgements": float(human.n)}
+    atomic_write_text(os.path.join(r.dir, "human_win_rate.json"), json.dumps(dataclasses.asdict(human), indent=2))
+    return figures
