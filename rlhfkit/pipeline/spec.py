@@ -97,10 +97,11 @@ def read_spec(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{path}: 'stages' must be a non-empty list of stages")
     stages = tuple(s for s in (_stage(path, i + 1, e, variables) for i, e in enumerate(entries)) if s is not None)
-    names = [s.name for s in stages]
+    seen: set[str] = set()
     for s in stages:
-        if names.count(s.name) > 1:
+        if s.name in seen:
             raise ConfigError(f"{path}: {s.where}: the name '{s.name}' is used twice; give each stage its own `name`")
+        seen.add(s.name)
     output_dir = substitute(raw.get("output_dir"), variables, f"{path}: output_dir")
     if not isinstance(output_dir, str) or not output_dir:
         raise ConfigError(f"{path}: 'output_dir' is required (the folder every stage's outputs go under)")

@@ -1,0 +1,239 @@
+"""`rlhfkit pipeline` on the tiny configs, through the real CLI and the Python API: SFT -> RM -> PPO -> eval wired and
+gated, the whole file validated before the first stage, finished stages skipped, a failed gate stopping the run (and
+`--continue-past-gates` running on), a kill -9 in the third stage resumed by the same command, a `label` stage fed by
+a scripted annotator over HTTP, and iterated rounds rolled back when they lose capability."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+import rlhfkit
+from rlhfkit.cli import main
+from rlhfkit.pipeline.gates import GateFailed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "pipelines", "tiny.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tiny configs name their data relative to the repository
+
+
+def _state(out):
+    with open(os.path.join(out, "pipeline.json")) as f:
+        return json.load(f)
+
+
+def _statuses(out):
+    return {r["name"]: r["status"] for r in _state(out)["records"]}
+
+
+def _config(run_dir):
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pipeline") / "run")
+    os.chdir(ROOT)
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}"]) == 0
+    return out
+
+
+def test_tiny_pipeline_runs_every_stage_wired(tiny_run):
+    out = tiny_run
+    assert _statuses(out) == {"sft": "ran", "rm": "ran", "ppo": "ran", "eval": "ran"}
+    sft, rm, ppo = (os.path.join(out, n) for n in ("sft", "rm", "ppo"))
+    # The wiring, visible in each stage's own saved config: SFT initialises the RM and the policy, the RM scores PPO
+    # and the evaluation, which compares the policy with SFT and reads PPO's run for its alarms.
+    assert _config(rm)["model"]["name_or_path"] == sft
+    assert _config(ppo)["model"]["name_or_path"] == sft and _config(ppo)["reward"]["model"] == [rm]
+    with open(os.path.join(out, "eval", "eval_config.yaml")) as f:
+        ev = yaml.safe_load(f)
+    assert (ev["model"]["name_or_path"], ev["reference"], ev["run_dir"], ev["reward"]["model"]) == (ppo, sft, ppo, [rm])
+    for name in ("sft", "rm", "ppo", "eval"):
+        with open(os.path.join(out, name, "pipeline_stage.json")) as f:
+            assert len(json.load(f)["fingerprint"]) == 16
+    gates = {g["figure"]: g["passed"] for r in _state(out)["records"] for g in r["gate"]}
+    assert gates == {"eval/loss": True, "eval/accuracy": True, "win_rate/reward_model": True,
+                     "win_rate/vowel_reward": True, "alarms": True}
+    with open(os.path.join(out, "report.html")) as f:
+        report = f.read()
+    assert "Every gate passed" in report and 'href="eval/eval.json"' in report and 'src="frontier.png"' in report
+    assert "reward.model &lt;- rm" in report and os.path.getsize(os.path.join(out, "frontier.png")) > 1000
+
+
+def test_the_same_command_skips_finished_stages_and_a_changed_one_reruns_with_the_rest(tiny_run, capsys):
+    out = tiny_run
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}"]) == 0
+    assert set(_statuses(out).values()) == {"skipped"}
+    # A changed key in the third stage reruns it and the one after it; the first two stay skipped.
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}", "ppo.generation.temperature=0.9"]) == 0
+    assert _statuses(out) == {"sft": "skipped", "rm": "skipped", "ppo": "ran", "eval": "ran"}
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}", "ppo.generation.temperature=0.9", "--from", "eval"]) == 0
+    assert _statuses(out) == {"sft": "skipped", "rm": "skipped", "ppo": "skipped", "eval": "ran"}
+
+
+def test_a_wrong_key_in_the_fourth_stage_stops_before_the_first(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}", "eval.generation.temprature=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage 4 (eval)" in err[0] and "'generation.temprature'" in err[0], err
+    assert not out.exists()
+
+
+def test_a_user_folder_in_the_way_is_refused_untouched(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "sft").mkdir(parents=True)
+    (out / "sft" / "notes.txt").write_text("mine")
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}"]) == 2
+    assert "holds files the pipeline did not write" in capsys.readouterr().err
+    assert (out / "sft" / "notes.txt").read_text() == "mine" and sorted(os.listdir(out / "sft")) == ["notes.txt"]
+
+
+def _swapped_pairs(tmp_path):
+    """The tiny preference data with chosen and rejected swapped: a reward model trained on it ranks the held-out
+    pairs backwards, far below the 0.70 gate."""
+    path = tmp_path / "swapped.jsonl"
+    with open(os.path.join(ROOT, "data", "tiny", "pref_train.jsonl")) as f, open(path, "w") as g:
+        for line in f:
+            r = json.loads(line)
+            g.write(json.dumps({**r, "chosen": r["rejected"], "rejected": r["chosen"]}) + "\n")
+    return str(path)
+
+
+def test_the_rm_gate_stops_the_pipeline_from_python_and_continue_past_gates_runs_on(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    overrides = {"rm.data.train": _swapped_pairs(tmp_path), "rm.gate.eval/accuracy": ">= 0.70", "rm.max_steps": 6}
+    with pytest.raises(GateFailed) as err:
+        rlhfkit.pipeline(TINY, overrides, output_dir=out)
+    message = str(err.value)
+    assert "gate after 'rm' FAILED: eval/accuracy = 0." in message and "needs >= 0.70" in message
+    assert "more and more varied preference data" in message and "lower reward-model learning rate" in message
+    accuracy = _state(out)["failed_gates"][0]["value"]
+    assert accuracy < 0.5 and not os.path.exists(os.path.join(out, "ppo"))
+    with open(os.path.join(out, "report.html")) as f:
+        assert "FAILED" in f.read()
+    # The CLI: stopped again by the same gate (exit 3, one line), then run on past it with the failure recorded.
+    args = ["pipeline", "--config", TINY, f"output_dir={out}"] + [f"{k}={v}" for k, v in overrides.items()]
+    capsys.readouterr()
+    assert main(args) == 3
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert main(args + ["--continue-past-gates"]) == 0
+    assert _statuses(out) == {"sft": "skipped", "rm": "skipped", "ppo": "ran", "eval": "ran"}
+    assert [g["figure"] for g in _state(out)["failed_gates"]] == ["eval/accuracy"]
+
+
+def test_the_sft_gate_stops_without_a_held_out_loss(tmp_path):
+    out = str(tmp_path / "run")
+    with pytest.raises(GateFailed, match=r"eval/loss = not reported, needs reported.*give SFT held-out data"):
+        rlhfkit.pipeline(TINY, {"sft.data.eval": None}, output_dir=out)
+    assert _statuses(out) == {"sft": "ran"}
+
+
+def test_kill_9_in_the_third_stage_then_the_same_command_resumes_it(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlhfkit.cli", "pipeline", "--config", TINY, f"output_dir={out}", "ppo.max_steps=6",
+           "eval.gate.alarms=null"]  # a 6-step tiny PPO may raise a length alarm: not what this test is about
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.time() + 240
+    while not (out / "ppo" / "checkpoint-2").is_dir():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "eval").exists()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "=== sft (sft): skipped" in second.stdout and "=== rm (rm): skipped" in second.stdout
+    assert "=== ppo (ppo): resume ===" in second.stdout
+    assert _statuses(out) == {"sft": "skipped", "rm": "skipped", "ppo": "resumed", "eval": "ran"}
+    steps = [json.loads(line)["step"] for line in open(out / "ppo" / "metrics.jsonl") if '"step"' in line]
+    assert sorted(set(steps)) == list(range(1, 7))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _annotate(port, stop):
+    """A scripted annotator over the labelling page's API: prefers the response with more vowels."""
+    base = f"http://127.0.0.1:{port}"
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{base}/api/item?annotator=script", timeout=5) as r:
+                item = json.load(r)
+        except OSError:
+            time.sleep(0.1)  # the server is not up yet
+            continue
+        if item.get("done"):
+            return
+        vowels = [sum(ch in "aeiou" for ch in item[side]) for side in ("a", "b")]
+        body = json.dumps({"annotator": "script", "item": item["item"], "token": item["token"],
+                           "choice": "a" if vowels[0] >= vowels[1] else "b"}).encode()
+        req = urllib.request.Request(f"{base}/api/judge", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=5).read()
+
+
+def test_a_label_stage_waits_for_people_then_feeds_the_reward_model(tmp_path):
+    port, out, stop = _free_port(), str(tmp_path / "run"), threading.Event()
+    pipeline = {"output_dir": out, "stages": [
+        {"stage": "sft", "config": "configs/sft_tiny.yaml", "overrides": {"max_steps": 2, "logging.eval_steps": 2}},
+        {"stage": "label", "config": {"prompts": "data/tiny/prompts_eval.jsonl", "num_samples": 2, "max_prompts": 6,
+                                      "port": port, "poll_s": 0.1, "generation": {"max_new_tokens": 6}}},
+        {"stage": "rm", "config": "configs/rm_tiny.yaml", "overrides": {"max_steps": 2}, "gate": False}]}
+    annotator = threading.Thread(target=_annotate, args=(port, stop), daemon=True)
+    annotator.start()
+    try:
+        result = rlhfkit.pipeline(pipeline)
+    finally:
+        stop.set()
+    assert [s.status for s in result.stages] == ["ran", "ran", "ran"]
+    pairs = [json.loads(line) for line in open(os.path.join(out, "label", "pairs.jsonl"))]
+    assert len(pairs) == result.stages[1].figures["labels/pairs"] > 0 and {p["annotator"] for p in pairs} == {"script"}
+    for p in pairs:  # the annotator's rule, as exported
+        assert sum(ch in "aeiou" for ch in p["chosen"]) >= sum(ch in "aeiou" for ch in p["rejected"])
+    rm = _config(os.path.join(out, "rm"))
+    assert rm["data"]["train"] == os.path.join(out, "label", "pairs.jsonl") and rm["model"]["name_or_path"] == os.path.join(out, "sft")
+
+
+ITERATED = {"iterations": 2, "capability": {"data": "data/tiny/sft_eval.jsonl", "max_loss_nats": 0.0,
+                                           "config": {"max_prompts": 4, "generation": {"max_new_tokens": 4}}},
+            "stages": [{"stage": "sft", "config": "configs/sft_tiny.yaml", "overrides": {"max_steps": 2, "logging.eval_steps": 2}},
+                       # lr 0.05 for one step: the policy's NLL of the capability texts rises (about 1.5 nats/token)
+                       {"stage": "ppo", "config": "configs/ppo_tiny.yaml", "overrides": {"max_steps": 1, "optim.lr": 0.05},
+                        "round": True}]}
+
+
+def test_iterated_rounds_that_lose_capability_are_rolled_back(tmp_path):
+    out = str(tmp_path / "run")
+    result = rlhfkit.pipeline({**ITERATED, "output_dir": out})
+    sft, ppo1 = os.path.join(out, "sft"), os.path.join(out, "ppo")
+    assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, True), (2, True)]
+    assert result.rounds[0]["capability_loss_nats"] > 0.5
+    # Round 2 started from the checkpoint before round 1 (SFT), not from round 1's policy.
+    assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == sft
+    with open(os.path.join(out, "report.html")) as f:
+        report = f.read()
+    assert report.count("rolled back: the next round starts from") == 2
+    # With a bound the rounds meet, round 1 is kept (its stages skipped: done with the same config) and round 2
+    # starts from round 1's policy.
+    result = rlhfkit.pipeline({**ITERATED, "output_dir": out}, ["capability.max_loss_nats=100"])
+    assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, False), (2, False)]
+    assert [s.status for s in result.stages][:3] == ["skipped", "skipped", "skipped"]
+    assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == ppo1
