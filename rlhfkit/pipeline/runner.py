@@ -130,6 +130,10 @@ class Runner:
     def run(self) -> PipelineResult:
         first = self.check_all()
         self.print_wiring(first)
+        if self.plan:
+            from rlhfkit.pipeline.planning import check_fits
+
+            check_fits(self.spec.path, first, self.spec.device, self.spec.memory_gb)
         os.makedirs(self.root, exist_ok=True)
         up, block_start = Upstream(), None
         for spec, round_ in self.order():

@@ -5,6 +5,7 @@ The file (docs/pipeline.md has the reference):
 
     output_dir: runs/my_pipeline
     vars: {model: HuggingFaceTB/SmolLM2-135M-Instruct}   # `${model}` anywhere in a stage's config, overrides or args
+    device: H100-80GB                                    # every stage planned for it first (or memory_gb: 24)
     iterations: 1                                        # > 1 repeats the stages marked `round: true`
     capability: {data: general.jsonl, max_loss_nats: 0.05}   # the check after each round (iterations > 1)
     stages:
@@ -15,7 +16,7 @@ The file (docs/pipeline.md has the reference):
         launch: [--num_processes, "2"]   # run under `accelerate launch` with these arguments
         gate: {"eval/loss": "<= 2.0"}    # replaces the default gate's figures; `gate: false` removes it
 
-Command-line overrides: `output_dir=DIR`, `iterations=N`, `vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's
+Command-line overrides: `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`, `vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's
 overrides) and `NAME.gate.FIGURE=CONDITION`. A problem is one `ConfigError` naming the file, the stage and the key.
 """
 
@@ -30,7 +31,7 @@ from rlhfkit.errors import ConfigError
 
 # The stages a pipeline runs besides the `rlhfkit` training and evaluation stages (`rlhfkit.stages.STAGES`).
 LABEL, JUDGE, PYTHON = "label", "judge", "python"
-TOP_KEYS = ("output_dir", "vars", "iterations", "capability", "stages")
+TOP_KEYS = ("output_dir", "vars", "iterations", "capability", "device", "memory_gb", "stages")
 STAGE_KEYS = ("stage", "name", "config", "overrides", "launch", "gate", "round", "enabled", "run", "args")
 CAPABILITY_KEYS = ("data", "max_loss_nats", "config")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -74,6 +75,8 @@ class PipelineSpec:
     iterations: int = 1
     capability: Capability | None = None
     vars: dict = field(default_factory=dict)
+    device: str | None = None  # where the stages are planned to run (`rlhfkit.plan`'s devices table)
+    memory_gb: float | None = None  # or a device known by its memory alone
 
     def stage(self, name: str) -> StageSpec:
         for s in self.stages:
@@ -110,8 +113,13 @@ def read_spec(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict
         raise ConfigError(f"{path}: 'iterations' must be an integer >= 1, got {iterations!r}")
     if iterations > 1 and not any(s.round for s in stages):
         raise ConfigError(f"{path}: iterations: {iterations} repeats the stages marked `round: true`, and none is")
+    device, memory = raw.get("device"), raw.get("memory_gb")
+    if device is not None and not isinstance(device, str) or memory is not None and (
+            not isinstance(memory, (int, float)) or isinstance(memory, bool) or memory <= 0):
+        raise ConfigError(f"{path}: 'device' must be a device's name (rlhfkit plan's table) and 'memory_gb' a positive "
+                          "number")
     return PipelineSpec(path, output_dir, stages, iterations, _capability(path, raw.get("capability"), variables),
-                        variables)
+                        variables, device, float(memory) if memory is not None else None)
 
 
 def _apply_overrides(raw: dict, overrides: list[str], path: str) -> dict:
@@ -121,7 +129,7 @@ def _apply_overrides(raw: dict, overrides: list[str], path: str) -> dict:
     stages = [dict(s) if isinstance(s, dict) else s for s in raw.get("stages") or []]
     by_name = {(s.get("name") or s.get("stage")): s for s in stages if isinstance(s, dict)}
     for key, value in tree.items():
-        if key in ("output_dir", "iterations", "vars", "capability"):
+        if key in ("output_dir", "iterations", "vars", "capability", "device", "memory_gb"):
             raw = merge(raw, {key: value})
         elif key in by_name and isinstance(value, dict):
             entry = by_name[key]

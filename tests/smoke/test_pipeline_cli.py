@@ -237,3 +237,11 @@ def test_iterated_rounds_that_lose_capability_are_rolled_back(tmp_path):
     assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, False), (2, False)]
     assert [s.status for s in result.stages][:3] == ["skipped", "skipped", "skipped"]
     assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == ppo1
+
+
+def test_a_stage_that_will_not_fit_stops_the_pipeline_before_it_starts(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["pipeline", "--config", TINY, f"output_dir={out}", "memory_gb=0.001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage 1 (sft) will not fit: planned peak" in err[0] and "the plan suggests:" in err[0]
+    assert "Nothing has run yet" in err[0] and not out.exists()

@@ -1,0 +1,83 @@
+"""Every training stage planned (`rlhfkit.plan`) before the first stage runs: one that will not fit its device stops
+the pipeline there, with the planner's suggestion, rather than hours later when its turn comes.
+
+The device is the file's `device` (a name of the plan's devices table) or `memory_gb`; without either, this machine's
+first GPU by its memory; on a machine without one, the plans are printed with no verdict. A stage's processes come
+from its `launch` (`--num_processes N`). A stage wired to an earlier stage's output, which does not exist yet, is
+planned with the model that output will be made from (an SFT output has its base model's shape): the plan reads
+config.json, never weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlhfkit.errors import UserError
+from rlhfkit.pipeline.resolve import Resolved
+
+logger = logging.getLogger("rlhfkit")
+
+
+def local_memory_gb() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def processes_of(launch: tuple[str, ...] | None) -> int:
+    args = list(launch or ())
+    for i, a in enumerate(args):
+        if a.startswith("--num_processes="):
+            return int(a.split("=", 1)[1])
+        if a == "--num_processes" and i + 1 < len(args):
+            return int(args[i + 1])
+    return 1
+
+
+def _source_models(stages: list[Resolved]) -> dict[str, str]:
+    """Each stage folder -> the model its output is made from (followed through earlier stages)."""
+    made_from: dict[str, str] = {}
+    for r in stages:
+        model = getattr(getattr(r.cfg, "model", None), "name_or_path", None)
+        if isinstance(model, str):
+            made_from[r.dir] = made_from.get(model, model)
+    return made_from
+
+
+def _substituted(data, made_from: dict[str, str]):
+    if isinstance(data, dict):
+        return {k: _substituted(v, made_from) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_substituted(v, made_from) for v in data]
+    return made_from.get(data, data) if isinstance(data, str) else data
+
+
+def check_fits(path: str, stages: list[Resolved], device: str | None = None, memory_gb: float | None = None) -> list:
+    """Plan every training stage; raise a `UserError` naming the first that does not fit and the planner's best
+    suggestion. Returns the plans (stage name, Plan)."""
+    from rlhfkit.plan import STAGES_PLANNED, plan_for
+    from rlhfkit.stages import build_stage_config
+
+    if device is None and memory_gb is None:
+        memory_gb = local_memory_gb()
+    made_from, plans = _source_models(stages), []
+    for r in stages:
+        if r.stage not in STAGES_PLANNED:
+            continue
+        try:
+            cfg = build_stage_config(r.stage, _substituted(r.data, made_from))
+            plan = plan_for(r.stage, cfg, device=device, memory_gb=memory_gb, processes=processes_of(r.spec.launch))
+        except UserError as exc:
+            logger.warning("plan: stage '%s' could not be planned (%s)", r.name, exc)
+            continue
+        print(f"  {r.name}: {plan.summary()}", flush=True)
+        plans.append((r.name, plan))
+        if plan.fits is False:
+            fitting = [s for s in plan.suggestions if s.fits] or list(plan.suggestions)
+            hint = (f"; the plan suggests: {fitting[0].text} (saves {fitting[0].saves_gb:.3g} GB, peak "
+                    f"{fitting[0].peak_gb:.3g} GB)") if fitting else "; no change the planner knows makes it fit"
+            raise UserError(f"{path}: {r.spec.where} will not fit: planned peak {plan.peak_gb:.3g} GB per process on "
+                            f"{plan.device or f'{plan.memory_gb:.3g} GB'}{hint}. Nothing has run yet")
+    return plans
