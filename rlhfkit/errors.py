@@ -1,4 +1,4 @@
-"""The one exception type for bad user input.
+"""The exception types for bad user input: `UserError` and its kinds.
 
 The CLI catches `UserError`, prints its message on one line and exits with status 2 — no traceback. Raise it for
 anything the user can fix (a file, a record, a config key, a model path); let programming errors propagate.
@@ -24,3 +24,8 @@ def first_line(exc: BaseException, with_type: bool = False) -> str:
     if not lines:
         return type(exc).__name__
     return f"{type(exc).__name__}: {lines[0][:300]}" if with_type else lines[0][:300]
+
+
+class TemplateError(UserError):
+    """A chat template cannot render (or its response template cannot parse) what the run needs: tools, tool calls,
+    tool results, a turn's end, or a conversation as an extension of its prefix (`templates.support`)."""

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.data.formats import is_conversational
-from rlhfkit.errors import UserError
+from rlhfkit.errors import TemplateError, UserError
 from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
 from rlhfkit.reward_functions import (
@@ -35,6 +35,7 @@ from rlhfkit.reward_functions import (
     weighted_sum,
 )
 from rlhfkit.sharding import place_frozen
+from rlhfkit.templates import support
 
 
 POOLING_ATTR = "rlhfkit_pooling"  # in a reward model's config: "last" (default) or "mean" (RMOptions.pooling)
@@ -314,42 +315,24 @@ class RewardModelSource:
         own = getattr(self.scorer.tokenizer, "chat_template", None)
         if not any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation):
             if not own:
-                raise UserError(f"reward model '{self.name}': its tokenizer has no chat template, which it needs "
-                                "to score conversational prompts in its own tokens")
+                raise TemplateError(f"reward model '{self.name}': its tokenizer has no chat template, which it needs "
+                                    "to score conversational prompts in its own tokens")
             return None
         if self.tool_template is None:
-            if renders_tool_turns(self.scorer.tokenizer, own):
+            renders = lambda template: template and not support(self.scorer.tokenizer, template).missing(  # noqa: E731
+                "calls", "results")
+            if renders(own):
                 self.tool_template = own
-            elif renders_tool_turns(self.scorer.tokenizer, self.policy_template):
+            elif renders(self.policy_template):
                 logger.warning(f"reward model '{self.name}': its chat template does not render tool calls and results, "
                                "so tool episodes are rendered for it with the policy's chat template (model.chat_template)")
                 self.tool_template = self.policy_template
             else:
-                raise UserError(f"reward model '{self.name}': neither its chat template nor the policy's renders tool "
-                                "calls and results, so it cannot read the episodes whole; set model.chat_template: "
-                                "chatml_tools (or save the reward model with a template that renders them)")
+                raise TemplateError(f"reward model '{self.name}': neither its chat template nor the policy's renders "
+                                    "tool calls and results, so it cannot read the episodes whole; set "
+                                    "model.chat_template: chatml_tools (or save the reward model with a template that "
+                                    "renders them)")
         return self.tool_template
-
-
-# A conversation whose tool call and tool result carry markers: a template that renders both shows both markers.
-_PROBE_CALL, _PROBE_RESULT = "rlhfkit_probe_call", "rlhfkit_probe_result"
-_TOOL_PROBE = [{"role": "user", "content": "x"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {"n": 1}}}]},
-               {"role": "tool", "name": _PROBE_CALL, "content": _PROBE_RESULT},
-               {"role": "assistant", "content": "y"}]
-
-
-def renders_tool_turns(tokenizer, template: str | None) -> bool:
-    """Whether chat template `template` renders an assistant turn's tool calls and the tool results (not only each
-    turn's content, as SmolLM2's does); a template that raises on them does not."""
-    if not template:
-        return False
-    try:
-        text = tokenizer.apply_chat_template(_TOOL_PROBE, chat_template=template, tokenize=False)
-    except Exception:  # noqa: BLE001 - jinja's raise_exception on a role or field it refuses: it cannot render them
-        return False
-    return _PROBE_CALL in text and _PROBE_RESULT in text
 
 
 class EnsembleSource:

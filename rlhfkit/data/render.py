@@ -4,8 +4,8 @@ tokenized separately so that the loss mask never shifts; the action mask of a re
 from __future__ import annotations
 
 from rlhfkit.data.formats import HH_ASSISTANT, Canonical, hh_messages
-from rlhfkit.errors import DataError, first_line
-from rlhfkit.templates import TOOLS_TEMPLATE
+from rlhfkit.errors import DataError, TemplateError, first_line
+from rlhfkit.templates import TOOLS_TEMPLATE, support
 
 
 class Encoder:
@@ -18,9 +18,9 @@ class Encoder:
     shift the loss mask. `plain` records that the current record had messages rendered without a template (the
     caller resets it per record and warns once per source).
 
-    A record's `tools` (JSON schemas) are rendered with each of its prefixes. A record with tools or tool calls is
-    refused, in one line that names the fix, when the template would render them as if they were not there (checked
-    on the first such record: the template renders it the same with and without them).
+    A record's `tools` (JSON schemas) are rendered with each of its prefixes. A record with tools, tool calls or tool
+    results is refused, in one line that names the fix, when the template would render them as if they were not there
+    (`templates.support`, the one probe of what a template renders).
     """
 
     def __init__(self, tokenizer):
@@ -29,7 +29,6 @@ class Encoder:
         self.tok = tokenizer
         self.template = bool(getattr(tokenizer, "chat_template", None))
         self.plain = False
-        self.checked: set[str] = set()  # "tools", "tool_calls": what the template was seen to render
 
     def ids(self, text: str, special: bool = False) -> list[int]:
         return self.tok(text, add_special_tokens=special)["input_ids"]
@@ -48,25 +47,13 @@ class Encoder:
             raise DataError(f"{where}: the tokenizer's chat template failed on this conversation: {first_line(e)}") from e
 
     def check_tools(self, messages: list[dict], tools: list[dict] | None, where: str) -> None:
-        """Refuses a chat template that would drop the conversation's tools or its assistant turns' tool calls."""
-        calls = any(m.get("tool_calls") for m in messages)
-        if not tools and not calls:
-            return
-        fix = f"set model.chat_template={TOOLS_TEMPLATE} (rlhfkit's ChatML template with tools) or a template that renders them"
-        if not self.template:
-            raise DataError(f"{where}: the tokenizer has no chat template, and a conversation with tools or tool calls "
-                            f"cannot be rendered without one: {fix}")
-        if tools and "tools" not in self.checked:
-            if self.render(messages, False, where, tools) == self.render(messages, False, where):
-                raise DataError(f"{where}: the tokenizer's chat template ignores `tools` (it renders this conversation "
-                                f"the same with and without them): {fix}")
-            self.checked.add("tools")
-        if calls and "tool_calls" not in self.checked:
-            without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-            if self.render(messages, False, where, tools) == self.render(without, False, where, tools):
-                raise DataError(f"{where}: the tokenizer's chat template ignores the assistant turns' tool_calls (it "
-                                f"renders this conversation the same with and without them): {fix}")
-            self.checked.add("tool_calls")
+        """Refuses a chat template that would drop the conversation's tools, its assistant turns' tool calls or its
+        tool results (`templates.support`: probed once per tokenizer)."""
+        needs = (["tools"] if tools else []) + (["calls"] if any(m.get("tool_calls") for m in messages) else []) + (
+            ["results"] if any(m.get("role") == "tool" for m in messages) else [])
+        if needs:
+            fix = f"set model.chat_template={TOOLS_TEMPLATE} (rlhfkit's ChatML template with tools) or a template that renders them"
+            support(self.tok).require("template", *needs, where=where, fix=fix)
 
     def as_messages(self, prompt, response, hh: bool) -> tuple[list[dict], list[dict]] | None:
         """The (prompt, response) messages to render, or None for the raw-text path (no template, all text)."""
@@ -124,7 +111,7 @@ class Encoder:
             full_text = self.render(messages[:end], False, where, tools)
             for shorter, longer, a, b in ((consumed, prompt_text, consumed_end, start), (prompt_text, full_text, start, end)):
                 if not longer.startswith(shorter):
-                    raise DataError(
+                    raise TemplateError(
                         f"{where}: the chat template is not prefix-stable: its text for messages[:{b}] does not start "
                         f"with its text for messages[:{a}], so prompt and response tokens can't be told apart"
                     )

@@ -36,9 +36,10 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.config import GenerationConfig
-from rlhfkit.errors import UserError
+from rlhfkit.errors import TemplateError, UserError
 from rlhfkit.generation import _cache_argument, sample_next, seeded
 from rlhfkit.rollout import is_nonfinite_sampling, prompt_seeds
+from rlhfkit.templates import Support, support
 from rlhfkit.tools import Call, Toolbox, Tool, cap_result, resolve, run_calls
 from rlhfkit.types import PromptBatch, Rollout, Rows, ToolCounts
 
@@ -257,7 +258,7 @@ def tool_suffix(tokenizer, tool_messages: list[dict]) -> list[int]:
     """The tokens the chat template renders after an assistant turn that called tools: its tool messages, then the
     next assistant header. Rendered after a stand-in assistant turn (the suffix does not depend on its content), the
     stand-in's own tokens cut at their last EOS, the point where a sampled turn ends; the template must render the
-    longer conversation as an extension of the shorter (prefix-preserving), else a UserError."""
+    longer conversation as an extension of the shorter (prefix-preserving), else a TemplateError."""
     stand_in = [{"role": "user", "content": "x"},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
@@ -267,27 +268,20 @@ def tool_suffix(tokenizer, tool_messages: list[dict]) -> list[int]:
     ends = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
     before = before[: ends[-1] + 1] if ends else before
     if after[: len(before)] != before:
-        raise UserError("tools: the chat template does not render a conversation with tool results as an extension of "
-                        "the conversation before them (not prefix-preserving), so results cannot be appended to the "
-                        "sampled tokens; use a prefix-preserving template (model.chat_template: chatml_tools)")
+        raise TemplateError(f"tools: {Support.NEEDS['prefix_preserving']}, so results cannot be appended to the sampled "
+                            "tokens; use a prefix-preserving template (model.chat_template: chatml_tools)")
     return after[len(before):]
 
 
 def check_tool_template(tokenizer, toolbox: Toolbox) -> None:
-    """A one-line UserError unless the tokenizer can run the loop: a chat template that renders the tools' schemas and
-    a `response_template` that transformers parses the model's calls with."""
-    fix = "set model.chat_template: chatml_tools (a bundled template with tools and their parsing)"
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"tools: the tokenizer has no chat template; {fix}")
-    if getattr(tokenizer, "response_template", None) is None:
-        raise UserError(f"tools: the tokenizer has no response_template, so the model's tool calls cannot be parsed; {fix}")
+    """A one-line `TemplateError` unless the tokenizer can run the loop (`templates.support`): a chat template that
+    renders the tools' schemas, the calls and their results as an extension of the turn before them, and a
+    `response_template` that parses the model's calls back."""
     methods = [t for env in (toolbox.environments.methods.values() if toolbox.environments else ()) for t in env.values()]
     schemas = [t.schema for t in list(toolbox.functions.values()) + methods]
-    if schemas:
-        probe = [{"role": "user", "content": "x"}]
-        with_tools = tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False, add_generation_prompt=True)
-        if with_tools == tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True):
-            raise UserError(f"tools: the tokenizer's chat template ignores tools (it renders none of their schemas); {fix}")
+    support(tokenizer).require("template", *(["tools"] if schemas else []), "calls", "results", "prefix_preserving",
+                               "parses_calls", where="tools",
+                               fix="set model.chat_template: chatml_tools (a bundled template with tools and their parsing)")
 
 
 def sliding_window_of(config) -> int | None:

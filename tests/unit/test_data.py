@@ -25,7 +25,7 @@ from rlhfkit.data import (
     pack_sft,
     tokenize_records,
 )
-from rlhfkit.errors import DataError, UserError
+from rlhfkit.errors import DataError, TemplateError, UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 
 EOS = "<|im_end|>"
@@ -288,7 +288,7 @@ def test_prompt_kind_drops_a_final_assistant_turn(tok):
 def test_prefix_unstable_template_is_an_error():
     t = build_tiny_tokenizer()
     t.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}>{% endif %}"
-    with pytest.raises(DataError, match=r"d\.jsonl record 0: the chat template is not prefix-stable"):
+    with pytest.raises(TemplateError, match=r"d\.jsonl record 0: the chat template is not prefix-stable"):
         tokenize([{"prompt": "p", "completion": "c"}], "sft", t)
 
 

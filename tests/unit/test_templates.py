@@ -167,3 +167,36 @@ def test_smollm2_tokenizer_prefix_preserving_and_round_trip():
     whole = tokenizer.apply_chat_template(CONVERSATION[:3], tools=[ADD, LOOKUP], tokenize=True, return_dict=False)
     generated = whole[len(prompt): whole.index(tokenizer.eos_token_id, len(prompt)) + 1]
     assert tokenizer.parse_response(generated, prefix=prompt, tools=[ADD, LOOKUP]) == CONVERSATION[2]
+
+
+def test_support_reports_what_a_template_renders_once_per_tokenizer():
+    """`templates.support`: the one probe of a chat template, read by data, the tool loop and the reward models.
+    The tiny tokenizer's own ChatML renders each message's content only (a tool result's text, no schemas, no calls);
+    the bundled template renders all of it, prefix-preserving, and its response template parses its calls back; a
+    template that counts the messages on its first line is not prefix-preserving."""
+    from rlhfkit.errors import TemplateError
+
+    own = build_tiny_tokenizer()
+    plain = templates.support(own)
+    assert (plain.template, plain.end_of_turn, plain.tools, plain.calls, plain.results, plain.prefix_preserving,
+            plain.parses_calls) == (True, True, False, False, True, False, False)
+    assert plain.missing("template", "tools", "calls", "results") == ["tools", "calls"]
+    with pytest.raises(TemplateError, match=r"^r0: the tokenizer's chat template ignores `tools` .*; use chatml_tools$"):
+        plain.require("results", "tools", "calls", where="r0", fix="use chatml_tools")
+    templates.load("chatml_tools").apply_to(own)
+    full = templates.support(own)
+    assert not full.missing(*templates.Support.NEEDS) and full.failure is None
+    assert templates.support(own) is full  # probed once per tokenizer and template
+    assert templates.support(own, plain_template := build_tiny_tokenizer().chat_template).calls is False
+    assert templates.support(own, plain_template) is templates.support(own, plain_template)
+    counting = build_tiny_tokenizer()
+    templates.load("chatml_tools").apply_to(counting)
+    counting.chat_template = "{{ messages | length }}\n" + counting.chat_template
+    # nor can a call be read as the extension of its prompt
+    assert templates.support(counting).missing(*templates.Support.NEEDS) == ["prefix_preserving", "parses_calls"]
+    none = build_tiny_tokenizer()
+    none.chat_template = None
+    assert templates.support(none).missing("template") == ["template"]
+    broken = build_tiny_tokenizer()
+    broken.chat_template = "{% for m in messages %}"
+    assert "endfor" in templates.support(broken).failure

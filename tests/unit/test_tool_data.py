@@ -11,7 +11,7 @@ import pytest
 
 from rlhfkit.config import DataConfig, ModelConfig
 from rlhfkit.data import build_datasets, collate_preference, collate_unpaired, tokenize_records
-from rlhfkit.errors import DataError, UserError
+from rlhfkit.errors import DataError, TemplateError, UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.models import load_tokenizer
 
@@ -159,17 +159,16 @@ FIX = re.escape("set model.chat_template=chatml_tools (rlhfkit's ChatML template
 def test_a_template_that_drops_tools_or_calls_is_refused():
     """The tiny tokenizer's own ChatML template (like SmolLM2's) renders neither tools nor tool calls."""
     own = build_tiny_tokenizer()
-    with pytest.raises(DataError, match=r"^d.jsonl record 0: the tokenizer's chat template ignores `tools` \(it renders "
-                                        r"this conversation the same with and without them\): " + FIX):
+    with pytest.raises(TemplateError, match=r"^d.jsonl record 0: the tokenizer's chat template ignores `tools` \(it renders "
+                                            r"a conversation the same with and without them\); " + FIX):
         tokenize([{"messages": CONVERSATION, "tools": [ADD]}], "sft", own)
-    with pytest.raises(DataError, match=r"^d.jsonl record 1: the tokenizer's chat template ignores the assistant turns' "
-                                        r"tool_calls .*: " + FIX):
+    with pytest.raises(TemplateError, match=r"^d.jsonl record 1: the tokenizer's chat template ignores the assistant "
+                                            r"turns' tool_calls; " + FIX):
         tokenize([{"messages": [USER, ANSWER]}, {"messages": CONVERSATION}], "sft", own)
-    with pytest.raises(DataError, match=r"^d.jsonl record 0: the tokenizer's chat template ignores `tools`"):
+    with pytest.raises(TemplateError, match=r"^d.jsonl record 0: the tokenizer's chat template ignores `tools`"):
         tokenize([{"prompt": [USER], "tools": [ADD]}], "prompt", own)
     own.chat_template = None
-    with pytest.raises(DataError, match=r"^d.jsonl record 0: the tokenizer has no chat template, and a conversation with "
-                                        r"tools or tool calls cannot be rendered without one: " + FIX):
+    with pytest.raises(TemplateError, match=r"^d.jsonl record 0: the tokenizer has no chat template; " + FIX):
         tokenize([{"prompt": "2+3?", "completion": "5", "tools": [ADD]}], "sft", own)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from rlhfkit import templates
 from rlhfkit.config import GenerationConfig, ModelConfig, RewardConfig
-from rlhfkit.errors import UserError
+from rlhfkit.errors import TemplateError, UserError
 from rlhfkit.model_sources import build_tiny_tokenizer
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rewards import Rewards, reward_inputs
@@ -332,18 +332,17 @@ def test_tool_figures_match_trl_definitions():
 def test_a_tokenizer_that_cannot_run_the_loop_is_refused_in_one_line():
     box = Toolbox([add])
     plain = build_tiny_tokenizer()  # ChatML without tools, no response template
-    for setup, words in [(lambda t: None, "no response_template"),
-                         (lambda t: setattr(t, "response_template", templates.load("chatml_tools").response_template),
-                          "ignores tools")]:
-        setup(plain)
-        with pytest.raises(UserError, match=words):
-            ToolLoop(plain, GenerationConfig(), 0, box, 1, 1.0, 10)
-    with pytest.raises(UserError, match="ignores tools"):  # an environment's methods are tools too
+    unparsed = build_tiny_tokenizer()
+    unparsed.chat_template = templates.load("chatml_tools").chat_template  # renders tools, but nothing parses calls
+    for tok, words in [(plain, "ignores `tools`"), (unparsed, "no response_template")]:
+        with pytest.raises(TemplateError, match=words):
+            ToolLoop(tok, GenerationConfig(), 0, box, 1, 1.0, 10)
+    with pytest.raises(TemplateError, match="ignores `tools`"):  # an environment's methods are tools too
         ToolLoop(plain, GenerationConfig(), 0, Toolbox([], Vault), 1, 1.0, 10)
     # A template whose first line counts the messages renders no conversation as a prefix of a longer one.
     counting = build_tiny_tokenizer()
     counting.chat_template = "{{ messages | length }}\n" + templates.load("chatml_tools").chat_template
-    with pytest.raises(UserError, match="not prefix-preserving"):
+    with pytest.raises(TemplateError, match="not prefix-preserving"):
         tool_suffix(counting, [{"role": "tool", "name": "add", "content": "5"}])
     tok = build_tiny_tokenizer()
     templates.load("chatml_tools").apply_to(tok)
