@@ -12,6 +12,29 @@ from __future__ import annotations
 import torch
 
 
+class OneProcess:
+    """The run's process group, for one process (what `trainers.run.Run` gives the experience maker)."""
+
+    world = 1
+
+    def __init__(self):
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=True)
+
+    def unwrap(self, module):
+        return module
+
+    def gather(self, x):
+        return x
+
+    def on_every_process(self, flag):
+        return bool(flag)
+
+    def sum_over_processes(self, x):
+        return x
+
+
 class Scripted(torch.nn.Module):
     def __init__(self, model, tokenizer, script, bias: float = 8.0):
         super().__init__()

@@ -239,7 +239,8 @@ class OnlineOptions:
     # and more prompts are sampled, up to algo.max_sampling_rounds rounds, until the step holds rollout_batch_size groups
     # with signal; a step still short then trains on the groups it has, the rest masked out of the loss.
     dynamic_filtering: bool = False
-    max_sampling_rounds: PosInt = 3  # with dynamic_filtering: rollout rounds per step at most (1 = mask, never refill)
+    # With dynamic_filtering: rollout rounds per step at most, the first included (1 = drop without refilling).
+    max_sampling_rounds: Annotated[int, Interval(ge=1, le=100)] = 3
     # How the group-relative estimators (grpo, dapo, dr_grpo, rloo, reinforce_pp_baseline) divide a sample's centred
     # score (TRL's scale_rewards): by its group's std, by the whole batch's, or not at all; null = the algorithm's own
     # (group for grpo and dapo, none for the others).

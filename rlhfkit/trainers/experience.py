@@ -31,6 +31,8 @@ from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards, RunningMoments, normalize_scores
 from rlhfkit.rollout import RolloutMaker
 from rlhfkit.sharding import gathered_weights
+from rlhfkit.errors import UserError
+from rlhfkit.trainers.dynamic_sampling import Filled, fill, refill_key
 from rlhfkit.trainers.optim import Fault
 from rlhfkit.trainers.processes import sums_by_name
 from rlhfkit.types import Experience, PromptBatch, Rollout, ToolCounts, ToolFigures
@@ -68,14 +70,24 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 class ExperienceMaker:
     def __init__(self, rollout: RolloutMaker, rewards: Rewards, reference, critic, kl_control, moments: RunningMoments,
-                 cfg: OnlineConfig, algo: Algorithm, run, one_pass: bool):
+                 cfg: OnlineConfig, algo: Algorithm, run, one_pass: bool, candidates=None):
         """`reference`: a `models.Reference` or None; `critic`: the prepared critic module or None; `kl_control`: the
         β controller (`rlhfkit.kl_control`); `moments`: the running reward moments (`reward.normalize: running`),
         updated only by a step that is kept; `run`: the run's process group and unwrapping (`trainers.run.Run`);
-        `one_pass`: π_old is the update forward's own log-probs (see `trainers.online`), not computed here."""
+        `one_pass`: π_old is the update forward's own log-probs (see `trainers.online`), not computed here;
+        `candidates(step, round)`: this process's refill prompts and examples (`trainers.online_setup.PromptStream`),
+        for dynamic sampling (`algo.dynamic_filtering` with `algo.max_sampling_rounds` > 1)."""
         self.rollout, self.rewards, self.reference, self.critic = rollout, rewards, reference, critic
         self.kl_control, self.moments, self.cfg, self.algo, self.run, self.one_pass = \
             kl_control, moments, cfg, algo, run, one_pass
+        self.candidates = candidates
+        if cfg.algo.dynamic_filtering and cfg.algo.max_sampling_rounds > 1:
+            if candidates is None:
+                raise ValueError("dynamic sampling with refills needs the prompt stream's candidates")
+            if run.accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
+                raise UserError(f"algo.max_sampling_rounds: refill rounds sample on the processes that have empty slots "
+                                f"only, which {run.accelerator.distributed_type}'s sharded weights cannot do; set "
+                                "algo.max_sampling_rounds=1 (drop without refilling) or run on one process or DDP")
 
     @torch.no_grad()
     def make(self, policy, prompts: PromptBatch, examples: list[dict], step: int, total_steps: int) -> Made:
@@ -92,6 +104,13 @@ class ExperienceMaker:
         rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
         state = trainer_state(step, total_steps)
         scored = self.rewards(ro, rows, state)  # 2. score
+        taken = None  # the reward functions' logs, when dynamic sampling took them
+        if cfg.algo.dynamic_filtering:  # DAPO: groups without signal dropped, more prompts sampled
+            filled = self.refill(policy, ro, scored, rows, step, state)
+            if filled.failed:
+                return Made(None, Fault.ROLLOUT, stats)
+            ro, scored, rows, taken = filled.rollout, filled.scores, filled.rows, (filled.logged, filled.extras)
+            stats.update(filled.stats)
         scores = scored.total  # (B,) the weighted sum over the reward sources
         stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
         old_logprobs, ref_logprobs, values = self.forwards(run.unwrap(policy), ro)  # 3.
@@ -101,7 +120,7 @@ class ExperienceMaker:
         exp = self.estimate(ro, scores, old_logprobs, ref_logprobs, values, moments if finite else RunningMoments(),
                             scored.per_source)  # 4.
         stats.update(self.rollout_stats(exp, rows, state))
-        logged, extras = self.rewards.logs.take()  # log_metric / log_extra: the step's metrics, the rows' columns
+        logged, extras = taken or self.rewards.logs.take()  # log_metric / log_extra: the step's metrics, the rows' columns
         stats.update(logged_means(run, logged))
         figures = self.policy_figures(exp) if old_logprobs is not None else None
         if figures is not None:
@@ -110,6 +129,21 @@ class ExperienceMaker:
             return Made(None, Fault.ROLLOUT, stats)
         self.moments.load_state_dict(moments.state_dict())
         return Made(exp, None, stats, figures.kl if figures is not None else None, extras, rows)
+
+    def refill(self, policy, ro: Rollout, scored, rows: list[dict], step: int, state) -> Filled:
+        """DAPO's dynamic sampling (`trainers.dynamic_sampling`): the slots whose group has no signal sampled again
+        from fresh prompts, up to `algo.max_sampling_rounds` rounds in all."""
+        cfg, run = self.cfg, self.run
+
+        def sample(prompts, examples, round_):
+            with gathered_weights(run.accelerator, policy, run.unwrap(policy)) as sampler:
+                return self.rollout(sampler, prompts.to(run.accelerator.device), examples, refill_key(step, round_))
+
+        return fill(ro, scored, rows, k=cfg.generation.num_samples, rounds=cfg.algo.max_sampling_rounds,
+                    candidates=lambda round_: self.candidates(step, round_), sample=sample,
+                    score=lambda rollout, new_rows: self.rewards(rollout, new_rows, state), run=run,
+                    pad_token_id=self.rewards.tokenizer.pad_token_id, penalty=cfg.reward.missing_eos_penalty,
+                    take=self.rewards.logs.take)
 
     def forwards(self, policy, ro: Rollout):
         """(B, R) π_old, reference log-probs and critic values of the rollout's tokens (each None where not needed),

@@ -119,7 +119,7 @@ class OnlineTrainer:
                                                      a.entropy_coef_min, a.entropy_coef_max) if a.adaptive_entropy else None
         rollout = rollout_maker(cfg, self.tokenizer, self.objects)
         self.maker = ExperienceMaker(rollout, self.reward, self.ref, self.value, self.kl_ctl, self.moments, cfg, self.algo,
-                                     run, one_pass)
+                                     run, one_pass, candidates=self.prompts.candidates)
         self.update = PolicyUpdate(cfg, self.algo, run, self.model, self.value, self.shares_base, self.optim, ptx,
                                    self.kl_ctl, one_pass, self.entropy_ctl)
         self.ref_sync = RefSync(self.ref, a.ref_model_mixup_alpha, a.ref_model_sync_steps, acc.distributed_type) \

@@ -19,6 +19,7 @@ import torch
 
 from rlhfkit.config import OnlineConfig
 from rlhfkit.data import collate_prompts
+from rlhfkit.trainers.dynamic_sampling import refill_order
 from rlhfkit.evaluation.alarms import AlarmThresholds, check_alarms
 from rlhfkit.io import read_jsonl_rows
 from rlhfkit.models import rollout_logprobs
@@ -72,8 +73,19 @@ class PromptStream:
 
     def __call__(self, step: int) -> tuple[PromptBatch, list[dict]]:
         """(left-padded prompts, their dataset examples) of `step` (0-based) on this process."""
-        run, per_step = self.run, self.per_process * self.run.world
-        order = torch.tensor(run.step_indices(step, len(self.train_set), per_step, self.steps_per_epoch))
+        per_step = self.per_process * self.run.world
+        return self.mine(self.run.step_indices(step, len(self.train_set), per_step, self.steps_per_epoch))
+
+    def candidates(self, step: int, round_: int) -> tuple[PromptBatch, list[dict]]:
+        """This process's refill candidates of dynamic sampling's round `round_` of `step`, one per slot
+        (`trainers.dynamic_sampling.refill_order`): a function of (seed, step, round), not of the epoch's order."""
+        per_step = self.per_process * self.run.world
+        return self.mine(refill_order(self.run.cfg.seed, step, round_, len(self.train_set), per_step))
+
+    def mine(self, indices: list[int]) -> tuple[PromptBatch, list[dict]]:
+        """This process's share of a step's global `indices` (process p takes the p-th block), collated."""
+        run = self.run
+        order = torch.tensor(indices)
         examples = [self.train_set[i] for i in order.view(run.world, -1)[run.accelerator.process_index].tolist()]
         return collate_prompts(examples, self.pad_token_id), examples
 

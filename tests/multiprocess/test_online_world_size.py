@@ -58,7 +58,8 @@ def weights(out):
 COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/length_avg", "loss/policy_avg",
             "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "objective/kl_coef", "episodes",
             "loss/ptx_avg", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-            "logps/rejected", "objective/tie_rate", "share_with_a", "rewards/logs_things/mean")
+            "logps/rejected", "objective/tie_rate", "share_with_a", "rewards/logs_things/mean", "dynamic_sampling/rounds",
+            "dynamic_sampling/dropped_groups", "dynamic_sampling/filled_share")
 
 
 @pytest.mark.slow
@@ -72,7 +73,10 @@ COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/l
     # the multi-turn tool loop as the rollout component (its episodes seeded per prompt as the single-turn ones)
     ("grpo", 8, ["algo.num_minibatches=1", "model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]",
                  "tools.max_calls=2"]),
-], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx", "grpo-tools"])
+    # DAPO's dynamic sampling: half the prompts give groups without signal, whose slots are sampled again
+    ("grpo", 8, ["algo.num_minibatches=1", "algo.algorithm=dapo", "algo.dynamic_filtering=true",
+                 "algo.max_sampling_rounds=3", "reward.function=tests.smoke.reward_fns:half_flat"]),
+], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx", "grpo-tools", "dapo-dynamic-sampling"])
 def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     common = ["--config", f"configs/{stage}_tiny.yaml", "max_steps=3", "logging.progress_bar=false", "optim.lr=1e-2", "optim.adam_eps=1e-4",
               "generation.max_new_tokens=8", *extra]
@@ -85,6 +89,7 @@ def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     assert [r["step"] for r in double] == [1, 2, 3]  # logged once, by the main process
     assert ("loss/ptx_avg" in single[0]) == any("ptx" in e for e in extra)
     assert ("share_with_a" in double[0]) == any("logs_things" in e for e in extra)
+    assert ("dynamic_sampling/rounds" in single[0]) == ("algo.dynamic_filtering=true" in extra)
     for r1, r2 in zip(single, double):
         for key in COMPARED:
             if key in r1:

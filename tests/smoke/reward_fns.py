@@ -77,3 +77,10 @@ def logs_things(completions, log_metric, log_extra, **kwargs):
     log_metric("share_with_a", sum(has_a) / len(has_a))
     log_extra("has_a", has_a)
     return [float(x) for x in has_a]
+
+
+def half_flat(prompts, completions, **kwargs):
+    """1.0 for every completion of a prompt of even length (a group without signal: DAPO's dynamic sampling drops it),
+    the completion's vowel share otherwise."""
+    return [1.0 if len(str(p)) % 2 == 0 else sum(ch in "aeiou" for ch in c) / max(len(c), 1)
+            for p, c in zip(prompts, completions)]

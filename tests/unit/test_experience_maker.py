@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate import Accelerator
 
 from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig, load_config
@@ -18,6 +17,7 @@ from rlhfkit.rewards import Rewards, RunningMoments
 from rlhfkit.trainers.experience import ExperienceMaker
 from rlhfkit.trainers.policy_update import PolicyUpdate
 from rlhfkit.types import PromptBatch, Rollout, Rows
+from tests.scripted import OneProcess
 
 LN2 = math.log(2.0)
 V = 4  # vocabulary: 0, 1, 2, 3 (3 is EOS)
@@ -40,26 +40,6 @@ class TableLM(torch.nn.Module):
         positions = position_ids if position_ids is not None else torch.arange(input_ids.shape[1]).expand_as(input_ids)
         return SimpleNamespace(logits=self.table[positions])  # (B, T, V)
 
-
-class OneProcess:
-    """The run's process group, for one process (what `trainers.run.Run` gives the experience maker)."""
-
-    world = 1
-
-    def __init__(self):
-        self.accelerator = Accelerator(cpu=True)
-
-    def unwrap(self, module):
-        return module
-
-    def gather(self, x):
-        return x
-
-    def on_every_process(self, flag):
-        return bool(flag)
-
-    def sum_over_processes(self, x):
-        return x
 
 
 class ScriptedReference:
