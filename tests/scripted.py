@@ -51,7 +51,10 @@ class Scripted(torch.nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          use_cache=use_cache, logits_to_keep=logits_to_keep)
         if input_ids.shape[1] > 1:
-            real = attention_mask[:, -input_ids.shape[1]:].bool()
+            if attention_mask is not None and getattr(attention_mask, "ndim", 0) == 2:
+                real = attention_mask[:, -input_ids.shape[1]:].bool()
+            else:  # 4D masks (a sliding-window model's, built by the engine): the chunk after its left padding
+                real = (input_ids != self.tok.pad_token_id).long().cummax(1).values.bool()
             self.queues = [self.tok(self.script(self.tok.decode(ids[m])), add_special_tokens=False)["input_ids"]
                            for ids, m in zip(input_ids, real)]
         wanted = torch.tensor([q.pop(0) if q else self.tok.eos_token_id for q in self.queues], device=input_ids.device)

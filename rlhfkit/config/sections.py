@@ -211,10 +211,21 @@ class GenerationConfig:
     # draws the same responses whatever its number of processes or batch layout (N processes ≡ 1); one prompt at a
     # time, so slower. False: one random stream per process, the whole batch at once.
     seed_per_prompt: bool = False
+    # Rows the engine samples at once (prompts x num_samples). With more waiting, a prompt's rows join as soon as
+    # finished rows leave room (continuous refill); with tools, episodes are played this many rows at a time.
+    # null: every row of a call at once.
+    max_batch_rows: PosInt | None = None
 
     def check(self):
         if self.compile and self.engine != "rlhfkit":
             yield "compile", "compiles rlhfkit's decode loop: needs generation.engine=rlhfkit"
+        if self.max_batch_rows is not None:
+            if self.engine != "rlhfkit" or self.compile:
+                yield "max_batch_rows", ("continuous refill is rlhfkit's dynamic-cache engine: needs "
+                                         "generation.engine=rlhfkit and generation.compile=false")
+            elif self.max_batch_rows < self.num_samples:
+                yield "max_batch_rows", (f"must hold one prompt's samples (generation.num_samples={self.num_samples}), "
+                                         f"got {self.max_batch_rows}")
 
 
 @dataclass(frozen=True)

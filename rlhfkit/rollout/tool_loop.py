@@ -1,15 +1,14 @@
 """The multi-turn rollout with tools: episodes in which the policy calls the run's tools (`rlhfkit.tools`) and reads
 their results, under TRL 1.16's contract (`GRPOTrainer(tools=..., environment_factory=...)`).
 
-One step's episodes are batched. Each turn, every live episode samples an assistant turn from rlhfkit's decode loop
-(`generation.sample_next`); each finished turn is parsed by transformers' response parsing (the tokenizer's
+One step's episodes are batched in one session of rlhfkit's decode engine (`generation.Session`). Each turn, every
+live episode samples an assistant turn; each finished turn is parsed by transformers' response parsing (the tokenizer's
 `response_template`, arguments cast to the tools' schemas); the calls run (`tools.run_calls`: episodes concurrently);
 their results and the next assistant header are appended as the chat template renders them (`tool_suffix`), and only
-the episodes that called a tool go on. The KV cache is kept across turns: a turn feeds only the tokens appended since
-the last (the tool results and the header), never the conversation again, and the model's own tokens are never
-re-tokenised. The cache's rows are the live episodes: a finished one is dropped from it, and the columns a row did not
-fill (its left padding, the steps after its turn ended while others went on) are masked out of attention, the
-positions counting real tokens only, so a row reads exactly its own conversation.
+the episodes that called a tool go on. The session keeps the KV cache across turns: a turn feeds only the tokens
+appended since the last (the tool results and the header), never the conversation again, and the model's own tokens
+are never re-tokenised; a finished episode leaves the cache, and each row reads exactly its own conversation (sliding
+windows included: the engine counts them in the row's own positions). This module only orchestrates turns and tools.
 
 Limits, as TRL's:
 - `generation.max_new_tokens` bounds the whole completion, the policy's turns and the tool results and headers
@@ -28,16 +27,14 @@ it is well formed (it ended with EOS, and every call in it parsed and fits a too
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import TemplateError, UserError
-from rlhfkit.generation import _cache_argument, sample_next, seeded
+from rlhfkit.generation import Group, Session, Stream, sampling_mode, seeded_generator
 from rlhfkit.rollout import is_nonfinite_sampling, prompt_seeds
 from rlhfkit.templates import Support, support
 from rlhfkit.tools import Call, Toolbox, Tool, cap_result, resolve, run_calls
@@ -91,26 +88,25 @@ class ToolLoop:
         self.tokenizer, self.params, self.seed, self.toolbox = tokenizer, params, seed, toolbox
         self.max_calls, self.timeout_s, self.max_result_tokens = max_calls, timeout_s, max_result_tokens
 
-    @torch.no_grad()
     def __call__(self, policy, prompts: PromptBatch, examples: list[dict], step: int) -> Rollout | None:
-        check_attention(policy)
         k = self.params.num_samples
         episodes = self.start([e for e in examples for _ in range(k)])
         seeds = prompt_seeds(self.seed, step, prompts, self.params.seed_per_prompt)
-        groups = [list(range(g * k, (g + 1) * k)) for g in range(len(examples))] if seeds else [list(range(len(episodes)))]
-        was_training = policy.training
-        policy.eval()  # no dropout while sampling (and gradient checkpointing would turn the KV cache off)
+        device = prompts.input_ids.device
+        shared = Stream()
+        streams = [Stream(seeded_generator(s, device)) for s in seeds] if seeds else [shared] * len(examples)
+        # Episodes this many at a time (generation.max_batch_rows), a prompt's samples together.
+        per_play = max(1, (self.params.max_batch_rows or len(episodes)) // k) * k
         try:
-            for g, rows in enumerate(groups):
-                with seeded(seeds[g]) if seeds else contextlib.nullcontext():
-                    self.play(policy, [episodes[i] for i in rows], prompts.input_ids.device)
+            with sampling_mode(policy):
+                for first in range(0, len(episodes), per_play):
+                    rows = range(first, min(first + per_play, len(episodes)))
+                    self.play(policy, [episodes[i] for i in rows], [streams[i // k] for i in rows], device)
         except RuntimeError as exc:
             if is_nonfinite_sampling(exc):
                 return None
             raise
-        finally:
-            policy.train(was_training)
-        return self.rollout(episodes, k, prompts.input_ids.device)
+        return self.rollout(episodes, k, device)
 
     def start(self, rows: list[dict]) -> list[Episode]:
         """An episode per row: its environment taken and reset, its tools, its prompt rendered with them."""
@@ -134,16 +130,17 @@ class ToolLoop:
             episodes.append(Episode(list(ids), tools, schemas, env, name, prompt=played))
         return episodes
 
-    def play(self, policy, episodes: list[Episode], device) -> None:
-        """Plays `episodes` to their end, batched, the KV cache kept across turns (module docstring)."""
+    def play(self, policy, episodes: list[Episode], streams: list[Stream], device) -> None:
+        """Plays `episodes` to their end in one session of the engine, each drawing from its stream (module
+        docstring)."""
         tok, params = self.tokenizer, self.params
         session = Session(policy, params, tok.eos_token_id, tok.pad_token_id, device)
-        logits = session.start([e.prompt_ids for e in episodes])
+        session.start([Group([i], e.prompt_ids, stream, 0) for i, (e, stream) in enumerate(zip(episodes, streams))])
         live = list(range(len(episodes)))  # the episodes of the session's rows, in order
         limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
         for round_ in itertools.count():
-            turns = session.sample_turn(logits, [episodes[i].budget(params.max_new_tokens) for i in live])
-            calls = [self.end_turn(episodes[i], ids, lps) for i, (ids, lps) in zip(live, turns)]
+            turns = session.sample([episodes[i].budget(params.max_new_tokens) for i in live], keep_finished=True)
+            calls = [self.end_turn(episodes[i], *turns[i]) for i in live]
             if round_ == self.max_calls:
                 break
             outcomes = run_calls([c or [] for c in calls], self.timeout_s)
@@ -157,7 +154,7 @@ class ToolLoop:
                     chunks.append(suffix)
             if not keep:
                 break
-            logits = session.extend(keep, chunks)
+            session.extend(keep, chunks)
             live = [live[row] for row in keep]
 
     def end_turn(self, ep: Episode, ids: list[int], logprobs: list[float]) -> list[Call] | None:
@@ -282,142 +279,3 @@ def check_tool_template(tokenizer, toolbox: Toolbox) -> None:
     support(tokenizer).require("template", *(["tools"] if schemas else []), "calls", "results", "prefix_preserving",
                                "parses_calls", where="tools",
                                fix="set model.chat_template: chatml_tools (a bundled template with tools and their parsing)")
-
-
-def sliding_window_of(config) -> int | None:
-    """The window of a model's sliding-window attention layers (Mistral's, Gemma 2's alternate layers, Qwen2's with
-    `use_sliding_window`), or None when every layer attends to the whole sequence."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    return None if not window or (types is not None and "sliding_attention" not in types) else int(window)
-
-
-def check_attention(policy) -> None:
-    """A one-line UserError for a policy with sliding-window attention: transformers counts the window in cache
-    columns, and a row's columns here include the masked ones of other rows' longer turns and chunks, so inside the
-    window they would displace real tokens and the sampled log-probs would not be the trainer's (see
-    tests/unit/test_tool_loop_sliding_window.py)."""
-    config = getattr(policy, "config", None)
-    window = sliding_window_of(config)
-    if window is not None:
-        raise UserError(f"tools: the policy ({config.model_type}) uses sliding-window attention ({window} tokens), "
-                        "which the tool loop's KV cache, shared by the episodes across turns, cannot keep exact; use a "
-                        "model without one (for Mistral, sliding_window: null in its config.json, as v0.2 and later ship)")
-
-
-class Session:
-    """The KV cache of a batch of episodes across their turns (module docstring).
-
-    `mask` (n, W) marks the cache columns each row reads (1: one of its real tokens), `next_position` (n,) the position
-    of each row's next real token, `unfed` the tokens each row sampled last that the cache has not seen yet (a turn's
-    final token: the loop stops before feeding it)."""
-
-    def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device):
-        self.model, self.params, self.eos, self.pad, self.device = model, params, eos_token_id, pad_token_id, device
-        self.cache = DynamicCache(config=model.config)
-        # Full-attention layers grow in place (`GrowingLayer`); others (a model's linear-attention ones) are kept.
-        self.cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
-        self.arg = _cache_argument(model)
-        self.mask = self.next_position = None
-        self.unfed: list[list[int]] = []
-
-    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Feeds (n, S) tokens, `real` (n, S) marking the rows' real ones; -> the last position's logits (n, V)."""
-        positions = self.next_position[:, None] + real.long().cumsum(1) - real.long()  # (n, S)
-        self.mask = torch.cat([self.mask, real.long()], 1) if self.mask is not None else real.long()
-        self.next_position = self.next_position + real.long().sum(1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.arg: self.cache})
-        return out.logits[:, -1].float()
-
-    def start(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Prefills the prompts, left-padded; -> (n, V) logits of each row's next token. A prompt several rows share
-        (a GRPO group's) is prefilled once and its cache row copied to each: a row's numbers do not depend on the rows
-        beside it, so each row holds what its own prefill would have written, and the prefill costs one row per
-        distinct prompt."""
-        distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}  # prompt -> its prefill row
-        self.next_position = torch.zeros(len(distinct), dtype=torch.long, device=self.device)
-        self.unfed = [[] for _ in prompts]
-        logits = self.forward(*self._left_padded([list(p) for p in distinct]))
-        if len(distinct) < len(prompts):
-            index = torch.tensor([distinct[tuple(p)] for p in prompts], device=self.device)
-            self._keep(index)
-            logits = logits[index]
-        return logits
-
-    def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
-        """Keeps the session's `rows` only and feeds each its unfed token and then its chunk; -> (len(rows), V)."""
-        self._keep(torch.tensor(rows, device=self.mask.device))
-        chunks = [self.unfed[r] + c for r, c in zip(rows, chunks)]
-        self.unfed = [[] for _ in rows]
-        return self.forward(*self._left_padded(chunks))
-
-    def _keep(self, index: torch.Tensor) -> None:
-        """The cache's rows `index` (k,) become its rows: a subset, or rows copied."""
-        self.cache.batch_select_indices(index)
-        self.mask, self.next_position = self.mask[index], self.next_position[index]
-
-    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in seqs], device=self.device)
-        real = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
-        return ids, real
-
-    def sample_turn(self, logits: torch.Tensor, budgets: list[int]) -> list[tuple[list[int], list[float]]]:
-        """Samples one turn per row, until its EOS or its `budget` tokens; -> (tokens, log-probs) per row. A row that
-        finished is fed pad tokens while others go on, masked out of attention (its cache columns hold no token)."""
-        n = len(budgets)
-        limit = torch.tensor(budgets, device=logits.device)
-        count = torch.zeros(n, dtype=torch.long, device=logits.device)
-        done = limit <= 0
-        tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
-        while True:
-            token, logprob = sample_next(logits, self.params)  # (n,), (n,)
-            active = ~done
-            for r in active.nonzero().flatten().tolist():
-                tokens[r].append(int(token[r]))
-                logprobs[r].append(float(logprob[r]))
-            count = count + active.long()
-            done = done | (token == self.eos) | (count >= limit)
-            if bool(done.all()):
-                self.unfed = [[tokens[r][-1]] if bool(active[r]) else [] for r in range(n)]
-                return list(zip(tokens, logprobs))
-            logits = self.forward(token.masked_fill(~active, self.pad)[:, None], active[:, None])
-
-
-class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are views of buffers with room to grow, doubled when full: a step writes
-    its column in place, where `DynamicLayer.update` copies the whole layer (`torch.cat`) at every token, a cost that
-    grows with the conversation. The views hold the same values, so attention reads the same numbers. Supports what
-    `Session` does to its cache: `update` and `batch_select_indices`."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch, heads, capacity, head_dim) each
-        self.length = 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if self.buffers is None or end > self.buffers[0].shape[-2]:
-            self.buffers = tuple(self._grown(old, new, max(end, 2 * self.length))
-                                 for old, new in zip(self.buffers or (None, None), (key_states, value_states)))
-        for buffer, states in zip(self.buffers, (key_states, value_states)):
-            buffer[..., self.length:end, :] = states
-        self.length = end
-        self.keys, self.values = (b[..., :end, :] for b in self.buffers)
-        return self.keys, self.values
-
-    def _grown(self, old: torch.Tensor | None, states: torch.Tensor, capacity: int) -> torch.Tensor:
-        shape = (*states.shape[:-2], capacity, states.shape[-1])
-        grown = torch.empty(shape, dtype=states.dtype, device=states.device)
-        if old is not None:
-            grown[..., : self.length, :] = old[..., : self.length, :]
-        return grown
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self.buffers = tuple(b[indices] for b in self.buffers)
-            self.keys, self.values = (b[..., : self.length, :] for b in self.buffers)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import rlhfkit.generation as generation
+import rlhfkit.generation.session as session_module
 from rlhfkit.config import GenerationConfig, ModelConfig
 from rlhfkit.generation import decode, generate, truncate_logits
 from rlhfkit.models import load_causal_lm, load_tokenizer
@@ -92,7 +92,7 @@ def test_same_seed_same_tokens_as_transformers_generate(tiny, monkeypatch, stati
     without truncation, through the dynamic and the static KV cache."""
     model, tok = tiny
     if static:
-        monkeypatch.setattr(generation, "_compiled_step", lambda model, forward, cuda: forward)
+        monkeypatch.setattr(session_module, "compiled_step", lambda model, forward, cuda: forward)
     ours, ref = both_engines(model, tok, prompts(tok), eager_static=static, max_new_tokens=12, **params)
     assert torch.equal(ours.response_ids, ref.response_ids)
     assert torch.equal(ours.response_mask, ref.response_mask)
@@ -104,7 +104,7 @@ def test_greedy_equals_transformers_greedy_generate(tiny, monkeypatch, static):
     """top_k=1 is greedy decoding: the tokens of transformers' `generate(do_sample=False)`."""
     model, tok = tiny
     if static:
-        monkeypatch.setattr(generation, "_compiled_step", lambda model, forward, cuda: forward)
+        monkeypatch.setattr(session_module, "compiled_step", lambda model, forward, cuda: forward)
     batch = prompts(tok)
     torch.manual_seed(3)
     ours = generate(model, batch, GenerationConfig(max_new_tokens=10, top_k=1, compile=static), tok.eos_token_id,
@@ -174,8 +174,8 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny, params):
     target = truncate_logits((logits / cfg.temperature)[None], cfg.top_k, cfg.top_p)[0].softmax(-1)
     torch.manual_seed(0)
     n = 8000
-    tokens, logprobs = decode(model, ids.expand(n, -1), torch.ones(n, ids.shape[1], dtype=torch.long), cfg,
-                              tok.eos_token_id, tok.pad_token_id)
+    cfg = GenerationConfig(max_new_tokens=1, num_samples=n, **params)
+    tokens, logprobs = decode(model, PromptBatch(ids, torch.ones_like(ids)), cfg, tok.eos_token_id, tok.pad_token_id)
     counts = torch.bincount(tokens[:, 0], minlength=logits.shape[0]).float()
     assert counts[target == 0].sum() == 0
     stat, df = chi2(counts, target)
@@ -226,7 +226,7 @@ def test_each_model_keeps_its_compiled_step(tiny, monkeypatch):
     for m in (policy, reference):  # copies of the shared fixture: without a step an earlier test compiled on it
         m.__dict__.pop("_rlhfkit_decode_step", None)
     compiled = []
-    monkeypatch.setattr(generation.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setattr(session_module.torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
     params = GenerationConfig(max_new_tokens=3, compile=True)
     for m in (policy, reference, policy, reference):
         generate(m, prompts(tok), params, tok.eos_token_id, tok.pad_token_id)

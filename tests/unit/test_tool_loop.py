@@ -347,3 +347,30 @@ def test_a_tokenizer_that_cannot_run_the_loop_is_refused_in_one_line():
     tok = build_tiny_tokenizer()
     templates.load("chatml_tools").apply_to(tok)
     assert tok.decode(tool_suffix(tok, [{"role": "tool", "name": "add", "content": "5"}])) == tool_turn("add", "5")
+
+
+# sha256 of the sampled episodes' token ids (str of the list of rows) as the tool loop drew them before the decode
+# engine (its own KV-cache loop, rlhfkit 1ef2c7a), on this tiny model, with the scenario below.
+BEFORE_ENGINE = {("shared", 14.0, 2): "dd46276240a002b0", ("seeded", 14.0, 3): "f9f9e31152c8478b",
+                 ("shared", 10.0, 3): "e1801165ad8fb140"}
+
+
+@pytest.mark.parametrize("stream, bias, k", sorted(BEFORE_ENGINE))
+def test_sampled_episodes_are_the_tokens_the_loop_drew_before_the_engine(tiny, stream, bias, k):
+    """Sampled (top_k=0: the script only tilts the odds), with calls, results and turns of different lengths, from
+    the run's random stream or each prompt's own seed: the engine draws the tokens the tool loop's own decode loop
+    drew under the same seed."""
+    import hashlib
+
+    model, tok = tiny
+    params = GenerationConfig(max_new_tokens=150, num_samples=k, top_k=0, seed_per_prompt=stream == "seeded")
+    loop = ToolLoop(tok, params, 0, Toolbox([add, fail]), 3, 2.0, 100)
+    prompts = ["add 1 2", "hello", "add 30 4", "raw abc"]
+    token_ids = [ids(tok, p) for p in prompts]
+    width = max(map(len, token_ids))
+    batch = PromptBatch(torch.tensor([[0] * (width - len(x)) + x for x in token_ids]),
+                        torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in token_ids]))
+    torch.manual_seed(5)
+    ro = loop(Scripted(model, tok, script, bias), batch, [{"prompt": p, "columns": {}} for p in prompts], 1)
+    assert int(ro.tools.calls.sum()) >= 2 and len(set(ro.response_mask.sum(1).tolist())) >= 3
+    assert hashlib.sha256(str(ro.response_ids.tolist()).encode()).hexdigest()[:16] == BEFORE_ENGINE[(stream, bias, k)]

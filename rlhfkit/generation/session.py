@@ -1,0 +1,368 @@
+"""The decode engine: one KV cache over a batch of rows, which it prefills, extends by appended tokens, and samples
+until EOS or a budget. Every sampler in rlhfkit goes through it (`generation.generate` for one turn, the tool loop
+for multi-turn episodes); it is the only place a model is called one token at a time.
+
+The cache is transformers' `DynamicCache` (with `generation.compile`, a `StaticCache` and a compiled one-token step),
+used through its public API only: the model's forward fills it, `batch_select_indices` keeps or copies rows, and a
+cache is rebuilt from its tensors (`DynamicCache(ddp_cache_data=...)`) when rows join it.
+
+What the rows share (the efficiencies of the tool loop's session, now every caller's):
+- a prompt several rows share (a group's) is prefilled once, its cache row then copied to each;
+- a row that has finished leaves the cache (one turn: at once; a multi-turn episode: when its next turn is not
+  wanted), so no forward is spent on it; only appended tokens are fed (a tool result, never the conversation again);
+- continuous refill (`generation.max_batch_rows`): with more rows waiting than the batch holds, a group joins the
+  cache as soon as finished rows leave room for it, instead of the batch idling until its longest row ends.
+
+Exactness. Each row reads exactly its own tokens: the columns it did not fill (left padding, another row's longer
+chunk, steps after its turn ended, columns from before it joined) are masked out, and positions count its real tokens
+only. A sliding window is counted in those positions: for a model with one, the engine builds the 4D masks itself
+(`window_masks`) and keeps every column in plain `DynamicLayer`s, where transformers' own masks and sliding layers
+count cache columns, which the masked ones would displace.
+
+Random streams. Rows draw their tokens from a `Stream`: the default generator (every row of a batch together) or a
+prompt's own (`generation.seed_per_prompt`, evaluation batches). A stream draws one (slots, V) sample per step over
+the rows it had when the turn began, finished rows' slots included (`sample_next`: a row's token depends only on its
+probabilities and its slot), so dropping finished rows changes no other row's token, and the tokens are those of a
+loop that kept every row in the batch until the last one ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhfkit.config import GenerationConfig
+from rlhfkit.errors import UserError
+from rlhfkit.generation.sampling import sample_next
+
+WINDOWED_LAYERS = ("full_attention", "sliding_attention")  # the layer types whose masks the engine can build
+
+
+@dataclass(eq=False)
+class Stream:
+    """The random stream a set of rows draw from together: `generator` None is the device's default one."""
+
+    generator: torch.Generator | None = None
+    slots: int = 0  # rows of its draw in the current turn
+
+
+@dataclass(eq=False)
+class Row:
+    """A row of the cache: the caller's `key` for it, its stream and slot there, the tokens it sampled that the cache
+    has not seen (a turn's last token: the turn ends before feeding it)."""
+
+    key: object
+    stream: Stream
+    slot: int = 0
+    unfed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Group:
+    """Rows waiting to join a session: `keys` rows of one `prompt`, drawing from `stream`."""
+
+    keys: list
+    prompt: list[int]
+    stream: Stream
+    budget: int  # tokens each row may sample in its turn
+
+
+def cache_argument(model) -> str:
+    """The name the model's forward gives its KV cache: `cache` from transformers 5.24, `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of a model's sliding-window attention layers (Mistral's, Gemma 2/3's alternate layers, Qwen2's with
+    `use_sliding_window`), or None when every layer attends to the whole sequence."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    return None if not window or (types is not None and "sliding_attention" not in types) else int(window)
+
+
+def static_cache_length(width: int) -> int:
+    """A static cache's length, rounded up to a multiple of 128 so that batches of nearby prompt widths share one
+    compiled graph (each new length compiles again)."""
+    return -(-width // 128) * 128
+
+
+def compiled_step(model, forward, cuda: bool):
+    """The one-token step compiled once per model and kept on it (policy and reference alternating in an evaluation
+    keep their own graphs): CUDA graphs on a GPU, inductor's fused kernels on CPU."""
+    step = model.__dict__.get("_rlhfkit_decode_step")
+    if step is None:
+        step = torch.compile(forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+        model.__dict__["_rlhfkit_decode_step"] = step  # a plain attribute: no submodule, no state-dict entry
+    return step
+
+
+def window_masks(mask: torch.Tensor, positions: torch.Tensor, window: int, layer_types, dtype, eager: bool):
+    """The attention masks of one forward, built from real-token positions: `mask` (n, W) marks each row's real
+    columns (the S new ones last), `positions` (n, S) the new tokens' positions. A query attends to the real columns
+    whose position is at most its own, on a sliding layer also less than `window` before it (transformers' rule,
+    counted in positions, not columns); a padding query attends to itself only (a row of no key would give NaN).
+    -> (n, 1, S, W) boolean (sdpa) or additive (eager), or {layer type: mask} for a model that mixes types."""
+    n, width = mask.shape
+    s = positions.shape[1]
+    real = mask.bool()
+    column = real.long().cumsum(1) - 1  # (n, W) each real column's position
+    seen = real[:, None, :] & (column[:, None, :] <= positions[:, :, None])  # (n, S, W)
+    own = torch.zeros(s, width, dtype=torch.bool, device=mask.device)
+    own[torch.arange(s), torch.arange(width - s, width)] = True
+    padding = ~real[:, -s:]  # (n, S) queries that are padding
+
+    def finished(allowed):
+        allowed = torch.where(padding[:, :, None], own, allowed)[:, None]  # (n, 1, S, W)
+        if not eager:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    near = seen & (positions[:, :, None] - column[:, None, :] < window)
+    if layer_types is None:  # every layer slides (Mistral)
+        return finished(near)
+    return {"full_attention": finished(seen), "sliding_attention": finished(near)}
+
+
+class Session:
+    """One KV cache over a batch of rows, across their turns (module docstring).
+
+    `mask` (n, W) marks the cache columns each row reads (1: one of its real tokens), `next_position` (n,) the position
+    of each row's next real token, `logits` (n, V) each row's next-token logits after `start` / `extend`."""
+
+    def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device):
+        self.model, self.params, self.eos, self.pad, self.device = model, params, eos_token_id, pad_token_id, device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.window = sliding_window_of(config)
+        types = getattr(config, "layer_types", None)
+        self.layer_types = types if self.window is not None else None
+        if self.window is not None:
+            check_windowed(model, config, types)
+        self.eager = getattr(config, "_attn_implementation", None) == "eager"
+        self.static, self.arg = params.compile, cache_argument(model)
+        self.cache = self.mask = self.next_position = self.logits = None
+        self.rows: list[Row] = []
+        self.cache_len = 0
+
+    # -- the model -----------------------------------------------------------------------------------------------
+
+    def new_cache(self, width: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.static:
+            self.cache_len = static_cache_length(width + self.params.max_new_tokens)
+            return StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+        # A windowed model keeps every column in plain layers: the engine's masks carry the window.
+        return DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
+
+    def call(self, ids: torch.Tensor, attention, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The model's forward: (n, S) tokens -> the last position's logits (n, V), fp32."""
+        return self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                          logits_to_keep=1, **{self.arg: cache}).logits[:, -1].float()
+
+    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Feeds (n, S) tokens, `real` (n, S) marking the rows' real ones; -> the last position's logits (n, V)."""
+        real = real.long()
+        positions = self.next_position[:, None] + real.cumsum(1) - real  # (n, S)
+        self.mask = torch.cat([self.mask, real], 1) if self.mask is not None else real
+        self.next_position = self.next_position + real.sum(1)
+        if self.static:
+            # The static cache's columns: those written so far, then ones that causality hides until written.
+            attention = torch.nn.functional.pad(self.mask, (0, self.cache_len - self.mask.shape[1]), value=1)
+            if ids.shape[1] == 1:
+                step = compiled_step(self.model, self.call, ids.is_cuda)
+                if ids.is_cuda:
+                    torch.compiler.cudagraph_mark_step_begin()  # the previous replay's output is no longer read
+                return step(ids, attention, positions, self.cache).clone()
+        elif self.window is not None:
+            attention = window_masks(self.mask, positions, self.window, self.layer_types, next(self.model.parameters()).dtype, self.eager)
+        else:
+            attention = self.mask
+        return self.call(ids, attention, positions, self.cache)
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+
+    def start(self, groups: list[Group]) -> None:
+        """The groups' rows become the cache's, their prompts prefilled (left-padded), each distinct prompt once: a
+        row's numbers do not depend on the rows beside it, so a copy holds what its own prefill would have written."""
+        self.rows, self.cache, self.mask, self.next_position, self.logits = self.prefill(groups)
+
+    def prefill(self, groups: list[Group]):
+        """(rows, cache, mask, next positions, logits) of the groups' rows alone (`start`)."""
+        prompts = [tuple(g.prompt) for g in groups for _ in g.keys]
+        rows = [Row(key, g.stream) for g in groups for key in g.keys]
+        distinct = list(dict.fromkeys(prompts)) if not self.static else prompts
+        width = max(map(len, distinct))
+        saved = self.cache, self.mask, self.next_position
+        self.cache, self.mask = self.new_cache(width), None
+        self.next_position = torch.zeros(len(distinct), dtype=torch.long, device=self.device)
+        try:
+            logits = self.forward(*self.left_padded([list(p) for p in distinct]))
+            if len(distinct) < len(prompts):
+                where = {p: i for i, p in enumerate(distinct)}
+                index = torch.tensor([where[p] for p in prompts], device=self.device)
+                self.keep(index)
+                logits = logits[index]
+            return rows, self.cache, self.mask, self.next_position, logits
+        finally:
+            self.cache, self.mask, self.next_position = saved
+
+    def keep(self, index: torch.Tensor) -> None:
+        """The cache's rows `index` (k,) become its rows: a subset, or rows copied."""
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_position = self.mask[index], self.next_position[index]
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps the session's `rows` (indices) only, in that order."""
+        if rows != list(range(len(self.rows))):
+            self.keep(torch.tensor(rows, dtype=torch.long, device=self.device))
+            self.rows = [self.rows[r] for r in rows]
+            self.logits = self.logits[rows] if self.logits is not None else None
+
+    def join(self, groups: list[Group]) -> None:
+        """The groups' rows join the cache after its rows (continuous refill): prefilled on their own, then both
+        caches left-padded with masked columns to one width and stacked, columns no row reads cut off the left."""
+        from transformers import DynamicCache
+
+        if self.static or any(self.cache.is_linear) or any(getattr(self.cache, "is_dummy", [])):
+            raise UserError("generation.max_batch_rows: continuous refill needs the dynamic KV cache (generation.compile "
+                            "false) and a model whose every layer is attention")
+        rows, cache, mask, positions, logits = self.prefill(groups)
+        self.give_slots(rows)
+        width = max(mask.shape[1], self.mask.shape[1])
+        left = lambda x: torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))  # noqa: E731 (masked columns)
+        merged = [(torch.cat([left(k0), left(k1)]), torch.cat([left(v0), left(v1)]))
+                  for (k0, v0, *_), (k1, v1, *_) in zip(self.cache, cache)]
+        mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in (self.mask, mask)])
+        first = int(mask.any(0).long().argmax())  # columns before this one hold no row's token
+        self.cache = DynamicCache(ddp_cache_data=[(k[..., first:, :], v[..., first:, :]) for k, v in merged])
+        self.mask, self.next_position = mask[:, first:], torch.cat([self.next_position, positions])
+        self.logits = torch.cat([self.logits[: len(self.rows) - len(rows)], logits])
+
+    def extend(self, rows: list[int], chunks: list[list[int]]) -> None:
+        """Keeps the session's `rows` only and feeds each its unfed token and then its chunk (the tokens appended
+        after its turn: tool results, the next header)."""
+        self.select(rows)
+        chunks = [row.unfed + chunk for row, chunk in zip(self.rows, chunks)]
+        for row in self.rows:
+            row.unfed = []
+        self.logits = self.forward(*self.left_padded(chunks))
+
+    def left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in seqs], device=self.device)
+        real = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
+        return ids, real
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+
+    def draw(self, logits: torch.Tensor, live: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from the rows' streams: each stream with a live row draws over all its slots, the slots
+        of rows no longer in the cache given flat logits (module docstring). -> tokens (n,), log-probs (n,)."""
+        streams = list(dict.fromkeys(row.stream for row, on in zip(self.rows, live) if on))
+        if len(streams) == 1 and streams[0].slots == len(self.rows) and all(r.slot == i for i, r in enumerate(self.rows)):
+            return sample_next(logits, self.params, streams[0].generator)
+        tokens = torch.full((len(self.rows),), self.pad, dtype=torch.long, device=logits.device)
+        logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=logits.device)
+        for stream in streams:
+            mine = [i for i, row in enumerate(self.rows) if row.stream is stream]
+            index = torch.tensor(mine, device=logits.device)
+            slots = torch.tensor([self.rows[i].slot for i in mine], device=logits.device)
+            scores = logits.new_zeros(stream.slots, logits.shape[1])
+            scores[slots] = logits[index]
+            token, logprob = sample_next(scores, self.params, stream.generator)
+            tokens[index], logprobs[index] = token[slots], logprob[slots]
+        return tokens, logprobs
+
+    def lay_out_streams(self, rows: list[Row]) -> None:
+        """Each stream's slots for a turn: its rows in order (`draw`)."""
+        counts = collections.Counter()
+        for row in rows:
+            row.slot = counts[row.stream]
+            counts[row.stream] += 1
+        for stream, n in counts.items():
+            stream.slots = n
+
+    def admit(self, waiting: collections.deque, max_rows: int) -> list[Group]:
+        """The waiting groups that fit beside the cache's rows (`max_rows` in all), in order."""
+        room, admitted = max_rows - len(self.rows), []
+        while waiting and len(waiting[0].keys) <= room:
+            room -= len(waiting[0].keys)
+            admitted.append(waiting.popleft())
+        return admitted
+
+    def give_slots(self, rows: list[Row]) -> None:
+        """Slots for rows joining a turn: a stream's free ones, lowest first, new ones past its last when too few are
+        free (a prompt's own stream has none yet: its rows take 0..k-1)."""
+        for row in rows:
+            used = {r.slot for r in self.rows if r.stream is row.stream and r is not row}
+            free = [s for s in range(row.stream.slots) if s not in used]
+            if not free:
+                free, row.stream.slots = [row.stream.slots], row.stream.slots + 1
+            row.slot = free[0]
+            self.rows.append(row)
+
+    def sample(self, budgets: list[int], keep_finished: bool = False, waiting: collections.deque | None = None,
+               max_rows: int = 0) -> dict:
+        """Samples one turn per row, until its EOS or its budget (`budgets`: one per row; a waiting group's rows get
+        theirs); -> {row key: (tokens, log-probs)}.
+
+        `keep_finished` (a multi-turn caller, which may extend a row after its turn): a row whose turn ended stays in
+        the cache, fed padding (masked) while others go on, its last token left unfed. Else it leaves the cache at once,
+        and `waiting` groups join when there is room for them (`max_rows` rows in all: continuous refill)."""
+        self.lay_out_streams(self.rows)
+        budget = {row.key: b for row, b in zip(self.rows, budgets)}
+        turns = {row.key: ([], []) for row in self.rows}
+        live = [budget[row.key] > 0 for row in self.rows]
+        while any(live):
+            token, logprob = self.draw(self.logits, live)
+            tokens, values, fed = token.tolist(), logprob.tolist(), list(live)
+            for i, row in enumerate(self.rows):
+                if live[i]:
+                    ids, lps = turns[row.key]
+                    ids.append(tokens[i])
+                    lps.append(values[i])
+                    live[i] = tokens[i] != self.eos and len(ids) < budget[row.key]
+            if keep_finished or self.static:
+                if not any(live):
+                    for i, row in enumerate(self.rows):
+                        row.unfed = [tokens[i]] if fed[i] else []
+                    break
+                real = torch.tensor(fed if not self.static else [True] * len(fed), device=self.device)
+                self.logits = self.step(token.masked_fill(~real, self.pad), real)
+                continue
+            kept = [i for i, on in enumerate(live) if on]
+            self.select(kept)
+            if kept:
+                self.logits = self.step(token[kept], torch.ones(len(kept), dtype=torch.bool, device=self.device))
+            joining = self.admit(waiting, max_rows) if waiting else []
+            for group in joining:
+                budget.update((key, group.budget) for key in group.keys)
+                turns.update((key, ([], [])) for key in group.keys)
+            if joining:
+                self.join(joining)
+            live = [True] * len(self.rows)
+        return turns
+
+    def step(self, token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Feeds one token per row (`real`: which are real) -> the next logits (n, V)."""
+        return self.forward(token[:, None], real[:, None])
+
+
+def check_windowed(model, config, layer_types) -> None:
+    """A one-line UserError for a sliding-window model the engine cannot mask exactly: its masks are 4D tensors, which
+    sdpa and eager attention read (flash and flex attention take the window from the layer, counted in columns), over
+    full and sliding attention layers only."""
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if "flash" in implementation or "flex" in implementation:
+        raise UserError(f"generation: {config.model_type}'s sliding-window attention is sampled with masks built from "
+                        f"each row's token positions, which {implementation} does not take; load the model with "
+                        "sdpa or eager attention")
+    other = sorted(set(layer_types or ()) - set(WINDOWED_LAYERS))
+    if other:
+        raise UserError(f"generation: {config.model_type} has {other[0]} layers beside its sliding-window ones; the "
+                        "engine masks full and sliding attention layers only")
