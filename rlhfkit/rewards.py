@@ -10,8 +10,8 @@ A reward source gives each row of a rollout a score, `score(rollout, inputs) -> 
   tokenizer is not the policy's (its forward is a `RewardModelScorer`, token ids in, one score per sequence out);
 - an `EnsembleSource`: several reward models as one source (mean or min).
 `Rewards` is every source of a run with its weight: calling it on a rollout gives `Scores` (the weighted total and each
-source's own scores, for `rewards/<name>/mean|std`), and `gold` the held-out judge's. Evaluation's judges are thin
-adapters over a source (`evaluation.evaluate.SourceJudge`).
+source's own scores, for `rewards/<name>/mean|std`), and `gold` the held-out judge's. Evaluation's judges are reward
+sources under a name (`evaluation.judges`).
 """
 
 from __future__ import annotations

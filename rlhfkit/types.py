@@ -150,6 +150,15 @@ class ToolCounts(_TensorBatch):
     # a gather of the tensors above leaves it as it is.
     well_formed: Rows | None = None
 
+    @staticmethod
+    def concat(parts: list["ToolCounts"]) -> "ToolCounts":
+        """The counts of several rollouts as one, rows in order (the tools are the same in each)."""
+        tensors = {f.name: torch.cat([getattr(c, f.name) for c in parts]) for f in fields(ToolCounts)
+                   if isinstance(getattr(parts[0], f.name), torch.Tensor)}
+        well_formed = Rows(r for c in parts for r in c.well_formed) if all(c.well_formed is not None for c in parts) \
+            else None
+        return ToolCounts(**tensors, tool_names=parts[0].tool_names, well_formed=well_formed)
+
 
 @dataclass(frozen=True)
 class ToolFigures:
@@ -233,6 +242,33 @@ class Rollout(_TensorBatch):
     # to the last message (TRL's contract: reward sources get it); None: the records' prompts
     prompts: Rows | None = None
     tools: ToolCounts | None = None  # what the episodes' tool calls did; None without tools
+
+    @staticmethod
+    def concat(parts: list["Rollout"], pad_token_id: int) -> "Rollout":
+        """Several rollouts as one, rows in order: the one way to join rollouts (sampling batches, one prompt's
+        draws). Prompts left-padded and responses right-padded to the widest (padding columns carry nothing: mask 0,
+        log-prob 0), group ids continued after each part's last, and the per-row text, completions, environments,
+        played prompts and tool counts kept wherever every part has them."""
+        P, R = max(r.prompt_ids.shape[1] for r in parts), max(r.response_ids.shape[1] for r in parts)
+        left = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
+        right = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+        offsets = [0]
+        for r in parts[:-1]:
+            offsets.append(offsets[-1] + int(r.group_ids.max()) + 1)
+        rows = {name: Rows(row for r in parts for row in getattr(r, name))
+                for name in ("texts", "completions", "environments", "prompts")
+                if all(getattr(r, name) is not None for r in parts)}
+        return Rollout(
+            prompt_ids=torch.cat([left(r.prompt_ids, pad_token_id) for r in parts]),  # (B, P)
+            prompt_mask=torch.cat([left(r.prompt_mask, 0) for r in parts]),
+            response_ids=torch.cat([right(r.response_ids, pad_token_id) for r in parts]),  # (B, R)
+            response_mask=torch.cat([right(r.response_mask, 0) for r in parts]),
+            group_ids=torch.cat([r.group_ids + o for r, o in zip(parts, offsets)]),
+            has_eos=torch.cat([r.has_eos for r in parts]),
+            sampler_logprobs=torch.cat([right(r.sampler_logprobs, 0.0) for r in parts]),
+            action_mask=torch.cat([right(r.action_mask, 0) for r in parts]),
+            tools=ToolCounts.concat([r.tools for r in parts]) if all(r.tools is not None for r in parts) else None,
+            **rows)
 
     def trimmed(self) -> "Rollout":
         """The same rows with the response columns cut to the longest response among them (at least 1): a micro-batch

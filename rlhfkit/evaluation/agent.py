@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rlhfkit.errors import UserError, first_line
-from rlhfkit.tools import Toolbox, import_ref
+from rlhfkit.tools import import_ref
 from rlhfkit.types import ToolCounts, ToolFigures
 
 
@@ -151,54 +151,12 @@ class AgentOptions:
         task = scores[self.task_judge] if self.task_judge is not None else None
         return agent_figures(counts, completions, task, self.task_threshold, self.format_check)
 
-    def section(self, policy: dict, reference: dict | None) -> dict:
-        """eval.json's `agent`: each side's figures (`policy` / `reference`: a model's episodes as `evaluate` holds them,
-        "tools", "completions" and "scores") and what they were measured with."""
+    def section(self, policy, reference) -> dict:
+        """eval.json's `agent`: each side's figures (`policy` / `reference`: a model's episodes, `samples.Samples`:
+        their tool counts, completions and judges' scores; reference None without one) and what they were measured
+        with."""
         check = self.format_check
-        side = lambda s: self.figures(s["tools"], s["completions"], s["scores"]).as_dict()  # noqa: E731
+        side = lambda s: self.figures(s.tools, s.completions, s.scores).as_dict()  # noqa: E731
         return {"format_check": None if check is None else f"{check.__module__}:{check.__qualname__}",
                 "task_judge": self.task_judge, "task_threshold": self.task_threshold if self.task_judge else None,
                 "policy": side(policy), "reference": side(reference) if reference is not None else None}
-
-
-def tool_rollout(cfg, tokenizer) -> "FreshEpisodes | None":
-    """The tool loop an evaluation samples with (its config's `tools` and `generation`, seeded as `evaluate.sample`
-    seeds each batch), or None without tools. The tools are imported and described here, before any model loads."""
-    from rlhfkit.objects import Objects
-    from rlhfkit.rollout.maker import toolbox_of
-
-    return episodes_for(cfg, tokenizer, toolbox_of(cfg, Objects()))
-
-
-def episodes_for(cfg, tokenizer, toolbox: Toolbox | None) -> "FreshEpisodes | None":
-    """The evaluation's tool loop with `toolbox` (a training run's own, made at its start), or None without one."""
-    from rlhfkit.rollout.tool_loop import ToolLoop
-
-    if toolbox is None:
-        return None
-    t = cfg.tools
-    return FreshEpisodes(toolbox, lambda b: ToolLoop(tokenizer, cfg.generation, cfg.seed, b, t.max_calls, t.timeout_s,
-                                                     t.max_result_tokens))
-
-
-class FreshEpisodes:
-    """A tool loop for evaluation: each call plays its episodes with environments of their own.
-
-    The training loop's environments are pooled (made once, reset before each episode), which is right when each
-    rollout is scored before the next; an evaluation samples every batch, and the reference after the policy, before
-    judging any of them, so a pooled instance would hold another episode's state by then. `make_loop(toolbox)` builds
-    the loop; the functions and factories are the given toolbox's, a new `Toolbox` per call when it has environments.
-    """
-
-    def __init__(self, toolbox: Toolbox, make_loop: Callable[[Toolbox], Callable]):
-        self.toolbox, self.make_loop = toolbox, make_loop
-        self.loop = make_loop(toolbox)
-
-    def __call__(self, policy, prompts, examples, step):
-        box = self.toolbox
-        if box.environments is None:
-            return self.loop(policy, prompts, examples, step)
-        envs = box.environments
-        factory = envs.factories if envs.routed else envs.factories[None]
-        fresh = Toolbox([t.fn for t in box.functions.values()], factory)
-        return self.make_loop(fresh)(policy, prompts, examples, step)

@@ -18,9 +18,10 @@ import math
 from rlhfkit.evaluation.agent import AgentOptions
 from rlhfkit.evaluation.alarms import ALIGNMENT_TAX_KEY, DISTINCT_KEY, TOP_SHARE_KEY, WORDS_KEY
 from rlhfkit.evaluation.capability import measure_alignment_tax
-from rlhfkit.evaluation.evaluate import concat_rollouts, describe, sample, summarize
+from rlhfkit.evaluation.samples import Samples, sample, summarize
 from rlhfkit.evaluation.metrics import mean_std
 from rlhfkit.reward_functions import extra_columns, source_stats
+from rlhfkit.types import Rollout
 
 
 # The agent figures a training run logs under eval/agent/ (the shares and per-episode means; the counts stay in eval.json).
@@ -43,7 +44,8 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
         num_rows: samples returned for samples.jsonl (the first ones, in prompt order).
         trainer_state: what the reward functions and the gold judge get as `trainer_state` (the training's, as TRL
             passes its own state when it evaluates; None: no state).
-        rollout: with tools, the evaluation's tool loop (`agent.episodes_for`): the episodes `rlhfkit eval` plays.
+        rollout: the run's rollout component for evaluation (`rollout.maker.FreshRollout`: the Python API's
+            `Objects.rollout` honoured; with tools, the episodes `rlhfkit eval` plays).
         agent: the format rule and task judge of the agent figures (`agent.task_judge`: a reward source's name, or
             "gold"); with tools, `eval/agent/<figure>` joins the figures (`AgentFigures.as_dict`'s shares and means).
 
@@ -54,13 +56,13 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
     """
     parts, _, kls = sample(policy, reference, tokenizer, prompts, params, batch_size, seed, state, sample_reference=False,
                            rollout=rollout)
-    ro = concat_rollouts(parts, tokenizer.pad_token_id)
+    ro = Rollout.concat(parts, tokenizer.pad_token_id)
     rows = [example for example in prompts for _ in range(params.num_samples)]  # each row's prompt example
     scored = rewards(ro, rows, trainer_state)
     gold = rewards.gold(ro, rows, trainer_state)
     logged, extras = rewards.logs.take()  # log_metric / log_extra: every process scored every sample, alike
-    s = describe(ro, tokenizer)
-    summary = summarize({**s, "scores": {}})
+    s = Samples.of(ro, tokenizer)  # the judges here are the run's reward sources: scored above, summarised apart
+    summary = summarize(s)
     figures = {"objective/scores": float(scored.total.float().mean()), **source_stats(scored.per_source),
                "response/length_avg": summary["length"]["mean"], "response/eos_rate": summary["eos_rate"],
                "response/empty_rate": summary["empty_rate"], DISTINCT_KEY: summary["distinct_2"],
@@ -77,8 +79,8 @@ def held_out_figures(policy, reference, rewards, tokenizer, prompts: list[dict],
         scores = {name: [None if math.isnan(x) else x for x in v.float().tolist()] for name, v in judged.items()}
         agent_dict = (agent or AgentOptions()).figures(ro.tools, ro.completions, scores).as_dict()
         figures.update({f"agent/{k}": v for k, v in agent_dict.items() if k in AGENT_LOGGED and v is not None})
-    samples = [{"prompt": s["prompts"][i], "response": s["texts"][i], "score": float(scored.total[i]),
-                "kl": kls[i] if kls else None, **extra_columns(extras, i)} for i in range(min(num_rows, len(s["texts"])))]
+    samples = [{"prompt": s.prompts[i], "response": s.texts[i], "score": float(scored.total[i]),
+                "kl": kls[i] if kls else None, **extra_columns(extras, i)} for i in range(min(num_rows, len(s.texts)))]
     return {f"eval/{k}": v for k, v in figures.items()}, samples
 
 

@@ -31,7 +31,7 @@ from rlhfkit.types import PromptBatch, Rollout
 
 __all__ = ["Group", "SampledLogprobs", "Session", "Stream", "cache_argument", "decode", "generate", "prompt_seed",
            "response_mask_from_eos", "sample_next", "sampling_mode", "seeded", "seeded_generator", "sliding_window_of",
-           "stack_rollouts", "truncate_logits"]
+           "truncate_logits"]
 
 
 @contextlib.contextmanager
@@ -104,23 +104,6 @@ def hf_generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token
         return_dict_in_generate=True, logits_processor=LogitsProcessorList([recorder]))
     response_ids = out.sequences[:, prompts.input_ids.shape[1]:]  # (B*k, R)
     return response_ids, recorder.finish(response_ids)  # before padding overwrites tokens after the EOS
-
-
-def stack_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Rollouts of one prompt each as one rollout: prompts left-padded, responses right-padded to the widest, group
-    ids renumbered in order."""
-    width_p = max(p.prompt_ids.shape[1] for p in parts)
-    width_r = max(p.response_ids.shape[1] for p in parts)
-    left = lambda x, v: torch.nn.functional.pad(x, (width_p - x.shape[1], 0), value=v)  # noqa: E731
-    right = lambda x, v: torch.nn.functional.pad(x, (0, width_r - x.shape[1]), value=v)  # noqa: E731
-    group_ids = torch.cat([torch.full_like(p.group_ids, i) for i, p in enumerate(parts)])
-    return Rollout(prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
-                   prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
-                   response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
-                   response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
-                   group_ids=group_ids, has_eos=torch.cat([p.has_eos for p in parts]),
-                   sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]),
-                   action_mask=torch.cat([right(p.action_mask, 0) for p in parts]))
 
 
 def generate(model, prompts: PromptBatch, params: GenerationConfig, eos_token_id: int, pad_token_id: int,

@@ -2,7 +2,7 @@
 
 Candidates come from a file of ready-made responses, or are sampled from one model (k responses per prompt, every
 two of them a pair) or from two (compare mode: the same prompts, the same seeds, one pair per sample) through
-`evaluation.evaluate.sample`, which draws with `generation.generate` exactly as `rlhfkit eval` does: with the same
+`evaluation.samples.sample`, which draws through the single-turn rollout exactly as `rlhfkit eval` does: with the same
 prompts, generation settings, seed and batch size, compare mode judges the samples `rlhfkit eval` scored.
 
 A candidates file is JSON lines (or one JSON list), a record per prompt:
@@ -210,8 +210,9 @@ def sample_groups(spec: SamplingSpec) -> list[Group]:
 
     from rlhfkit.config import DataConfig, ModelConfig
     from rlhfkit.data import build_datasets
-    from rlhfkit.evaluation.evaluate import concat_rollouts, describe, sample
+    from rlhfkit.evaluation.samples import Samples, sample
     from rlhfkit.models import load_causal_lm, load_tokenizer
+    from rlhfkit.types import Rollout
 
     cfg = ModelConfig(name_or_path=spec.model)
     tokenizer = load_tokenizer(cfg)
@@ -228,10 +229,10 @@ def sample_groups(spec: SamplingSpec) -> list[Group]:
                             "mode samples both from the same prompt tokens, so they must share one")
         reference = load_causal_lm(ref_cfg, tokenizer, trainable=False).to(device)
     pol, ref, _ = sample(policy, reference, tokenizer, prompts, spec.generation, spec.batch_size, spec.seed)
-    texts = describe(concat_rollouts(pol, tokenizer.pad_token_id), tokenizer)["texts"]
+    texts = Samples.of(Rollout.concat(pol, tokenizer.pad_token_id), tokenizer).texts
     k = spec.generation.num_samples
     if reference is None:
         return [Group(p["prompt"], tuple(Candidate(t, spec.model) for t in texts[i * k : (i + 1) * k]))
                 for i, p in enumerate(prompts)]
-    ref_texts = describe(concat_rollouts(ref, tokenizer.pad_token_id), tokenizer)["texts"]
+    ref_texts = Samples.of(Rollout.concat(ref, tokenizer.pad_token_id), tokenizer).texts
     return compare_groups([p["prompt"] for p in prompts], texts, ref_texts, (spec.model, spec.reference), k)

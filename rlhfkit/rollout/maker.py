@@ -1,6 +1,9 @@
-"""Which rollout component an online run uses: chosen once, from its config and what the Python API was given."""
+"""Which rollout component a run uses, for training and for evaluation: chosen from its config and what the Python
+API was given (`Objects.rollout` wraps or replaces it in both)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from rlhfkit.errors import DataError
 from rlhfkit.rollout import RolloutMaker
@@ -21,6 +24,30 @@ def rollout_maker(cfg, tokenizer, objects) -> RolloutMaker:
     else:
         made = SingleTurn(tokenizer, cfg.generation, cfg.seed)
     return objects.rollout(made) if objects.rollout is not None else made
+
+
+class FreshRollout:
+    """The rollout component an evaluation samples with: `rollout_maker`'s (so `Objects.rollout` is honoured, as in
+    training), each call's episodes with environments of their own.
+
+    A training run's environments are pooled (made once, reset before each episode), which is right when each
+    rollout is scored before the next; an evaluation samples every batch, and the reference after the policy, before
+    judging any of them, so a pooled instance would hold another episode's state by then. With environments, each call
+    makes the component anew from a `Toolbox` of the same functions and factories."""
+
+    def __init__(self, cfg, tokenizer, objects):
+        self.cfg, self.tokenizer, self.objects = cfg, tokenizer, objects
+        self.toolbox: Toolbox | None = objects.toolbox
+        self.made = rollout_maker(cfg, tokenizer, objects)
+
+    def __call__(self, policy, prompts, examples, step):
+        box = self.toolbox
+        if box is None or box.environments is None:
+            return self.made(policy, prompts, examples, step)
+        envs = box.environments
+        fresh = Toolbox([t.fn for t in box.functions.values()], envs.factories if envs.routed else envs.factories[None])
+        made = rollout_maker(self.cfg, self.tokenizer, dataclasses.replace(self.objects, toolbox=fresh))
+        return made(policy, prompts, examples, step)
 
 
 def toolbox_of(cfg, objects) -> Toolbox | None:

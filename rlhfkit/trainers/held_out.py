@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from rlhfkit.config import DataConfig
 from rlhfkit.errors import UserError
-from rlhfkit.evaluation.agent import AgentOptions, episodes_for, load_format_check
+from rlhfkit.evaluation.agent import AgentOptions, load_format_check
 from rlhfkit.evaluation.alarms import AlarmThresholds
 from rlhfkit.evaluation.during_training import capability_figures, held_out_figures
+from rlhfkit.objects import Objects
+from rlhfkit.rollout.maker import FreshRollout
 from rlhfkit.sharding import gathered_weights
 
 
@@ -38,13 +40,14 @@ class HeldOutEval:
     """The evaluation of one run: `due(step)` says when, calling it evaluates, logs and returns the figures."""
 
     def __init__(self, run, cfg, tokenizer, prompts: list[dict] | None, capability: list[dict], batch_size: int,
-                 toolbox=None):
-        """`toolbox`: the run's tools (`tools.Toolbox`), None without: the held-out prompts are then played as episodes
-        with them, and the agent figures (`cfg.agent`) logged beside the others."""
+                 objects: Objects | None = None):
+        """`objects`: what the Python API was given. The held-out prompts are sampled by the run's own rollout
+        component (`Objects.rollout` honoured), with environments of their own; with tools (`objects.toolbox`) they
+        are played as episodes, and the agent figures (`cfg.agent`) logged beside the others."""
         self.run, self.cfg, self.tokenizer = run, cfg, tokenizer
-        self.rollout = episodes_for(cfg, tokenizer, toolbox)
+        self.rollout = FreshRollout(cfg, tokenizer, objects or Objects())
         self.agent = None
-        if self.rollout is not None:
+        if self.rollout.toolbox is not None:
             a = cfg.agent
             self.agent = AgentOptions(load_format_check(a.format_check), a.task_judge, a.task_threshold)
         self.prompts, self.capability, self.batch_size = list(prompts or []), capability, batch_size

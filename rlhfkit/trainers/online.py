@@ -61,7 +61,7 @@ class OnlineTrainer:
         self.total_steps = total_steps_of(cfg, self.prompts.steps_per_epoch)
         self.build(data.ptx_set)
         self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, cfg.algo.rollout_batch_size,
-            self.objects.toolbox)
+            self.objects)
         self.held_out.check_reference(self.ref)
         self.start_step = 0
         if run.resume_from:

@@ -96,7 +96,7 @@ class OnlineDPOTrainer:
                                                         cfg.optim.per_device_batch_size, self.tokenizer.pad_token_id)
         self.rollout = rollout_maker(cfg, self.tokenizer, self.objects)
         self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, a.rollout_batch_size,
-            self.objects.toolbox)
+            self.objects)
         self.held_out.check_reference(self.ref)
         self.start_step = 0
         if run.resume_from:  # online DPO keeps no state beyond the run's own (β is fixed, scores are not normalised)

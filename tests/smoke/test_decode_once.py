@@ -47,3 +47,39 @@ def test_each_step_decodes_its_rollout_once(stage, tmp_path):
                                                       "optim.per_device_batch_size=4"])
         counts[steps] = counter.calls
     assert counts[4] - counts[2] == 2, counts  # two more steps, one decode each (samples written every step)
+
+
+def test_an_evaluation_decodes_each_rollout_once_whatever_the_number_of_judges(tmp_path):
+    """`evaluate` (what `rlhfkit eval` runs): the rollout component decodes each model's completions once, per
+    sampling batch, and the judges and figures read that text; the prompts are decoded once per model. One judge or
+    three: the same decodes."""
+    import json
+
+    from rlhfkit.config import DataConfig, GenerationConfig
+    from rlhfkit.data import build_datasets
+    from rlhfkit.evaluation.evaluate import evaluate
+    from rlhfkit.evaluation.judges import python_judge
+    from rlhfkit.models import load_causal_lm
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def vowels(completions, **kwargs):
+        return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+    def none(completions, **kwargs):
+        return [None for _ in completions]
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hi", "tell me", "why", "ok")))
+    calls = {}
+    for judges in ({"length": length}, {"length": length, "vowels": vowels, "none": none}):
+        tokenizer = load_tokenizer(ModelConfig(name_or_path="tiny"))
+        prompts, _ = build_datasets("prompt", DataConfig(train=str(tmp_path / "p.jsonl")), tokenizer, 0)
+        model = load_causal_lm(ModelConfig(name_or_path="tiny"), tokenizer, trainable=False)
+        counter = Counted(tokenizer)
+        result = evaluate(model, model, tokenizer, prompts, {n: python_judge(f) for n, f in judges.items()},
+                          GenerationConfig(max_new_tokens=4, num_samples=2), batch_size=2)
+        assert result["num_samples"] == 8 and result["kl"]["mean"] == 0.0
+        calls[len(judges)] = counter.calls
+    # two models x (2 sampling batches + 1 prompt decode)
+    assert calls == {1: 6, 3: 6}, calls

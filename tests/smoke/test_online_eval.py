@@ -127,3 +127,31 @@ def test_eval_settings_without_effect_are_refused(stage, extra, key, tmp_path, c
     assert main([stage, "--config", f"configs/{stage}_tiny.yaml", f"output_dir={tmp_path / 'r'}", *extra]) == 2
     assert f"'{key}'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_held_out_evaluation_samples_through_the_python_apis_rollout(tmp_path):
+    """`Objects.rollout`: the component the run trains with is the one its held-out prompts are evaluated with. A
+    wrapper that steers every response to "aaa" shows in the eval figures: 3 tokens and EOS each."""
+    from rlhfkit.config import OnlineConfig, load_config
+    from rlhfkit.model_sources import build_tiny_tokenizer
+    from rlhfkit.objects import Objects
+    from rlhfkit.stages import trainer_of
+    from tests.scripted import Scripted
+
+    tok = build_tiny_tokenizer()
+    calls = []
+
+    def steer(made):
+        def rollout(policy, prompts, examples, step):
+            calls.append(len(examples))
+            return made(Scripted(policy, tok, lambda text: "aaa<|im_end|>"), prompts, examples, step)
+        return rollout
+
+    out = tmp_path / "steered"
+    cfg = load_config(OnlineConfig, "configs/grpo_tiny.yaml",
+                      [f"output_dir={out}", "logging.progress_bar=false", "max_steps=1", "generation.top_k=1",
+                       "data.eval=data/tiny/prompts_eval.jsonl", "data.max_samples=8", "data.max_prompt_length=96"])
+    trainer_of("grpo", cfg, Objects(rollout=steer)).fit()
+    (row,) = eval_rows(out)
+    assert row["eval/response/length_avg"] == 4.0 and row["eval/response/eos_rate"] == 1.0
+    assert len(calls) >= 2  # the training step's rollout and the evaluation's batches

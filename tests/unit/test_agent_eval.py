@@ -103,16 +103,22 @@ def test_evaluation_plays_the_tool_loop_and_reports_the_agent_section(tiny):
     right answer, a direct wrong answer, a call that does not parse. Format accuracy 3 of 4 turns, task completion 1
     of 3 episodes (the judge: the answer in the last turn), 1 call run, 1 malformed."""
     from rlhfkit.config import GenerationConfig
-    from rlhfkit.evaluation.agent import AgentOptions, FreshEpisodes
-    from rlhfkit.evaluation.evaluate import compare, python_judge, sample
-    from rlhfkit.rollout.tool_loop import ToolLoop
+    from types import SimpleNamespace
+
+    from rlhfkit.evaluation.agent import AgentOptions
+    from rlhfkit.evaluation.evaluate import compare
+    from rlhfkit.evaluation.judges import python_judge
+    from rlhfkit.evaluation.samples import sample
+    from rlhfkit.objects import Objects
+    from rlhfkit.rollout.maker import FreshRollout
     from rlhfkit.tools import Toolbox
     from tests.scripted import Scripted
     from tests.unit.test_tool_loop import BIAS, script
 
     model, tok = tiny
     params = GenerationConfig(max_new_tokens=200, top_k=1)
-    loop = FreshEpisodes(Toolbox([add, fail]), lambda box: ToolLoop(tok, params, 0, box, 3, 2.0, 100))
+    cfg = SimpleNamespace(generation=params, seed=0, tools=SimpleNamespace(max_calls=3, timeout_s=2.0, max_result_tokens=100))
+    loop = FreshRollout(cfg, tok, Objects(toolbox=Toolbox([add, fail])))
     broken = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>'
     prompts = [{"prompt": p, "columns": {"answer": a}, "prompt_ids": tok(p, add_special_tokens=False)["input_ids"]}
                for p, a in (("add 2 3", "5"), ("hello", "1"), ("raw " + broken, "2"))]
@@ -122,7 +128,7 @@ def test_evaluation_plays_the_tool_loop_and_reports_the_agent_section(tiny):
 
     parts = sample(Scripted(model, tok, script, BIAS), None, tok, prompts, params, batch_size=2, rollout=loop)
     assert len(parts[0]) == 2  # two batches, concatenated by compare
-    result = compare(*parts, tok, prompts, {"answered": python_judge(answered, tok)}, params,
+    result = compare(*parts, tok, prompts, {"answered": python_judge(answered)}, params,
                      agent=AgentOptions(task_judge="answered", task_threshold=1.0))
     agent = result["agent"]
     assert agent["policy"] == {"format_accuracy": 0.75, "task_completion": 1 / 3, "calls_per_episode": 2 / 3,
