@@ -144,7 +144,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     # Absent sections are built too, so their checks run (e.g. a missing model.name_or_path).
     obj = cls(**{name: _coerce(data.get(name, {}), hints[name], prefix + name) for name in names
                  if name in data or dataclasses.is_dataclass(hints[name])})
-    for name, message in obj.check() if hasattr(obj, "check") else ():
+    for name, message in obj.check() if callable(getattr(obj, "check", None)) else ():  # plan.check is a field
         raise ConfigError(f"config key '{prefix}{name}' {message}")
     return obj
 

@@ -348,6 +348,22 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """Every training run checks itself against its plan (`rlhfkit plan`, docs/memory.md): it prints the planned peak
+    at its start and saves the plan as `plan.json` in output_dir; at its end it logs the measured peak beside the
+    planned one (`memory/planned_peak_gb`, `memory/peak_gb`; on a CPU also `memory/peak_rss_gb`)."""
+
+    # On a GPU, stop before any model loads when the planned peak exceeds the free memory by more than `margin`, with
+    # the plan's first suggestion; false runs anyway.
+    check: bool = True
+    margin: Fraction = 0.1  # the excess over the free memory `check` tolerates, as a fraction of it
+    # On a CPU, track the peak of live tensor storage op by op (a TorchDispatchMode: a Python call per op, which slows
+    # a small model's steps; docs/memory.md gives the measured cost); false logs the peak resident memory only. A GPU
+    # run always logs torch.cuda.max_memory_allocated.
+    measure: bool = False
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Keys every training stage shares."""
 
@@ -369,6 +385,7 @@ class TrainConfig:
     # A non-finite loss or gradient (online RL: also reward or log-prob) skips the update and is counted
     # (`faults/skipped_total`); this many stop the run with exit status 2, its checkpoints intact.
     max_bad_steps: PosInt = 3
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the run's check against its plan (`rlhfkit plan`)
     padding_free_supported: ClassVar[bool] = False  # the stage's trainer has a padding-free path (data.padding_free)
     packing_supported: ClassVar[bool] = False  # the stage's trainer packs examples (data.packing)
     samples_supported: ClassVar[bool] = False  # the stage samples responses: held-out sampling eval, data.capability

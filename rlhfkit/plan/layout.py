@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhfkit.plan.shape import ModelShape, load_shape
+from rlhfkit.plan.shape import LAYER_LINEARS, ModelShape, load_shape
 
 ONLINE = ("ppo", "rloo", "grpo", "reinforce_pp")
 STAGES_PLANNED = ("sft", "rm", "dpo", "orpo", "kto", *ONLINE, "online_dpo", "rft")
@@ -48,6 +48,9 @@ class Layout:
     train: str  # "full", "lora" or "head" (rm's head_only)
     quantized: bool  # the policy's base in 4 bits (QLoRA)
     adapters: int  # LoRA parameters: the policy's, plus the shared-base critic's adapter and head
+    lora_rank: int  # the adapters' rank (0 without LoRA)
+    lora_targets: tuple[str, ...]  # the adapted linears of a layer
+    lora_dropout: bool  # LoRA dropout is on in the update (offline stages; the online ones disable dropout)
     reference: ModelShape | None  # a separate frozen reference (None: none, or the LoRA base with adapters off)
     reference_4bit: bool
     rewards: tuple[ModelShape, ...]  # frozen reward models (sequence classifiers)
@@ -76,9 +79,13 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     head_only = stage == "rm" and cfg.algo.head_only
     train = "head" if head_only else "lora" if m.lora.enabled else "full"
     adapters = policy.lora_params(m.lora.r, m.lora.target_modules) if train == "lora" else 0
+    targets = LAYER_LINEARS if m.lora.target_modules == "all-linear" else tuple(
+        dict.fromkeys(t.rpartition(".")[2] for t in m.lora.target_modules))
+    no_dropout = getattr(getattr(cfg, "algo", None), "disable_dropout", False)
     rewards = tuple(load(r, f"reward.model[{i}]") for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
     base = dict(stage=stage, policy=policy, head="score" if stage == "rm" else "lm", train=train,
-                quantized=m.quantization.load_in_4bit, adapters=adapters, reference=None, reference_4bit=False,
+                quantized=m.quantization.load_in_4bit, adapters=adapters, lora_rank=m.lora.r if train == "lora" else 0,
+                lora_targets=targets, lora_dropout=train == "lora" and m.lora.dropout > 0 and not no_dropout, reference=None, reference_4bit=False,
                 rewards=(), rewards_4bit=False, critic=None, accum=cfg.optim.grad_accum_steps, generation=None,
                 checkpointing=m.gradient_checkpointing, attention=m.attn_implementation or "sdpa", entropy=False,
                 optimizer_steps=1, micro_batches=cfg.optim.grad_accum_steps, release_reference=False, frozen=())

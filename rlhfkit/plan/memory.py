@@ -24,10 +24,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # constant per 256 blocks), as bitsandbytes stores them.
 FOUR_BIT = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
 # Activations a decoder layer keeps for its backward, in elements per token, by the width they scale with: counted
-# from the llama layer (two RMSNorms keep their fp32 input and normalised output, the projections their inputs, rotary
-# positions their q and k, the gated MLP its gate, up and product), then fitted on the tiny model and SmolLM2-135M by
-# bench/plan_grid.py.
-ACTIVATION = {"hidden": 10.0, "q": 4.0, "kv": 5.0, "intermediate": 5.0}
+# from the llama layer (each RMSNorm its input and normalised output; attention its rotated q and k, v, its output and
+# the output's contiguous copy; the gated MLP its gate, activation, up and product), then checked against the live
+# tensors of the tiny model and SmolLM2-135M (within 3%; docs/memory.md, "How the planner counts").
+ACTIVATION = {"hidden": 5.0, "q": 3.0, "kv": 2.0, "intermediate": 4.0}
+OUTSIDE_LAYERS = 4.0  # per token, in hidden widths: the embedding's output, the final norm's input and output
+# LoRA with dropout keeps each adapted linear's dropped-out input (and its mask): measured 1.2 input widths per linear.
+LORA_DROPOUT = 1.2
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Precision:
     weights: float
     frozen: float
     compute: float
+    gpu: bool = False  # AdamW's foreach step on a GPU holds a gradient-sized temporary; the CPU's per-tensor one does not
 
     @staticmethod
     def of(cfg, policy: ModelShape, gpu: bool) -> Precision:
@@ -46,7 +50,7 @@ class Precision:
         weights = DTYPE_BYTES.get(dtype, 4)
         mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if gpu else "no")
         half = 2 if mixed in ("bf16", "fp16") else None
-        return Precision(weights, half or weights, half or weights)
+        return Precision(weights, half or weights, half or weights, gpu)
 
 
 @dataclass(frozen=True)
@@ -112,63 +116,74 @@ def resident(lay: Layout, p: Precision, shard: Sharding, q4_double: bool = True)
     return parts
 
 
-def layer_activations(shape: ModelShape, tokens: float, p: Precision) -> float:
-    """Bytes one decoder layer keeps for its backward over `tokens` tokens."""
-    per_token = (ACTIVATION["hidden"] * shape.hidden + ACTIVATION["q"] * shape.heads * shape.head_dim
-                 + ACTIVATION["kv"] * shape.kv_heads * shape.head_dim + ACTIVATION["intermediate"] * shape.intermediate)
+def layer_activations(shape: ModelShape, tokens: float, p: Precision, lora: int = 0, dropout: bool = False,
+                      targets: tuple[str, ...] = ()) -> float:
+    """Bytes one decoder layer keeps for its backward over `tokens` tokens; `lora`: the rank of the adapters on the
+    linears `targets` (their outputs, and with `dropout` a dropped-out copy of each one's input)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = (ACTIVATION["hidden"] * shape.hidden + ACTIVATION["q"] * q + ACTIVATION["kv"] * kv
+                 + ACTIVATION["intermediate"] * shape.intermediate)
+    if lora:
+        inputs = sum(shape.linear_shapes()[t][0] for t in targets)
+        per_token += len(targets) * lora + (LORA_DROPOUT * inputs if dropout else 0.0)
     return tokens * per_token * p.compute
 
 
 def attention_scores(shape: ModelShape, f: Forward, attention: str, p: Precision) -> float:
-    """One layer's attention buffers: eager keeps softmax's fp32 output and its cast (B·H·T² each); sdpa's fused
-    kernels and flash attention keep O(T)."""
+    """One layer's attention buffers: eager keeps softmax's fp32 output (B·H·T²) and, in half precision, its cast;
+    sdpa's fused kernels and flash attention keep O(T)."""
     if attention != "eager":
         return 0.0
-    return f.rows * shape.heads * f.length**2 * (4 + p.compute)
+    return f.rows * shape.heads * f.length**2 * (4 + (p.compute if p.compute != 4 else 0))
 
 
 def logits_bytes(shape: ModelShape, f: Forward, p: Precision, entropy: bool = False) -> float:
-    """The logits (B·T·V in the compute dtype) and their fp32 copy kept for the log-softmax's backward (one row at a
-    time is computed, all rows are kept when training); the entropy keeps two more fp32 copies."""
+    """The logits' peak, at the start of the backward: the fp32 copy the log-softmax kept (B·T·V), its gradient row
+    by row, and the logits' gradient in the compute dtype (measured: 4 x B·T·V x 4 bytes in fp32); without gradient
+    the logits and one fp32 row. The entropy keeps two more fp32 copies."""
     if f.logit_len == 0:
         return 0.0
     n = f.rows * f.logit_len * shape.vocab
-    return n * (p.compute + 4 + (8 if entropy else 0)) if f.grad else n * p.compute + f.logit_len * shape.vocab * 8
+    return n * (8 + 2 * p.compute + (8 if entropy else 0)) if f.grad else n * p.compute + f.logit_len * shape.vocab * 8
 
 
 def trained_forward(lay: Layout, p: Precision, shape: ModelShape, f: Forward) -> dict[str, float]:
-    """Activations, attention buffers and logits of the update's forward with gradient of one model."""
+    """Activations and attention buffers of the update's forward with gradient of one model, at the backward's
+    start (with gradient checkpointing: each layer's input, plus one layer recomputed at a time)."""
     tokens = f.rows * f.length
-    layer = layer_activations(shape, tokens, p)
+    lora = lay.lora_rank if lay.train == "lora" and shape is lay.policy else 0
+    layer = layer_activations(shape, tokens, p, lora, lay.lora_dropout, lay.lora_targets)
     scores = attention_scores(shape, f, lay.attention, p)
+    outside = OUTSIDE_LAYERS * tokens * shape.hidden * p.compute
     if lay.train == "head":  # a probe: the body runs without gradient
         return {"activations": layer, "attention": scores}
-    if lay.checkpointing:  # each layer's input kept, one layer recomputed at a time during the backward
-        acts = shape.layers * tokens * shape.hidden * p.compute + layer
-        return {"activations": acts, "attention": scores}
-    return {"activations": shape.layers * layer + 2 * tokens * shape.hidden * p.compute,
-            "attention": shape.layers * scores}
+    if lay.checkpointing:
+        return {"activations": shape.layers * tokens * shape.hidden * p.compute + outside, "attention": 0.0,
+                "recompute": layer + scores}
+    return {"activations": shape.layers * layer + outside, "attention": shape.layers * scores}
 
 
 def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
-    """The update's peak: the forward's end (activations and logits alive) or the optimizer step, whichever is
-    higher, over the resident state; with accumulation the gradients of earlier micro-batches are alive too."""
+    """The update's peak over the resident state, at whichever moment is highest: the backward's start (activations
+    and the logits' buffers alive; with accumulation the gradients of earlier micro-batches too), the backward's end
+    (every gradient, and for tied embeddings the head's and the embedding's gradients summed: two more V·H copies),
+    or the optimizer step (on a GPU a gradient-sized temporary)."""
     parts = resident(lay, p, shard)
-    trainable = trainable_params(lay)
-    grads = trainable * (4.0 if lay.train != "full" else p.weights) / shard.states()
+    per_param = 4.0 if lay.train != "full" else p.weights
+    grads = trainable_params(lay) * per_param / shard.states()
     f = lay.trained
     fwd = trained_forward(lay, p, lay.policy, f)
     if lay.critic is not None:
         for key, value in trained_forward(lay, p, lay.critic, Forward(f.rows, f.length, 0, True)).items():
-            fwd[key] += value
+            fwd[key] = fwd.get(key, 0.0) + value
     fwd["logits"] = logits_bytes(lay.policy, f, p, lay.entropy)
+    fwd["logits"], recompute = max(fwd["logits"], fwd.pop("recompute", 0.0)), 0.0  # one after the other
     frozen = max((no_grad_forward(lay, p, g) for g in lay.frozen), default=0.0)
     fwd["no-grad forwards"] = max(0.0, frozen - sum(fwd.values()))  # before the trained forward, not during it
-    step = {"optimizer step": grads}  # the step's temporaries: about one gradient-sized buffer
-    if lay.accum > 1 or sum(fwd.values()) > grads + step["optimizer step"]:
-        parts.update({"gradients": grads if lay.accum > 1 else 0.0, **fwd})
-    else:
-        parts.update({"gradients": grads, **step})
+    tied = 2 * lay.policy.vocab * lay.policy.hidden * per_param if lay.train == "full" and lay.policy.tied else 0.0
+    end = {"gradients": grads, "tied gradient sum": tied, "optimizer step": grads if p.gpu else 0.0}
+    start = {"gradients": grads if lay.accum > 1 else 0.0, **fwd}
+    parts.update({k: v for k, v in (start if sum(start.values()) >= sum(end.values()) + recompute else end).items() if v})
     return Phase("update", parts)
 
 

@@ -27,6 +27,7 @@ from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspe
                               load_optimizer_state, optimizer_state, save_deepspeed_state, saved_weights, weight_layout_of)
 from rlhfkit.trackers import check_trackers
 from rlhfkit.trainers.callbacks import Callbacks, RunArgs, stage_of
+from rlhfkit.trainers.memory import MemoryCheck
 from rlhfkit.trainers.optim import Optim
 from rlhfkit.trainers.rundir import RunDir, commit_replacement
 from rlhfkit.trainers.sinks import MetricSink, close_sinks, open_sinks, to_float
@@ -59,6 +60,7 @@ class Run:
             check_trackers(cfg.logging.report_to)
             check_attn_implementation(cfg.model.attn_implementation)
             check_hub(cfg.logging.push_to_hub, cfg.logging.hub_model_id, cfg.logging.hub_strategy, state.is_main_process)
+            self.memory = MemoryCheck(cfg, self.stage, state.num_processes, state.is_main_process)  # before any model
         except BaseException:
             self.lock.release()
             raise
@@ -71,6 +73,7 @@ class Run:
             if exc_type is not None:
                 self.run_dir.guard()
         finally:
+            self.memory.close()
             if self.bar is not None:
                 self.bar.close()
             self.sinks = close_sinks(self.sinks)  # a failed run's tracker runs end too: a resume here reopens them
@@ -81,8 +84,7 @@ class Run:
         `mixed_precision` and `frozen_dtype` (the dtype reward models and a separate reference load in)."""
         from accelerate import Accelerator
 
-        cfg = self.cfg
-        device = distributed_state().device
+        cfg, device = self.cfg, distributed_state().device
         self.mixed_precision = resolve_mixed_precision(cfg.mixed_precision, device.type, supports_bf16(device))
         self.frozen_dtype = frozen_model_dtype(self.mixed_precision, cfg.model.dtype)
         self.accelerator = Accelerator(mixed_precision=self.mixed_precision, project_dir=cfg.output_dir)
@@ -139,7 +141,6 @@ class Run:
 
     def sum_over_processes(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, "sum") if self.world > 1 else x
-
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(world·B, ...) the rows of every process, in process order (B is the same on every process)."""
         return self.accelerator.gather(x) if self.world > 1 else x
@@ -185,8 +186,7 @@ class Run:
         with contextlib.ExitStack() as stack:  # FSDP / ZeRO-3: the weights whole while the main process writes them
             models = [stack.enter_context(saved_weights(acc, m, self.unwrap(m))) for m in trained]
             if acc.is_main_process:
-                state = {"optimizer": optimizer, "scheduler": optim.scheduler.state_dict(), "bad_steps": optim.bad_steps,
-                         **extra}
+                state = {"optimizer": optimizer, "scheduler": optim.scheduler.state_dict(), "bad_steps": optim.bad_steps, **extra}
                 save_checkpoint(out, step, write_models, state, self.cfg.logging.save_total_limit)
         acc.wait_for_everyone()
         self.saved(step)
@@ -195,8 +195,7 @@ class Run:
         """Load `resume_from` into the models (`load_models(checkpoint)`, every process), the optimizer, the schedule
         and the skipped-step count; return its trainer state (the caller restores its extra state, then calls
         `restore_rng`)."""
-        checkpoint = self.resume_from
-        state = load_trainer_state(checkpoint)
+        checkpoint, state = self.resume_from, load_trainer_state(self.resume_from)
         load_models(checkpoint)
         if self.accelerator.distributed_type == "DEEPSPEED" or state["optimizer"] == DEEPSPEED_STATE:
             load_deepspeed_state(self.accelerator, checkpoint, state["optimizer"])
@@ -208,8 +207,7 @@ class Run:
         return state
 
     @staticmethod
-    def restore_rng(state: dict) -> None:
-        """Last of a resume: nothing after it may draw random numbers before training."""
+    def restore_rng(state: dict) -> None:  # last of a resume: nothing after it may draw random numbers before training
         set_rng_state(state["rng"])
 
     # Events -------------------------------------------------------------------------------------------------------
@@ -220,6 +218,7 @@ class Run:
         if acc.is_main_process:
             self.run_dir.prepare(start_step if self.resume_from else None)
         acc.wait_for_everyone()
+        self.memory.started(total_steps)  # plan.json beside config.yaml
         args = RunArgs.of(cfg, self.stage, self.mixed_precision)
         if acc.is_main_process:
             self.sinks = open_sinks(cfg, self.stage, args.run_name)
@@ -238,7 +237,7 @@ class Run:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Metrics of step `step`, the same on every process: into the sinks (main process), then on_log."""
-        floats = {k: to_float(v) for k, v in metrics.items()}
+        floats = {k: to_float(v) for k, v in {**metrics, **self.memory.peaks_at(step, metrics)}.items()}
         self.final_metrics.update(floats)
         if self.accelerator.is_main_process:
             for sink in self.sinks:
@@ -251,9 +250,8 @@ class Run:
         self.callbacks.evaluated({k: to_float(v) for k, v in metrics.items()})
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
-        if self.accelerator.is_main_process:
-            for sink in self.sinks:
-                sink.log_samples(step, rows)
+        for sink in self.sinks if self.accelerator.is_main_process else ():
+            sink.log_samples(step, rows)
 
     def checkpoint_due(self, step: int, total_steps: int) -> bool:
         """Whether the loop writes checkpoint-{step} after step `step`: every `logging.save_steps`, when a callback
@@ -289,6 +287,7 @@ class Run:
     def finish(self, model, unwrapped, tokenizer) -> None:
         """The end of every run: the final model, the sinks closed, dashboard.png, report.html and the model card
         (README.md), the push to the hub (`logging.push_to_hub`), then on_train_end."""
+        self.memory.close()  # the training's peak (into plan.json), before the final save's copies
         self.save_final(model, unwrapped, tokenizer)
         self.bar.close()
         self.sinks = close_sinks(self.sinks)

