@@ -89,7 +89,7 @@ def policy_objective(
 
     Returns:
         loss: (B, R) fp32, unreduced; metrics: the objective's, plus "surrogate" (the objective after the masks and
-        weights, detached) and, with the KL term, "kl" (the k3 per token, before any bias correction).
+        weights, detached) and, with the KL term, "kl" (the KL term per token as added, bias-corrected or not: TRL's "kl").
     """
     mask = torch.ones_like(advantages) if mask is None else mask
     spec = get_objective(objective)
@@ -102,9 +102,9 @@ def policy_objective(
     metrics["surrogate"] = loss.detach()
     if ref_logprobs is not None and kl_coef:
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
-        metrics["kl"] = kl.detach()
         if bias_corrected_kl:
             kl = kl * torch.exp(importance_log_weight(log_ratio(logprobs, old_logprobs), mask, params.level))
+        metrics["kl"] = kl.detach()
         loss = loss + kl_coef * kl
     if entropy_coef:
         if entropy is None:

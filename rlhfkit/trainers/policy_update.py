@@ -33,17 +33,21 @@ from rlhfkit.types import Experience
 
 @dataclass
 class Tally:
-    """Loss-mask-weighted sums of an update's metrics on this process, and the sampler gap's sums."""
+    """Weighted sums of an update's metrics on this process — each micro-batch's mean weighted by what it averaged
+    over (its loss tokens, or its sequences for a sequence-level figure), so that the update's figure is the mean over
+    all of them however the minibatch was cut — and the sampler gap's sums."""
 
     sums: dict[str, float] = field(default_factory=dict)  # metric -> Σ value · weight
-    weight: float = 0.0
+    weights: dict[str, float] = field(default_factory=dict)  # metric -> Σ weight
     gap: float = 0.0  # Σ |log π − log π_sampler| over the first minibatch's action tokens
     gap_tokens: float = 0.0
 
-    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
+    def add(self, metrics: dict, weight: float) -> None:
+        """`metrics`: name -> a mean over `weight` tokens, or a (mean, its own weight) pair."""
         for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v) * weight
-        self.weight += weight
+            value, w = v if isinstance(v, tuple) else (v, weight)
+            self.sums[k] = self.sums.get(k, 0.0) + float(value) * w
+            self.weights[k] = self.weights.get(k, 0.0) + w
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,18 @@ class Update:
 # The objectives' metrics (losses.objectives) and the names they are logged under (TRL's where TRL has the figure).
 LOGGED = {"surrogate": "loss/policy_avg", "approxkl": "policy/approxkl_avg", "clipfrac": "policy/clipfrac_avg",
           "ratio": "val/ratio", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
-          "dual_clipfrac": "policy/dual_clipfrac_avg", "covfrac": "policy/cov_selected_frac", "phi": "vespo/phi_seq_mean"}
+          "dual_clipfrac": "policy/dual_clipfrac_avg", "covfrac": "policy/cov_selected_frac", "phi": "vespo/phi_seq_mean",
+          "kl": "policy/kl_term_avg"}
 CORRECTION_LOGGED = {"mismatch_kl": "sampling/mismatch_kl", "logp_diff": "sampling/sampling_logp_difference/mean",
                      "corrected": "sampling/corrected_frac", "is_ratio": "sampling/importance_sampling_ratio/mean"}
 
 
-def figure(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """A metric's mean: over the masked tokens for a (B, R) one, over the sequences for a (B, 1) one (as TRL)."""
-    return float(x.float().mean()) if x.shape[-1] == 1 else float(masked_mean(x, mask))
+def figure(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """A metric's (mean, what it averaged over): over the masked tokens for a (B, R) one, over the sequences for a
+    (B, 1) one (as TRL logs them)."""
+    if x.shape[-1] == 1:
+        return float(x.float().mean()), float(x.shape[0])
+    return float(masked_mean(x, mask)), float(mask.sum())
 
 
 class PolicyUpdate:
@@ -118,9 +126,9 @@ class PolicyUpdate:
         return self.finish(tally, norms, kept, early_stopped=False)
 
     def finish(self, tally: Tally, norms: list[float], kept, early_stopped: bool) -> Update:
-        sums, own = sums_by_name(self.run, tally.sums,
-                                 {"weight": tally.weight, "gap": tally.gap, "gap_tokens": tally.gap_tokens})
-        metrics = {k: v / max(own["weight"], 1.0) for k, v in sums.items()}
+        sums, weights, own = sums_by_name(self.run, tally.sums, tally.weights,
+                                          {"gap": tally.gap, "gap_tokens": tally.gap_tokens})
+        metrics = {k: v / max(weights[k], 1.0) for k, v in sums.items()}
         if own["gap_tokens"] > 0:
             metrics["policy/sampler_logprob_gap"] = own["gap"] / own["gap_tokens"]
         if self.ptx is not None:
@@ -193,8 +201,8 @@ class PolicyUpdate:
         return stack
 
     def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
-        """(loss, metrics, this forward's detached log-probs, approx-KL, (Σ entropy, tokens) over the tokens the loss
-        keeps) of a micro-batch, normalised by its minibatch's global counts (see losses.aggregate); Dr. GRPO's
+        """(loss, metrics as {name: (mean, what it averaged over)}, this forward's detached log-probs, approx-KL,
+        (Σ entropy, tokens) over the tokens the loss keeps) of a micro-batch, normalised by its minibatch's global counts (see losses.aggregate); Dr. GRPO's
         constant is `generation.max_new_tokens`, whatever width this rollout was padded to."""
         a, mask, temperature = self.cfg.algo, batch.loss_mask, self.cfg.generation.temperature
         control = self.entropy_control
@@ -216,7 +224,7 @@ class PolicyUpdate:
             metrics["policy/entropy_avg"] = figure(entropy.detach(), mask)
             kept = mask.float() if terms.get("token_keep") is None else mask.float() * terms["token_keep"].float()
             ent = (float((entropy.detach() * kept).sum()), float(kept.sum()))
-        return loss, metrics, logprobs.detach(), metrics["policy/approxkl_avg"], ent
+        return loss, metrics, logprobs.detach(), metrics["policy/approxkl_avg"][0], ent
 
     def masks_and_weights(self, batch: Experience, logprobs, old, entropy) -> tuple[dict, dict[str, float]]:
         """The keyword terms of `policy_objective` this config asks for — the top-entropy tokens (the quantile over
@@ -234,7 +242,7 @@ class PolicyUpdate:
         if a.off_policy_mask_threshold is not None:
             terms["sequence_keep"] = off_policy_sequence_mask(batch.advantages, logprobs, sampler, mask,
                                                               a.off_policy_mask_threshold)
-            metrics["policy/off_policy_masked_frac"] = 1.0 - figure(terms["sequence_keep"], mask)
+            metrics["policy/off_policy_masked_frac"] = figure(1.0 - terms["sequence_keep"], mask)
         if a.rollout_correction != "none":
             weights, cm = rollout_correction(old, sampler, batch.rollout.action_mask, a.rollout_correction,
                                              a.rollout_correction_min, a.rollout_correction_max)

@@ -53,7 +53,7 @@ from rlhfkit.losses.aggregate import aggregate  # noqa: E402
 from rlhfkit.losses.policy import ppo_policy_loss, value_loss  # noqa: E402
 from rlhfkit.kl import kl_penalty  # noqa: E402
 from rlhfkit.ops import masked_mean, masked_sum, masked_whiten  # noqa: E402
-from parity_helpers import TOL, assert_loss_and_grads_match, leaf
+from parity_helpers import TOL, IdentityAccelerator, assert_loss_and_grads_match, leaf
 
 B, R = 8, 10
 INVALID_LOGPROB = 1.0  # TRL PPO's fill value for padding log-probs
@@ -247,26 +247,12 @@ def test_masked_whiten_matches_trl():
 # GRPO: TRL's own `_compute_loss`
 
 
-class _IdentityAccelerator:
-    device = torch.device("cpu")
-    num_processes = 1
-    sync_gradients = True
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
-
-
 def trl_grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, loss_type, beta, epsilon, epsilon_high,
                   max_completion_length, num_items_in_batch):
     trainer = object.__new__(GRPOTrainer)
     attrs = dict(
         model=types.SimpleNamespace(training=True),
-        accelerator=_IdentityAccelerator(),
+        accelerator=IdentityAccelerator(),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
