@@ -29,7 +29,8 @@ logger = logging.getLogger("rlhfkit")
 IGNORE_INDEX = -100  # label of a token that takes no loss (torch cross_entropy's default ignore_index)
 _RECORD = "_rlhfkit_record"  # the one column of a list of records handed to the map: each record as JSON text
 _FLAGS = ("_prompt_truncated", "_response_truncated", "_dropped", "_plain")  # per map row; the statistics count them
-_KEPT, _EMPTY, _IDENTICAL = 0, 1, 2  # "_dropped": kept, dropped for an empty response, dropped for chosen == rejected
+# "_dropped": kept, or why not: an empty response, chosen == rejected, a prompt whose tools or system message would be cut
+_KEPT, _EMPTY, _IDENTICAL, _TOOLS = 0, 1, 2, 3
 
 
 # The typed examples of each kind, as `build_datasets` returns them (lists of token ids, no padding).
@@ -79,13 +80,17 @@ class TruncationStats:
     records: int  # records read
     prompts_truncated: int = 0  # prompts longer than max_prompt_length, cut to their last tokens
     responses_truncated: int = 0  # records with a response cut so that prompt + response fits max_length
-    dropped: int = 0  # records left with an empty response, or with chosen == rejected
+    dropped: int = 0  # records left with an empty response, or with chosen == rejected, and those of `tools_dropped`
+    tools_dropped: int = 0  # records whose prompt was too long and began with tool definitions or a system message
 
     def summary(self, source: str) -> str:
+        tools = self.tools_dropped
         return (
             f"{source}: {self.records} records -> {self.records - self.dropped} examples; "
             f"{self.prompts_truncated} prompts truncated to data.max_prompt_length (kept their last tokens), "
             f"{self.responses_truncated} responses cut to data.max_length, {self.dropped} dropped"
+            + (f"; {tools} record{'s' if tools != 1 else ''} dropped: their tool definitions (or system message) did "
+               "not fit data.max_prompt_length" if tools else "")
         )
 
 
@@ -159,7 +164,10 @@ def _encode_batch(batch: dict[str, list], indices: list[int], *, encoder: Encode
 def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: DataConfig, source: str) -> dict:
     """Validates and tokenizes record `i`: its example's columns plus the `_FLAGS` of what was cut or dropped.
 
-    1. A prompt longer than cfg.max_prompt_length keeps its last tokens (truncation="truncate") or is an error.
+    1. A prompt longer than cfg.max_prompt_length keeps its last tokens (truncation="truncate") or is an error. A
+       prompt with tool definitions or a system message is never cut, since they are its first tokens (the chat
+       template renders them first): its record is dropped, or, a prompt record (the online stages' data, where a
+       dropped prompt would go unnoticed), refused; with truncation="error" it is refused too.
     2. Responses are cut so that prompt + response <= cfg.max_length.
     3. A record whose response is then empty, or a pair whose chosen and rejected ids are equal, is dropped: its row
        stays, flagged, so that the statistics survive the cache; `_examples` leaves it out.
@@ -168,9 +176,17 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
     example = canonical(rename_columns(record, cfg.columns, where), fmt, kind, source, i)
     encoder.plain = False
     flags = {"_prompt_truncated": False, "_response_truncated": False, "_dropped": _KEPT}
+    head = bool(example.tools) or _has_system_message(example)  # what a cut from the front would take away
+    too_long = False
 
     def fit_prompt(ids: list[int]) -> list[int]:
+        nonlocal too_long
         if len(ids) <= cfg.max_prompt_length:
+            return ids
+        if head and (kind == "prompt" or cfg.truncation == "error"):
+            raise DataError(_head_cut(where, len(ids), cfg.max_prompt_length, kind))
+        if head:  # kept whole: the record is dropped (flagged below, over any other reason)
+            too_long = True
             return ids
         if cfg.truncation == "error":
             raise DataError(
@@ -213,7 +229,25 @@ def _encode(encoder: Encoder, record: dict, i: int, fmt: str, kind: str, cfg: Da
         else:  # SFT prompt/completion: the loss on the completion's assistant turns
             labels = [t if m else IGNORE_INDEX for t, m in zip(responses[0], masks[0])]
             columns = {"input_ids": prompt_ids + responses[0], "labels": [IGNORE_INDEX] * len(prompt_ids) + labels}
+    if too_long:
+        flags["_dropped"] = _TOOLS
     return {**columns, **flags, "_plain": encoder.plain}
+
+
+def _has_system_message(example) -> bool:
+    messages = example.turns if example.turns is not None else example.prompt
+    return isinstance(messages, list) and any(m.get("role") == "system" for m in messages)
+
+
+def _head_cut(where: str, length: int, max_prompt_length: int, kind: str) -> str:
+    """The refusal of a prompt that is too long and begins with tool definitions or a system message."""
+    if kind == "prompt":
+        return (f"{where}: the prompt with its tool definitions (or system message) is {length} tokens, longer than "
+                f"data.max_prompt_length={max_prompt_length}, and cutting it would cut them away: raise "
+                "data.max_prompt_length or shorten the record")
+    return (f"{where}: prompt is {length} tokens, longer than data.max_prompt_length={max_prompt_length}; cutting it "
+            "would cut its tool definitions (or system message), which come first: raise data.max_prompt_length (with "
+            "data.truncation=truncate such a record is dropped, and counted)")
 
 
 def _fit_sequence(input_ids: list[int], labels: list[int], max_length: int, flags: dict) -> SFTExample:
@@ -235,6 +269,7 @@ def _examples(rows: datasets.Dataset, kind: str, source: str) -> tuple[list[Exam
         prompts_truncated=sum(table["_prompt_truncated"]),
         responses_truncated=sum(table["_response_truncated"]),
         dropped=sum(reason != _KEPT for reason in dropped),
+        tools_dropped=sum(reason == _TOOLS for reason in dropped),
     )
     if any(table["_plain"]):
         logger.warning(f"{source}: the tokenizer has no chat template; rendering messages as plain 'role: content' lines")

@@ -47,7 +47,7 @@ from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.objects import Objects
 from rlhfkit.reward_functions import load_reward_function, trainer_state
 from rlhfkit.rewards import RewardSource, as_list, reward_inputs
-from rlhfkit.rollout.maker import FreshRollout, check_row_tools, toolbox_of
+from rlhfkit.rollout.maker import FreshRollout, check_prompt_room, check_row_tools, toolbox_of
 from rlhfkit.types import Rollout
 
 logger = logging.getLogger("rlhfkit")
@@ -162,6 +162,8 @@ class Evaluator:
         # The tools are imported and described here, before any model loads; episodes get environments of their own.
         rollout = FreshRollout(cfg, tokenizer, Objects(toolbox=toolbox_of(cfg, Objects())))
         check_row_tools(rollout.toolbox, prompts, cfg.data.eval)
+        for examples, source in ((prompts, cfg.data.eval), (self.red_prompts, "red_team.prompts")):
+            check_prompt_room(rollout.toolbox, tokenizer, examples, cfg.data.max_prompt_length, source)
         if cfg.red_team.prompts or cfg.red_team.human_flags:
             self.red_team = RedTeam(cfg.red_team, cfg.model.name_or_path, cfg.reference, device, cfg.batch_size)
         # 2. The models, then the evaluation itself.

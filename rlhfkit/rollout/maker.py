@@ -79,12 +79,44 @@ def environment_rewards(objects) -> list:
 def check_row_tools(toolbox: Toolbox | None, examples: list[dict], source: str) -> None:
     """Refuses at start, in one line naming `source` and the record, a prompt record whose own `tools` column its
     episode could not play (`Toolbox.row_problem`: a function that is not registered, or is described with other
-    parameters). `examples`: the prompt examples read from `source` (`data.build_datasets("prompt", ...)`). Without
-    tools there is nothing to check: a single turn shows the record's tools as the data layer rendered them."""
-    if toolbox is None:
-        return
+    parameters); and, in a run without tools, any record with the column: its prompt would show the model tools that
+    nothing runs (the run does not guess functions from schemas). `examples`: the prompt examples read from `source`
+    (`data.build_datasets("prompt", ...)`)."""
     for example in examples:
-        if example.get("tools") is not None:
-            why = toolbox.row_problem(example["tools"], example["columns"].get("environment"))
-            if why is not None:
-                raise DataError(f"{source} record {example['record']}: {why}")
+        if example.get("tools") is None:
+            continue
+        if toolbox is None:
+            raise DataError(f"{source} record {example['record']}: a `tools` column, but the run has no tools, so no "
+                            "call could run: register them (tools.functions / tools.environment, or tools= / "
+                            "environment_factory= in Python), or remove the column")
+        why = toolbox.row_problem(example["tools"], example["columns"].get("environment"))
+        if why is not None:
+            raise DataError(f"{source} record {example['record']}: {why}")
+
+
+def check_prompt_room(toolbox: Toolbox | None, tokenizer, examples: list[dict], max_prompt_length: int,
+                      source: str) -> None:
+    """Refuses at start, in one line naming `source`, the record and the lengths, a prompt that does not fit
+    data.max_prompt_length once rendered with the tools its episode shows: the run's (the data layer, which cuts or
+    refuses over-long prompts, never sees them), or those its own `tools` column lists. The tool loop renders its
+    prompts whole (`tool_loop.ToolLoop.start`), so an over-long one would exceed the setting; cutting it would cut the
+    tool definitions, which come first. An environment's reset() text, known only when an episode starts, is not
+    counted. Without tools, or without a chat template (the tool loop refuses that itself), there is nothing to do."""
+    if toolbox is None or not getattr(tokenizer, "chat_template", None):
+        return
+    envs = toolbox.environments
+    for example in examples:
+        schemas = example.get("tools")
+        if schemas is None:
+            key = example["columns"].get("environment") if envs is not None and envs.routed else None
+            methods = envs.methods.get(key, {}) if envs is not None else {}
+            schemas = [tool.schema for tool in {**toolbox.functions, **methods}.values()]
+        prompt = example["prompt"]
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        length = len(tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False))
+        if length > max_prompt_length:
+            raise DataError(f"{source} record {example['record']}: the prompt with its tools' definitions is {length} "
+                            f"tokens, longer than data.max_prompt_length={max_prompt_length}; the tool loop never cuts "
+                            "a prompt (that would cut the definitions, which come first): raise data.max_prompt_length "
+                            "or shorten the prompt")

@@ -52,7 +52,7 @@ def load_online_data(cfg: OnlineConfig, objects: Objects) -> OnlineData:
     from rlhfkit.data import build_datasets
     from rlhfkit.launch import distributed_state
     from rlhfkit.models import check_model_structure, load_tokenizer
-    from rlhfkit.rollout.maker import check_row_tools
+    from rlhfkit.rollout.maker import check_prompt_room, check_row_tools
 
     with distributed_state().main_process_first():
         tokenizer = load_tokenizer(cfg.model, given=objects.tokenizer)
@@ -60,6 +60,8 @@ def load_online_data(cfg: OnlineConfig, objects: Objects) -> OnlineData:
         train_set, eval_prompts = build_datasets("prompt", cfg.data, tokenizer, cfg.seed)
         check_row_tools(objects.toolbox, train_set, cfg.data.train)  # a record's own tools: registered ones only
         check_row_tools(objects.toolbox, eval_prompts or [], cfg.data.eval or cfg.data.train)
+        for examples, source in ((train_set, cfg.data.train), (eval_prompts or [], cfg.data.eval or cfg.data.train)):
+            check_prompt_room(objects.toolbox, tokenizer, examples, cfg.data.max_prompt_length, source)
         return OnlineData(tokenizer, train_set, eval_prompts, capability_set(cfg, tokenizer), load_ptx_set(cfg, tokenizer))
 
 

@@ -72,7 +72,7 @@ COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/l
     ("online_dpo", 4, ["data.ptx=data/tiny/sft_train.jsonl", "algo.ptx_coef=0.5"]),  # micro-batches of pairs
     # the multi-turn tool loop as the rollout component (its episodes seeded per prompt as the single-turn ones)
     ("grpo", 8, ["algo.num_minibatches=1", "model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]",
-                 "tools.max_calls=2"]),
+                 "tools.max_calls=2", "data.max_length=2048", "data.max_prompt_length=1024"]),
     # DAPO's dynamic sampling: half the prompts give groups without signal, whose slots are sampled again
     ("grpo", 8, ["algo.num_minibatches=1", "algo.algorithm=dapo", "algo.dynamic_filtering=true",
                  "algo.max_sampling_rounds=3", "reward.function=tests.smoke.reward_fns:half_flat"]),

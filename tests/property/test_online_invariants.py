@@ -31,7 +31,8 @@ def test_lr_zero_first_epoch_has_ratio_one(stage, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "model.lora.r=4"],
-                                   ["model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]"]],
+                                   ["model.chat_template=chatml_tools", "tools.functions=[tests.smoke.agent_tools:add]",
+                                    "data.max_length=2048", "data.max_prompt_length=1024"]],
                          ids=["full", "lora-shared-critic", "tools"])
 def test_resume_reproduces_final_metrics(extra, tmp_path):
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=4", "logging.save_steps=2", "logging.progress_bar=false",

@@ -20,7 +20,8 @@ from tests.scripted import Scripted
 from tests.smoke.agent_tools import Tally, add
 
 TOOLS = "tests.smoke.agent_tools"
-BASE = ["logging.progress_bar=false", "max_steps=2", "model.chat_template=chatml_tools"]
+BASE = ["logging.progress_bar=false", "max_steps=2", "model.chat_template=chatml_tools",
+        "data.max_length=2048", "data.max_prompt_length=1024"]  # the prompts with the tools' schemas fit
 
 
 def rows(path):
@@ -54,7 +55,8 @@ def test_trl_tools_and_environment_objects_through_the_python_api(tmp_path):
 
     rlhfkit.train("grpo", model="tiny", config="configs/grpo_tiny.yaml", reward_funcs=[episodes], tools=[add],
                   environment_factory=Tally, overrides={"max_steps": 1, "logging.progress_bar": False,
-                                                       "model.chat_template": "chatml_tools"}, output_dir=str(out))
+                                                       "model.chat_template": "chatml_tools", "data.max_length": 2048,
+                                                       "data.max_prompt_length": 1024}, output_dir=str(out))
     completions, environments = seen[0]
     assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
     assert len({id(e) for e in environments}) == len(environments) and all(type(e) is Tally for e in environments)

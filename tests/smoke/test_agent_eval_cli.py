@@ -27,7 +27,7 @@ def test_eval_with_a_calculator_reports_agent_figures_and_the_gate(tmp_path, cap
     whatever it writes, the judge `always` makes task completion exactly 1: the gate is not passed at its default
     thresholds (0.95, 0.8), and the console says so."""
     assert main(base(tmp_path) + [f"tools.functions=[{TOOLS}:calculator]", "tools.max_calls=2", "agent.task_judge=done",
-                                  f"agent.format_check={TOOLS}:reject"]) == 0
+                                  f"agent.format_check={TOOLS}:reject", "data.max_length=2048", "data.max_prompt_length=1024"]) == 0
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     agent = report["agent"]
     assert agent["format_check"] == f"{TOOLS}:reject" and agent["task_judge"] == "done"
@@ -74,7 +74,7 @@ def test_the_held_out_evaluation_during_grpo_plays_the_same_episodes(tmp_path):
     assert main(["grpo", "--config", "configs/grpo_tiny.yaml", f"output_dir={out}", "logging.progress_bar=false",
                  "max_steps=1", "model.chat_template=chatml_tools", f"tools.functions=[{TOOLS}:calculator]",
                  f"reward.function=[{TOOLS}:always]", f"data.eval={prompts}", "agent.task_judge=always",
-                 f"agent.format_check={TOOLS}:reject"]) == 0
+                 f"agent.format_check={TOOLS}:reject", "data.max_length=2048", "data.max_prompt_length=1024"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if "eval/agent/format_accuracy" in r][-1]
     assert evaluated["eval/agent/format_accuracy"] == 0.0 and evaluated["eval/agent/task_completion"] == 1.0

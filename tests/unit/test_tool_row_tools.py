@@ -122,3 +122,25 @@ def test_records_whose_tools_cannot_be_played_are_refused_at_start():
         with pytest.raises(DataError) as caught:
             check_row_tools(box, [example(None), bad], "d.jsonl")
         assert str(caught.value) == message
+
+
+def test_a_tools_column_in_a_run_without_tools_is_refused_at_start():
+    """Without tools a record's `tools` column would be rendered into the prompt, showing the model tools nothing can
+    run: refused in one line naming the record (the run does not guess functions from the schemas)."""
+    check_row_tools(None, [example(None), example(None, record=1)], "d.jsonl")  # no column: nothing to say
+    with pytest.raises(DataError) as caught:
+        check_row_tools(None, [example(None), example([ROW_ADD], record=7)], "d.jsonl")
+    assert str(caught.value) == (
+        "d.jsonl record 7: a `tools` column, but the run has no tools, so no call could run: register them "
+        "(tools.functions / tools.environment, or tools= / environment_factory= in Python), or remove the column")
+
+
+def test_an_online_run_without_tools_refuses_a_tools_column(tmp_path):
+    import rlhfkit
+
+    records = [{"prompt": "What is 2+3?"}, {"prompt": [{"role": "user", "content": "2+3?"}], "tools": [ROW_ADD]}]
+    with pytest.raises(DataError, match=r"^train_dataset record 1: a `tools` column, but the run has no tools"):
+        rlhfkit.train("grpo", model="tiny", train_dataset=records, config="configs/grpo_tiny.yaml",
+                      output_dir=str(tmp_path / "run"),
+                      overrides={"model.chat_template": "chatml_tools", "data.max_length": 2048,
+                                 "data.max_prompt_length": 1024, "data.eval": None, "max_steps": 1})
