@@ -59,7 +59,9 @@ COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/l
             "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "objective/kl_coef", "episodes",
             "loss/ptx_avg", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "objective/tie_rate", "share_with_a", "rewards/logs_things/mean", "dynamic_sampling/rounds",
-            "dynamic_sampling/dropped_groups", "dynamic_sampling/filled_share")
+            "dynamic_sampling/dropped_groups", "dynamic_sampling/filled_share", "clip_ratio/low_mean",
+            "clip_ratio/high_mean", "policy/entropy_kept_frac", "policy/off_policy_masked_frac", "policy/entropy_coef",
+            "policy/entropy_avg", "sampling/corrected_frac")
 
 
 @pytest.mark.slow
@@ -76,7 +78,14 @@ COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/l
     # DAPO's dynamic sampling: half the prompts give groups without signal, whose slots are sampled again
     ("grpo", 8, ["algo.num_minibatches=1", "algo.algorithm=dapo", "algo.dynamic_filtering=true",
                  "algo.max_sampling_rounds=3", "reward.function=tests.smoke.reward_fns:half_flat"]),
-], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx", "grpo-tools", "dapo-dynamic-sampling"])
+    # a sequence-level objective with the top-entropy tokens (the quantile over both processes' tokens: one
+    # micro-batch per process, so the same tokens as one process's), the off-policy mask, the sampler correction
+    # and adaptive entropy (the global entropy each step), two epochs so that the second is off-policy
+    ("grpo", 16, ["algo.num_minibatches=1", "algo.ppo_epochs=2", "algo.policy_loss=gspo", "algo.top_entropy_quantile=0.5",
+                  "algo.off_policy_mask_threshold=0.05", "algo.rollout_correction=token_truncate",
+                  "algo.adaptive_entropy=true", "algo.entropy_coef=0.01", "algo.entropy_target=10"]),
+], ids=["grpo", "ppo-lora-shared-critic", "grpo-ptx", "online-dpo-ptx", "grpo-tools", "dapo-dynamic-sampling",
+        "gspo-masks-correction-adaptive-entropy"])
 def test_two_processes_equal_one(stage, micro, extra, tmp_path):
     common = ["--config", f"configs/{stage}_tiny.yaml", "max_steps=3", "logging.progress_bar=false", "optim.lr=1e-2", "optim.adam_eps=1e-4",
               "generation.max_new_tokens=8", *extra]
