@@ -257,8 +257,9 @@ class RewardModelSource:
 
     A tool episode (its completion a message list with tool calls and results) is a conversation, a text prompt its
     one user turn. The reward model reads it whole: with its own chat template when that renders the calls and the
-    results, else (warned once) with the policy's, which `model.chat_template` set and the tool loop checked; the tool
-    schemas the policy was shown are not part of what it reads. When neither template renders them, a UserError.
+    results, else (warned once) with the policy's, which `model.chat_template` set and the tool loop checked, and with
+    the tool schemas the policy was shown (`Rollout.schemas`), so that it reads the calls against the tools' definitions
+    as the policy wrote them. When neither template renders them, a UserError.
     """
 
     def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None,
@@ -280,24 +281,27 @@ class RewardModelSource:
 
     def values(self, rollout, inputs: RewardInputs) -> Tensor:
         if self.retokenize:
-            ids, mask, resp = (t.to(rollout.input_ids.device) for t in self.encode(inputs))
+            ids, mask, resp = (t.to(rollout.input_ids.device) for t in self.encode(inputs, rollout.schemas))
         else:
             ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
         step = self.batch_size or ids.shape[0]
         return torch.cat([self.scorer(ids[i : i + step], mask[i : i + step], resp[i : i + step])
                           for i in range(0, ids.shape[0], step)]).float()
 
-    def encode(self, inputs: RewardInputs) -> tuple[Tensor, Tensor, Tensor]:
+    def encode(self, inputs: RewardInputs, schemas=None) -> tuple[Tensor, Tensor, Tensor]:
         """Each row's prompt + completion in the reward model's own tokens, right-padded: ids, attention mask and
-        response mask (B, T'), the response being what follows the prompt's own tokens."""
+        response mask (B, T'), the response being what follows the prompt's own tokens. `schemas` (B,): the tool
+        schemas each row's prompt was rendered with (`Rollout.schemas`; None: none)."""
         tok = self.scorer.tokenizer
         texts, prompt_texts = [], []
-        for prompt, completion in zip(inputs.prompts, inputs.completions):
+        for i, (prompt, completion) in enumerate(zip(inputs.prompts, inputs.completions)):
             if is_conversational(prompt) or isinstance(completion, list):  # a list: an episode with tools
                 turns = list(prompt) if is_conversational(prompt) else [{"role": "user", "content": prompt}]
                 template = self.template_for(turns + list(completion))
-                texts.append(tok.apply_chat_template(turns + list(completion), chat_template=template, tokenize=False))
-                prompt_texts.append(tok.apply_chat_template(turns, chat_template=template, tokenize=False,
+                tools = schemas[i] if schemas is not None else None
+                texts.append(tok.apply_chat_template(turns + list(completion), tools=tools, chat_template=template,
+                                                     tokenize=False))
+                prompt_texts.append(tok.apply_chat_template(turns, tools=tools, chat_template=template, tokenize=False,
                                                             add_generation_prompt=True))
             else:
                 texts.append(prompt + completion)

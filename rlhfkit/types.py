@@ -242,13 +242,16 @@ class Rollout(_TensorBatch):
     # to the last message (TRL's contract: reward sources get it); None: the records' prompts
     prompts: Rows | None = None
     tools: ToolCounts | None = None  # what the episodes' tool calls did; None without tools
+    # (B,) the tool schemas each row's prompt was rendered with (None in a row: none), for a reward model that renders
+    # the episode again in its own tokens; None: no row was shown tools
+    schemas: Rows | None = None
 
     @staticmethod
     def concat(parts: list["Rollout"], pad_token_id: int) -> "Rollout":
         """Several rollouts as one, rows in order: the one way to join rollouts (sampling batches, one prompt's
         draws). Prompts left-padded and responses right-padded to the widest (padding columns carry nothing: mask 0,
         log-prob 0), group ids continued after each part's last, and the per-row text, completions, environments,
-        played prompts and tool counts kept wherever every part has them."""
+        played prompts, schemas and tool counts kept wherever every part has them."""
         P, R = max(r.prompt_ids.shape[1] for r in parts), max(r.response_ids.shape[1] for r in parts)
         left = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
         right = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
@@ -256,7 +259,7 @@ class Rollout(_TensorBatch):
         for r in parts[:-1]:
             offsets.append(offsets[-1] + int(r.group_ids.max()) + 1)
         rows = {name: Rows(row for r in parts for row in getattr(r, name))
-                for name in ("texts", "completions", "environments", "prompts")
+                for name in ("texts", "completions", "environments", "prompts", "schemas")
                 if all(getattr(r, name) is not None for r in parts)}
         return Rollout(
             prompt_ids=torch.cat([left(r.prompt_ids, pad_token_id) for r in parts]),  # (B, P)

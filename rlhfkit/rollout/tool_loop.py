@@ -240,6 +240,7 @@ class ToolLoop:
             environments=Rows(e.environment for e in episodes) if self.toolbox.environments else None,
             prompts=Rows(e.prompt for e in episodes) if self.toolbox.environments else None,
             tools=counts,
+            schemas=Rows(e.schemas for e in episodes),
         )
 
 

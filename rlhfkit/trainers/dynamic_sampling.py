@@ -145,7 +145,7 @@ def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         groups.append(part.group_ids + offsets)
         offsets += int(part.group_ids.max()) + 1 if part.group_ids.numel() else 0
     joined = {name: Rows(row for p in parts for row in getattr(p, name)) if getattr(parts[0], name) is not None
-              else None for name in ("texts", "completions", "environments", "prompts")}
+              else None for name in ("texts", "completions", "environments", "prompts", "schemas")}
     return Rollout(prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
                    prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
                    response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),

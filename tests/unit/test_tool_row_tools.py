@@ -144,3 +144,33 @@ def test_an_online_run_without_tools_refuses_a_tools_column(tmp_path):
                       output_dir=str(tmp_path / "run"),
                       overrides={"model.chat_template": "chatml_tools", "data.max_length": 2048,
                                  "data.max_prompt_length": 1024, "data.eval": None, "max_steps": 1})
+
+
+def test_a_reward_model_that_retokenises_reads_the_schemas_the_policy_saw(tiny):
+    """The rollout carries each episode's schemas (`Rollout.schemas`) to the reward sources: a reward model with a
+    template of its own re-renders the episode with them, the system turn holding them as the policy's prompt did.
+    Row 0's own schema of add; row 1 every registered tool; row 2 none."""
+    from rlhfkit.model_sources import build_tiny_tokenizer
+    from rlhfkit.rewards import RewardModelSource, reward_inputs
+    from tests.unit.test_reward_model_tools import Recorder
+
+    _, tok = tiny
+    box = Toolbox([add, recording([])])
+    texts = ["raw " + call("add", a=a, b=b)[:-len(END)] for a, b in ((2, 3), (1, 1), (4, 4))]
+    ro = play(tiny, list(zip(texts, ([ROW_ADD], None, []))), box)
+    every = [box.functions[n].schema for n in ("add", "note")]
+    assert list(ro.schemas) == [[ROW_ADD], every, None]
+    assert list(ro.select(torch.tensor([2, 0])).schemas) == [None, [ROW_ADD]]
+    rm_tok = build_tiny_tokenizer()  # its own template renders no tools: the policy's renders the episodes for it
+    scorer = Recorder(rm_tok)
+    source = RewardModelSource(scorer, "rm", tok)
+    assert source.retokenize
+    examples = [{"prompt": text, "columns": {}} for text in texts]
+    source.score(ro, reward_inputs(tok, ro, examples))
+    read = [rm_tok.decode(ids) for ids, _ in scorer.read]
+    played = [tok.decode(p[m.bool()].tolist() + r[n.bool()].tolist())
+              for p, m, r, n in zip(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)]
+    assert read[0].startswith(TOOLS_OPEN + json.dumps(ROW_ADD) + TOOLS_CLOSE)
+    assert read[1].startswith(TOOLS_OPEN + "\n".join(json.dumps(s) for s in every) + TOOLS_CLOSE)
+    assert read[2].startswith("<|im_start|>user\n")
+    assert [r.removesuffix("\n") for r in read] == played  # what the policy saw and wrote, token for token
