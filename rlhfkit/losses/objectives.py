@@ -87,7 +87,6 @@ class Objective:
             sequence that a token mask would only rescale (GMPO).
         takes_is_weights: it folds the rollout correction's weights into its own (keyword `is_weights`) instead of
             having its loss multiplied by them.
-        paper: short citation for the docs' table.
     """
 
     name: str
@@ -98,7 +97,6 @@ class Objective:
     sequence_advantage_levels: tuple[str, ...] = ("sequence",)
     token_masks: bool = True
     takes_is_weights: bool = False
-    paper: str = ""
 
 
 OBJECTIVES: dict[str, Objective] = {}

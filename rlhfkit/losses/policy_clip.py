@@ -112,16 +112,15 @@ def sapo(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
     return loss.expand_as(log_rho), base_metrics(log_rho, ratio, torch.zeros_like(ratio))
 
 
-register_objective(Objective("ppo_clip", ppo_clip, levels=("token", "sequence"), uses=_CLIP,
-                             paper="PPO (1707.06347) with DAPO's clip-higher, dual clip, INTELLECT-2's δ"))
-register_objective(Objective("gspo", ppo_clip, levels=("sequence",), uses=_CLIP, loss_agg="seq-mean-token-mean",
-                             paper="GSPO (2507.18071)"))
+# gspo and luspo are the clipped surrogate at GSPO's sequence level (luspo may also run per token, as TRL's does); they
+# differ in the reduction: each sequence weighs the same (GSPO, eq. 5), or its length (LUSPO).
+register_objective(Objective("ppo_clip", ppo_clip, levels=("token", "sequence"), uses=_CLIP))
+register_objective(Objective("gspo", ppo_clip, levels=("sequence",), uses=_CLIP, loss_agg="seq-mean-token-mean"))
 register_objective(Objective("gspo_token", gspo_token, levels=("sequence",), uses=_CLIP, loss_agg="seq-mean-token-mean",
-                             sequence_advantage_levels=(), paper="GSPO-token (2507.18071, eq. 13)"))
-register_objective(Objective("luspo", ppo_clip, levels=("sequence", "token"), uses=_CLIP, loss_agg="seq-mean-token-sum",
-                             paper="LUSPO (2602.05261)"))
+                             sequence_advantage_levels=()))
+register_objective(Objective("luspo", ppo_clip, levels=("sequence", "token"), uses=_CLIP, loss_agg="seq-mean-token-sum"))
 register_objective(Objective("gmpo", gmpo, uses=frozenset({"clip_eps", "clip_eps_high"}), loss_agg="seq-mean-token-mean",
-                             sequence_advantage_levels=("token",), token_masks=False, paper="GMPO (2507.20673)"))
+                             sequence_advantage_levels=("token",), token_masks=False))
 register_objective(Objective("sapo", sapo, levels=("token", "sequence"),
                              uses=frozenset({"sapo_temperature_pos", "sapo_temperature_neg"}),
-                             loss_agg="seq-mean-token-mean", paper="SAPO (2511.20347)"))
+                             loss_agg="seq-mean-token-mean"))

@@ -69,7 +69,5 @@ def kl_cov(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams):
 
 
 register_objective(Objective("clip_cov", clip_cov, uses=frozenset({"clip_eps", "clip_eps_high", "clip_cov_ratio",
-                                                                   "clip_cov_lb", "clip_cov_ub"}),
-                             paper="Clip-Cov (2505.22617)"))
-register_objective(Objective("kl_cov", kl_cov, uses=frozenset({"kl_cov_ratio", "kl_cov_coef"}),
-                             paper="KL-Cov (2505.22617)"))
+                                                                   "clip_cov_lb", "clip_cov_ub"})))
+register_objective(Objective("kl_cov", kl_cov, uses=frozenset({"kl_cov_ratio", "kl_cov_coef"})))

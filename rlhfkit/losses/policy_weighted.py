@@ -101,12 +101,8 @@ def vespo(logprobs, old_logprobs, advantages, mask, p: ObjectiveParams, is_weigh
 
 
 _CAP = frozenset({"ratio_cap"})
-register_objective(Objective("cispo", cispo, levels=("token", "sequence"), uses=_CAP, loss_agg="token-mean",
-                             paper="CISPO (MiniMax-M1, 2506.13585)"))
-register_objective(Objective("dppo_binary_tv", dppo_binary_tv, uses=_CAP | {"dppo_threshold"},
-                             paper="DPPO Binary-TV (2602.04879)"))
-register_objective(Objective("dppo_binary_kl", dppo_binary_kl, uses=_CAP | {"dppo_threshold"},
-                             paper="DPPO Binary-KL (2602.04879)"))
+register_objective(Objective("cispo", cispo, levels=("token", "sequence"), uses=_CAP, loss_agg="token-mean"))
+register_objective(Objective("dppo_binary_tv", dppo_binary_tv, uses=_CAP | {"dppo_threshold"}))
+register_objective(Objective("dppo_binary_kl", dppo_binary_kl, uses=_CAP | {"dppo_threshold"}))
 register_objective(Objective("vespo", vespo, loss_agg="token-mean", sequence_advantage_levels=("token",), takes_is_weights=True,
-                             uses=frozenset({"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}),
-                             paper="VESPO (2602.10693)"))
+                             uses=frozenset({"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"})))
