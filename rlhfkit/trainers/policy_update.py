@@ -202,8 +202,9 @@ class PolicyUpdate:
 
     def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
         """(loss, metrics as {name: (mean, what it averaged over)}, this forward's detached log-probs, approx-KL,
-        (Σ entropy, tokens) over the tokens the loss keeps) of a micro-batch, normalised by its minibatch's global counts (see losses.aggregate); Dr. GRPO's
-        constant is `generation.max_new_tokens`, whatever width this rollout was padded to."""
+        (Σ entropy, tokens) over the tokens the loss keeps) of a micro-batch, normalised by its minibatch's global
+        counts (see losses.aggregate); Dr. GRPO's constant is `generation.max_new_tokens`, whatever width this
+        rollout was padded to."""
         a, mask, temperature = self.cfg.algo, batch.loss_mask, self.cfg.generation.temperature
         control = self.entropy_control
         if a.entropy_coef or control is not None or a.top_entropy_quantile < 1:
@@ -217,7 +218,8 @@ class PolicyUpdate:
             ref_logprobs=batch.ref_logprobs if self.algo.kl_in_loss else None, kl_coef=self.kl_control.value,
             bias_corrected_kl=a.bias_corrected_kl, entropy=entropy,
             entropy_coef=control.value if control is not None else a.entropy_coef, **terms)
-        loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.cfg.generation.max_new_tokens)
+        loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                         max_len=self.cfg.generation.max_new_tokens)
         metrics.update({LOGGED[k]: figure(v, mask) for k, v in m.items() if k in LOGGED})
         ent = (0.0, 0.0)
         if entropy is not None:
@@ -226,7 +228,7 @@ class PolicyUpdate:
             ent = (float((entropy.detach() * kept).sum()), float(kept.sum()))
         return loss, metrics, logprobs.detach(), metrics["policy/approxkl_avg"][0], ent
 
-    def masks_and_weights(self, batch: Experience, logprobs, old, entropy) -> tuple[dict, dict[str, float]]:
+    def masks_and_weights(self, batch: Experience, logprobs, old, entropy) -> tuple[dict, dict[str, tuple]]:
         """The keyword terms of `policy_objective` this config asks for — the top-entropy tokens (the quantile over
         every process's tokens of this micro-batch, as TRL), DeepSeek-V3.2's off-policy sequence mask, the
         sampler-mismatch weights — and their logged figures."""
