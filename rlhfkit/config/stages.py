@@ -529,7 +529,8 @@ class EvalConfig:
     # and the reference's own figures need it; null evaluates the policy alone. It must share the policy's tokenizer.
     reference: str | None = None
     reference_gguf_file: str | None = None  # a .gguf file inside (or beside) `reference`, as model.gguf_file
-    data: DataConfig = field(default_factory=DataConfig)  # held-out prompts: `data.eval` ({prompt} or {messages} records)
+    # Held-out prompts: `data.eval` ({prompt} or {messages} records); without it, eval only red-teams (red_team.*)
+    data: DataConfig = field(default_factory=DataConfig)
     preference_data: str | None = None  # pairwise preference records (a file or hub dataset): each reward model's accuracy
     # Held-out reference texts in any SFT format (a file or hub dataset): the alignment tax, the policy's and the
     # reference's mean per-token NLL of their responses and the difference (eval.json's `alignment_tax`).
@@ -553,8 +554,12 @@ class EvalConfig:
     overwrite: bool = False  # replace an existing eval.json in output_dir
 
     def check(self):
-        if not self.data.eval:
-            yield "data.eval", "is required (held-out prompts: a local file or a hub dataset name)"
+        red_teams = bool(self.red_team.prompts or self.red_team.human_flags)
+        if not self.data.eval and not red_teams:
+            yield "data.eval", ("is required (held-out prompts: a local file or a hub dataset name), unless eval only "
+                                "red-teams (red_team.prompts or red_team.human_flags)")
+        if not self.data.eval and red_teams:
+            yield from self.red_team_alone()
         for section, (names, why) in _EVAL_UNUSED.items():
             value, default = getattr(self, section), type(getattr(self, section))()
             yield from ((f"{section}.{n}", f"is not used by eval ({why})")
@@ -582,4 +587,18 @@ class EvalConfig:
         if self.tools.enabled and (self.generation.engine != "rlhfkit" or self.generation.compile):
             yield "generation.engine", ("must be rlhfkit, with generation.compile false, with tools (the tool loop "
                                         "extends rlhfkit's decode loop's KV cache turn by turn)")
+
+    def red_team_alone(self):
+        """Red-teaming without data.eval: what only judges or limits data.eval's samples has nothing to apply to."""
+        give = "give data.eval"
+        if self.reward.function:
+            yield "reward.function", f"judges data.eval's samples: {give}"
+        if self.judges:
+            yield "judges", f"judge data.eval's samples: {give}"
+        if self.reward.model and not self.preference_data:
+            yield "reward.model", f"judges data.eval's samples (or measures accuracy on preference_data): {give}"
+        if self.max_prompts is not None:
+            yield "max_prompts", f"limits data.eval's prompts: {give}"
+        if self.agent != AgentEvalConfig() or self.gate != GateConfig():
+            yield "agent" if self.agent != AgentEvalConfig() else "gate", f"reads the episodes on data.eval: {give}"
 

@@ -144,7 +144,8 @@ class Evaluator:
         device = state.device
         tokenizer = load_tokenizer(cfg.model)
         with state.main_process_first():  # one process tokenises into the cache; the others then read it
-            prompts, _ = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer, cfg.seed)
+            prompts = build_datasets("prompt", self.data_config(cfg.data.eval, cfg.max_prompts), tokenizer,
+                                     cfg.seed)[0] if cfg.data.eval else []  # (none: red-teaming alone)
             pairs = []
             if cfg.preference_data:
                 pairs, _ = build_datasets("preference", self.data_config(cfg.preference_data), tokenizer, cfg.seed)
@@ -177,7 +178,8 @@ class Evaluator:
         else:
             logger.info("no reference: reporting the policy alone (no KL, win rates or reference figures)")
         params = cfg.generation
-        parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state, rollout=rollout)
+        parts = sample(policy, reference, tokenizer, prompts, params, cfg.batch_size, cfg.seed, state,
+                       rollout=rollout) if prompts else None
         if self.red_prompts:  # the red-team prompts, drawn as data.eval's are (episodes, with tools)
             self.red_parts = sample(policy, reference, tokenizer, self.red_prompts, params, cfg.batch_size, cfg.seed,
                                     state, rollout=rollout)
@@ -191,7 +193,11 @@ class Evaluator:
     def report(self, parts, tokenizer, prompts, judges, scorers, pairs, device, tax: AlignmentTax | None = None,
                agent: AgentOptions | None = None) -> dict[str, float]:
         cfg = self.cfg
-        result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples, agent)
+        if parts is not None:
+            result = compare(*parts, tokenizer, prompts, judges, cfg.generation, cfg.num_examples, agent)
+        else:  # red-teaming alone: no held-out samples to judge
+            result = {"num_prompts": 0, "num_samples": 0, "policy": None, "reference": None, "kl": None, "win_rate": {},
+                      "alarms": [], "samples": []}
         if "agent" in result:  # the gate before reward modelling, on the policy's figures
             pol = result["agent"]["policy"]
             result["gate"] = gate(pol["format_accuracy"], pol["task_completion"], cfg.gate.format_accuracy,

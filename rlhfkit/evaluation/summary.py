@@ -12,7 +12,8 @@ def headline(report: dict) -> dict[str, float]:
     "gate/passed" (1.0 or 0.0; absent when undecided), and with red-teaming "red_team/<side>_harmful_rate". (No "eval/" prefix: the table printed them already, so the CLI's
     closing line does not repeat them.)"""
     out = {"kl": report["kl"]["mean"]} if report["kl"] is not None else {}
-    out.update({f"reward/{name}": r["mean"] for name, r in report["policy"]["reward"].items() if r["mean"] is not None})
+    policy = report["policy"] or {"reward": {}}  # (None: red-teaming alone, no held-out samples)
+    out.update({f"reward/{name}": r["mean"] for name, r in policy["reward"].items() if r["mean"] is not None})
     out.update({f"win_rate/{name}": w for name, w in report["win_rate"].items() if w is not None})
     out.update({f"rm_accuracy/{name}": a for name, a in report["reward_model_accuracy"].items()})
     if report.get("alignment_tax"):
@@ -36,14 +37,16 @@ def summary_table(report: dict) -> str:
         return f"{'-':>12}" if v is None else f"{v:>12.4g}"
 
     kl = report["kl"] or {}
-    rows = [("KL(policy||ref) nats", kl.get("mean"), None, None), ("  std across samples", kl.get("std"), None, None),
-            ("length, tokens", pol["length"]["mean"], ref and ref["length"]["mean"], None)]
-    rows += [(name, pol[key], ref and ref[key], None) for name, key in (
-        ("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("words per response", "words_avg"),
-        ("top response share", "top_share"), ("eos rate", "eos_rate"), ("truncation rate", "truncation_rate"),
-        ("empty rate", "empty_rate"))]
-    rows += [(f"reward: {name}", r["mean"], ref and ref["reward"][name]["mean"], report["win_rate"].get(name))
-             for name, r in pol["reward"].items()]
+    rows = []
+    if pol is not None:  # (None: red-teaming alone, no held-out samples)
+        rows += [("KL(policy||ref) nats", kl.get("mean"), None, None), ("  std across samples", kl.get("std"), None, None),
+                 ("length, tokens", pol["length"]["mean"], ref and ref["length"]["mean"], None)]
+        rows += [(name, pol[key], ref and ref[key], None) for name, key in (
+            ("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("words per response", "words_avg"),
+            ("top response share", "top_share"), ("eos rate", "eos_rate"), ("truncation rate", "truncation_rate"),
+            ("empty rate", "empty_rate"))]
+        rows += [(f"reward: {name}", r["mean"], ref and ref["reward"][name]["mean"], report["win_rate"].get(name))
+                 for name, r in pol["reward"].items()]
     rows += [(f"RM accuracy: {name}", a, None, None) for name, a in report["reward_model_accuracy"].items()]
     if tax := report.get("alignment_tax"):
         rows += [("capability NLL, nats/token", tax["policy_nll"], tax["reference_nll"], None),
@@ -53,8 +56,8 @@ def summary_table(report: dict) -> str:
             ("format accuracy", "format_accuracy"), ("task completion", "task_completion"),
             ("tool calls / episode", "calls_per_episode"), ("  failed / call", "failures_per_call"),
             ("  malformed / call", "malformed_per_call"), ("turns / episode", "turns_per_episode"))]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"]
+    width = max((len(r[0]) for r in rows), default=0)
+    lines = [f"{'':<{width}} {'policy':>12} {'reference':>12} {'win rate':>12}"] if rows else []
     lines += [f"{name:<{width}} {cell(p)} {cell(r)} {cell(w)}" for name, p, r, w in rows]
     lines += summary_lines(report["red_team"]) if report.get("red_team") else []
     lines += gate_lines(report["gate"]) if report.get("gate") else []

@@ -203,3 +203,26 @@ def test_bad_input_is_one_line(overrides, expected, empty_file, classifier_dir, 
     err = capsys.readouterr().err.strip().splitlines()
     assert expected.format(**fill) in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "e" / "eval.json").exists()
+
+
+def test_red_teaming_alone_needs_no_held_out_prompts(tmp_path, capsys):
+    """`rlhfkit eval` with red_team.prompts and no data.eval red-teams alone: the same red_team section as with
+    data.eval (the red-team prompts are drawn with the same seed either way), no helpfulness figures. Settings that
+    only judge data.eval's samples are refused without it, in one line."""
+    alone, both = tmp_path / "alone", tmp_path / "both"
+    assert main(BASE + [f"output_dir={both}", "red_team.max_prompts=4"]) == 0
+    assert main(BASE + [f"output_dir={alone}", "red_team.max_prompts=4", "data.eval=null", "reward.function=null",
+                        "max_prompts=null"]) == 0
+    with_eval, without = red_team(both), red_team(alone)
+    assert without["red_team"] == with_eval["red_team"] and without["red_team"]["num_prompts"] == 4
+    assert without["num_prompts"] == 0 and without["policy"] is None and without["samples"] == []
+    printed = capsys.readouterr().out
+    assert "red team, policy   : harmful" in printed
+    for extra, expected in ((["data.eval=null", "red_team.prompts=null", "red_team.judge=null"],
+                             "config key 'data.eval' is required (held-out prompts: a local file or a hub dataset "
+                             "name), unless eval only red-teams (red_team.prompts or red_team.human_flags)"),
+                            (["data.eval=null"], "config key 'reward.function' judges data.eval's samples: give data.eval"),
+                            (["data.eval=null", "reward.function=null"],
+                             "config key 'max_prompts' limits data.eval's prompts: give data.eval")):
+        assert main(BASE + [f"output_dir={tmp_path / 'bad'}", *extra]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"rlhfkit: error: {expected}"
