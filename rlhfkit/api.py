@@ -48,7 +48,8 @@ class TrainResult:
 def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
           reward_funcs: Any = None, reward_weights: list[float] | None = None, peft_config: Any = None,
           callbacks: list | None = None, config: Any = None, overrides: dict | list[str] | None = None,
-          output_dir: str | None = None, tools: list | None = None, environment_factory: Any = None) -> TrainResult:
+          output_dir: str | None = None, tools: list | None = None, environment_factory: Any = None,
+          args: Any = None) -> TrainResult:
     """Run `rlhfkit <stage>` from Python and return its `TrainResult`.
 
     model: a transformers PreTrainedModel (trained in place), or a hub name / directory / "tiny".
@@ -61,6 +62,9 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
     peft_config: a peft LoraConfig (r, lora_alpha, lora_dropout, target_modules); other non-default fields are refused.
     callbacks: transformers TrainerCallback objects.
     config: a YAML path, a dict or a config object; overrides: {"kl.coef": 0.04} or ["kl.coef=0.04"], applied last.
+    args: instead of `config`, TRL's config object of the stage (GRPOConfig, RLOOConfig, DPOConfig, KTOConfig,
+        RewardConfig, SFTConfig): each field becomes its rlhfkit key (`rlhfkit.config.trl_args`), a field rlhfkit
+        cannot honour is refused in one line naming it; `overrides` still apply on top.
     tools: functions the policy may call in multi-turn episodes (TRL's `tools`; online stages): each described to the
         model by its type hints and Google-style docstring (`rlhfkit.tools`).
     environment_factory: a class (or a dict name -> class, chosen by each row's `environment` column) making one
@@ -76,7 +80,11 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
                         f"that do: {', '.join(takes)})")
     tool_keys = _tool_keys(stage, tools, environment_factory)
     given: dict[str, str] = {}  # the cached file of a dataset object -> the argument that passed it
-    data = merge(merge(merge(config_data(stage, config), tool_keys),
+    if args is not None:
+        base, reward_weights = _trl_args(stage, args, config, reward_funcs, reward_weights)
+    else:
+        base = config_data(stage, _not_trl(config))
+    data = merge(merge(merge(base, tool_keys),
                        _arguments(model, train_dataset, eval_dataset, reward_funcs, reward_weights, peft_config,
                                   output_dir, given)),
                  parse_overrides(override_list(overrides)))
@@ -90,6 +98,31 @@ def train(stage: str, *, model: Any = None, tokenizer: Any = None, train_dataset
         if message == str(exc):
             raise
         raise type(exc)(message) from None
+
+
+def _trl_args(stage: str, args, config, reward_funcs, reward_weights) -> tuple[dict, list[float] | None]:
+    """The config keys of TRL config object `args`, and the reward weights (its `reward_weights`, when it has them,
+    are TRL's way of passing the argument of that name)."""
+    from rlhfkit.config.trl_args import trl_config_keys
+
+    if config is not None:
+        raise UserError("args: give the run's settings as args (a TRL config object) or as config, not both; "
+                        "overrides apply on top of either")
+    trl_weights = getattr(args, "reward_weights", None)
+    if trl_weights is not None:
+        if reward_weights is not None:
+            raise UserError("args.reward_weights: the weights are given twice (also as reward_weights): give one")
+        if reward_funcs is None:
+            raise UserError("args.reward_weights: give reward_funcs too (one weight per reward source)")
+        reward_weights = list(trl_weights)
+    return trl_config_keys(stage, args), reward_weights
+
+
+def _not_trl(config):
+    """`config`, unless it is one of TRL's config objects, which go in as `args`."""
+    if type(config).__module__.startswith("trl.") and dataclasses.is_dataclass(config):
+        raise UserError(f"config: a TRL {type(config).__name__} goes in as args=..., not config=...")
+    return config
 
 
 def _is_tokenizer(x) -> bool:

@@ -260,21 +260,24 @@ def undocumented() -> list[str]:
     return sorted({k.name + f" ({stage})" for stage in STAGES for k in stage_keys(stage) if not k.doc})
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the page (default) or, with `--check`, exit 1 when the committed page differs from the code's."""
-    argv = sys.argv[1:] if argv is None else argv
-    text = page()
+def write_page(path: str, text: str, command: str, argv: list[str]) -> int:
+    """Write a generated page (default) or, with `--check` in `argv`, exit 1 when the committed page differs."""
     if "--check" in argv:
-        with open(PAGE, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             if f.read() != text:
-                print(f"{PAGE} is out of date: run `{COMMAND}`", file=sys.stderr)
+                print(f"{path} is out of date: run `{command}`", file=sys.stderr)
                 return 1
         return 0
-    os.makedirs(os.path.dirname(PAGE), exist_ok=True)
-    with open(PAGE, "w", encoding="utf-8") as f:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {PAGE}")
+    print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the page (default) or, with `--check`, exit 1 when the committed page differs from the code's."""
+    return write_page(PAGE, page(), COMMAND, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
