@@ -85,17 +85,19 @@ def table(args) -> None:
         loads += [r["load"][0] for r in runs]
         rows.append([f"`{objective}`", cell([r["held_out"] for r in runs], "{:.3f}"),
                      cell([r["train_score"] for r in runs], "{:.3f}"), cell([r["kl"] for r in runs], "{:.3f}"),
-                     cell([r["entropy"] for r in runs], "{:.3f}"), cell([r["wall_s"] for r in runs], "{:.0f} s")])
+                     cell([r["entropy"] for r in runs], "{:.3f}"), cell([r["wall_s"] for r in runs], "{:.0f} s"),
+                     f"{statistics.mean(r['load'][0] for r in runs):.1f}"])
     steps = figures(os.path.join(args.out, f"{args.objectives[0]}_seed{args.seeds[0]}"))["steps"]
     record("objectives", "Which objective: GRPO on the tiny model's rule-checked toy reward, one objective per row",
            ["algo.policy_loss", "held-out reward", "train reward (last 5 steps)", "KL to start (held out, per sequence)",
-            "entropy (nats/token)", "wall time"], rows,
+            "entropy (nats/token)", "wall time", "load while it ran"], rows,
            command=f"python bench/objectives.py run --out {args.out} && python bench/objectives.py table --out {args.out}",
            notes=[f"Seeds {', '.join(map(str, args.seeds))}: mean ± sd over seeds. {steps} GRPO steps of 4 prompts x "
                   "4 samples, 2 epochs x 2 minibatches each, lr 1e-3, full fine-tuning of the tiny random model, "
                   "k3 KL 0.04 in the loss, every objective at its defaults.",
                   f"The machine was shared with other work while these ran (1-min load average {min(loads):.1f} to "
-                  f"{max(loads):.1f} on 2 cores): wall times are comparable only roughly, and only to each other."])
+                  f"{max(loads):.1f} on 2 cores, the last column its mean at the end of each run): the wall times "
+                  "measure the load more than the objective, and compare only between rows of similar load."])
 
 
 def main() -> int:
