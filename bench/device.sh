@@ -10,7 +10,8 @@
 # setup (every call; idempotent): report the machine (read-only queries), install the carried wheels into
 # /tmp/site (kept between calls while the machine stays warm), TRL 1.12 into .bench-trl112, and keep the GGUF's
 # first part (carried by call 1) in /tmp/rlhfkit-gguf for call 2.
-# Hooks: bench/device_qlora.{sh,py} and bench/device_scaleout.{sh,py} run if they exist (skipped otherwise), each
+# Hooks: bench/device_qlora.{sh,py}, bench/device_scaleout.{sh,py} and bench/device_plan.py (planned against measured
+# GPU memory and step time, `rlhfkit plan`) run if they exist (skipped otherwise), each
 # with HOOK_OUT (a directory whose files come back in artifacts.tar.gz), HOOK_BUDGET_S (its seconds: it is killed 10 s
 # after), PYTHONPATH (this checkout, the carried wheels, and .device/whl-NAME/*.whl if carried) and DEVICE_DRY_RUN.
 #
@@ -33,7 +34,7 @@ BENCH_S=${DEVICE_BENCH_S:-300}   # each step's cap, cut further to what the call
 METHOD_S=${DEVICE_METHOD_S:-120} # one method of the bench, start-up included (bench/vs_trl.py --method-timeout)
 DEMO_S=${DEVICE_DEMO_S:-300}
 HOOK_S=${DEVICE_HOOK_S:-90}
-HOOKS=${DEVICE_HOOKS:-gen qlora scaleout}
+HOOKS=${DEVICE_HOOKS:-gen qlora scaleout plan}
 HOOK_DIR=${DEVICE_HOOK_DIR:-$ROOT/bench}
 SITE=/tmp/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf

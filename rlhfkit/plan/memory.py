@@ -175,23 +175,28 @@ def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     fwd = trained_forward(lay, p, lay.policy, f)
     if lay.critic is not None:
         for key, value in trained_forward(lay, p, lay.critic, Forward(f.rows, f.length, 0, True)).items():
-            fwd[key] = fwd.get(key, 0.0) + value
-    fwd["logits"] = logits_bytes(lay.policy, f, p, lay.entropy)
-    fwd["logits"], recompute = max(fwd["logits"], fwd.pop("recompute", 0.0)), 0.0  # one after the other
-    frozen = max((no_grad_forward(lay, p, g) for g in lay.frozen), default=0.0)
-    fwd["no-grad forwards"] = max(0.0, frozen - sum(fwd.values()))  # before the trained forward, not during it
-    tied = 2 * lay.policy.vocab * lay.policy.hidden * per_param if lay.train == "full" and lay.policy.tied else 0.0
+            fwd[key] = max(fwd.get(key, 0.0), value) if key == "recompute" else fwd.get(key, 0.0) + value
+    # Over the saved activations, one after the other: the reference's forward of the same micro-batch (offline
+    # stages), the logits' buffers at the backward's start, a checkpointed layer's recomputation.
+    transient = {"logits": logits_bytes(lay.policy, f, p, lay.entropy), "recompute": fwd.pop("recompute", 0.0),
+                 "reference forward": max((no_grad_forward(lay, p, g) for g in lay.frozen), default=0.0)
+                 if lay.generation is None else 0.0}
+    top = max(transient, key=transient.get)
+    fwd[top] = transient[top]
+    tied_head = lay.train == "full" and lay.policy.tied and lay.head == "lm"
+    tied = 2 * lay.policy.vocab * lay.policy.hidden * per_param if tied_head else 0.0
     end = {"gradients": grads, "tied gradient sum": tied, "optimizer step": grads if p.gpu else 0.0}
     start = {"gradients": grads if lay.accum > 1 else 0.0, **fwd}
-    parts.update({k: v for k, v in (start if sum(start.values()) >= sum(end.values()) + recompute else end).items() if v})
+    parts.update({k: v for k, v in (start if sum(start.values()) >= sum(end.values()) else end).items() if v})
     return Phase("update", parts)
 
 
 def no_grad_forward(lay: Layout, p: Precision, f: Forward) -> float:
-    """A no-grad forward's own peak: one layer's working set, its attention scores, its logits."""
+    """A no-grad forward's own peak: one layer's working set (the MLP's gate, up and product beside the residual
+    stream and its normalised copy), its attention scores, its logits."""
     shape = lay.policy
-    return (layer_activations(shape, f.rows * f.length, p) + attention_scores(shape, f, lay.attention, p)
-            + logits_bytes(shape, f, p))
+    working = f.rows * f.length * (3 * shape.intermediate + 2 * shape.hidden) * p.compute
+    return working + attention_scores(shape, f, lay.attention, p) + logits_bytes(shape, f, p)
 
 
 def generation_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase | None:
@@ -206,7 +211,7 @@ def generation_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase | None
     length = g.prompt_len + g.new_tokens
     kv = 2 * s.layers * g.rows * s.kv_heads * s.head_dim * length * p.compute
     decode = g.rows * s.vocab * 4 * (3 + (3 if g.top_p else 0))
-    prefill = layer_activations(s, g.rows * g.prompt_len, p) + attention_scores(
+    prefill = g.rows * g.prompt_len * (3 * s.intermediate + 2 * s.hidden) * p.compute + attention_scores(
         s, Forward(g.rows, g.prompt_len, 0, False), lay.attention, p)
     scoring = max((no_grad_forward(lay, p, f) for f in lay.frozen), default=0.0)
     if kv + max(decode, prefill) >= scoring:

@@ -1,0 +1,59 @@
+"""bench/device.sh's `plan` hook: planned against measured peak memory and step time on the lent GPU.
+
+A few cells of bench/plan_grid.py's grid (SFT, DPO, GRPO, PPO on the tiny model, and on SmolLM2-135M when the
+converted GGUF is in RLHFKIT_CACHE), each run by `rlhfkit.train` for a few steps: the run's own plan.json (planned
+on this GPU's free memory, bf16 mixed precision) beside torch.cuda.max_memory_allocated and the median step time.
+Writes $HOOK_OUT/plan_gpu.json and plan_gpu.md; with DEVICE_DRY_RUN=1 (on a CPU) the tiny cells only, as plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.plan_grid import cell_config, run_cell, smollm2_dir, write_data  # noqa: E402
+
+CELLS = [("sft", "full", False, 4, 128), ("sft", "lora", True, 4, 128), ("dpo", "full", False, 2, 128),
+         ("dpo", "lora", False, 2, 128), ("grpo", "full", False, 2, 128), ("ppo", "lora", True, 2, 128)]
+
+
+def main() -> None:
+    out = os.environ.get("HOOK_OUT", os.path.join(ROOT, ".device", "plan"))
+    budget = float(os.environ.get("HOOK_BUDGET_S", "90"))
+    os.makedirs(out, exist_ok=True)
+    t0, rows = time.time(), []
+    data = write_data(tempfile.mkdtemp(prefix="plan-gpu-"))
+    models = ["tiny"] + ([] if os.environ.get("DEVICE_DRY_RUN") == "1" or smollm2_dir() is None else ["smollm2"])
+    for model_name in models:
+        for stage, mode, ckpt, mb, length in CELLS:
+            if time.time() - t0 > budget - 20:
+                break
+            model = "tiny" if model_name == "tiny" else smollm2_dir()
+            overrides = cell_config(stage, model, mode, ckpt, mb, length, data, os.path.join(out, "run"))
+            overrides["plan.measure"] = False  # a GPU measures with torch.cuda.max_memory_allocated
+            row = {"model": model_name, "stage": stage, "mode": mode, "ckpt": ckpt, "mb": mb, "length": length}
+            try:
+                row.update(run_cell(stage, overrides))
+            except Exception as exc:  # noqa: BLE001 - recorded, the next cell runs
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(os.path.join(out, "plan_gpu.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+    lines = ["| model | stage | mode | ckpt | planned GB | measured GB | planned s | measured s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" not in r:
+            lines.append(f"| {r['model']} | {r['stage']} | {r['mode']} | {r['ckpt']} | {r['planned_gb']:.3f} | "
+                         f"{(r['measured_gb'] or 0):.3f} | {r['planned_s'] or 0:.4f} | {r['measured_s'] or 0:.4f} |")
+    with open(os.path.join(out, "plan_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
