@@ -40,6 +40,7 @@ class RMOptions:
     # Train the score head only, on the frozen model (a linear probe): each step costs a forward, and a few hundred
     # pairs cannot overfit it the way they overfit LoRA or full fine-tuning. model.lora is then ignored.
     head_only: bool = False
+    disable_dropout: bool = False  # dropout off in the trained model for the run (TRL's disable_dropout)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class DPOOptions:
     precompute_ref_logprobs: bool = False
     # The reference model; null = the policy's starting weights (with LoRA: the base with adapters disabled, no copy).
     ref_model: str | None = None
+    # Dropout off in the trained model for the run (TRL's disable_dropout, on by default there): the policy's
+    # log-probs are then those of the weights, as the reference's (which runs without dropout).
+    disable_dropout: bool = False
     # TR-DPO (Gorbatovski et al. 2024, arXiv 2404.09656): every ref_model_sync_steps optimizer steps the reference
     # becomes α·policy + (1-α)·reference (α = ref_model_mixup_alpha; 1 replaces it). TRL's names and defaults. Needs
     # full fine-tuning (with LoRA the reference is the policy's own base); a checkpoint carries the moved reference.
@@ -137,6 +141,9 @@ class KTOOptions:
     desirable_weight: NonNeg = 1.0  # λ_D; the paper advises λ_D·n_D / (λ_U·n_U) in [1, 4/3]
     undesirable_weight: NonNeg = 1.0  # λ_U
     ref_model: str | None = None  # as DPO's algo.ref_model
+    # Dropout off in the trained model for the run (TRL's disable_dropout, on by default there): the policy's
+    # log-probs are then those of the weights, as the reference's (which runs without dropout).
+    disable_dropout: bool = False
 
     def check(self):
         if self.desirable_weight == 0 and self.undesirable_weight == 0:

@@ -189,7 +189,7 @@ DPO: dict[str, Key | Rule | Refused | Inert] = {
     "loss_type": Rule("algo.loss_type", "one of sigmoid, ipo, hinge"),
     "label_smoothing": Key("algo.label_smoothing"),
     "padding_free": Key("data.padding_free"),
-    "disable_dropout": Refused("rlhfkit's DPO keeps the model's dropout as configured: leave TRL's default"),
+    "disable_dropout": Key("algo.disable_dropout"),
     "sync_ref_model": Key("algo.sync_ref_model"), "ref_model_mixup_alpha": Key("algo.ref_model_mixup_alpha"),
     "ref_model_sync_steps": Key("algo.ref_model_sync_steps"),
     **_refused("rlhfkit truncates the prompt's start (data.truncation)", "truncation_mode"),
@@ -203,12 +203,12 @@ KTO: dict[str, Key | Rule | Refused | Inert] = {
     **_refused("only loss_type 'kto' is supported by rlhfkit", "loss_type"),
     **_refused("not supported by rlhfkit's KTO", "precompute_ref_log_probs", "sync_ref_model", "ref_model_mixup_alpha",
                "ref_model_sync_steps"),
-    "disable_dropout": Refused("rlhfkit's KTO keeps the model's dropout as configured: leave TRL's default"),
+    "disable_dropout": Key("algo.disable_dropout"),
 }
 
 REWARD: dict[str, Key | Rule | Refused | Inert] = {
     "center_rewards_coefficient": Key("algo.center_coef", lambda v: v or 0.0),
-    "disable_dropout": Refused("rlhfkit's reward model keeps the model's dropout as configured: leave TRL's default"),
+    "disable_dropout": Key("algo.disable_dropout"),
 }
 
 SFT: dict[str, Key | Rule | Refused | Inert] = {

@@ -27,7 +27,7 @@ import torch
 from rlhfkit.config import KTOConfig
 from rlhfkit.data import collate_unpaired
 from rlhfkit.losses.kto import kto_loss
-from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs
+from rlhfkit.models import Reference, disable_dropout, load_causal_lm, sequence_logprobs
 from rlhfkit.trainers.offline import OfflineTrainer, micro_batch_positions
 from rlhfkit.trainers.processes import sums_by_name
 from rlhfkit.types import UnpairedBatch
@@ -56,6 +56,8 @@ class KTOTrainer(OfflineTrainer):
 
     def load_model(self, tokenizer):
         policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
+        if getattr(self.cfg.algo, "disable_dropout", False):
+            disable_dropout(policy)
         with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
             self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,
                                            self.run.frozen_dtype, copy_of=self.objects.model)

@@ -19,7 +19,8 @@ from rlhfkit.config import DPOConfig, ORPOConfig, ORPOOptions
 from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.preference import orpo_loss, preference_loss, simpo_loss
 from rlhfkit.objects import Objects
-from rlhfkit.models import Reference, load_causal_lm, sequence_logprobs, sequence_logprobs_padding_free
+from rlhfkit.models import (Reference, disable_dropout, load_causal_lm, sequence_logprobs,
+                            sequence_logprobs_padding_free)
 from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.trainers.ref_sync import RefSync
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
@@ -73,6 +74,8 @@ class PreferenceTrainer(OfflineTrainer):
 
     def load_model(self, tokenizer):
         policy = load_causal_lm(self.cfg.model, tokenizer, given=self.objects.model)
+        if getattr(self.cfg.algo, "disable_dropout", False):
+            disable_dropout(policy)
         if self.method not in REFERENCE_FREE:
             with torch.random.fork_rng(devices=[]):  # loading the reference leaves the RNG as it was
                 self.reference = Reference(self.cfg.model, self.cfg.algo.ref_model, policy, tokenizer, self.accelerator.device,

@@ -10,7 +10,7 @@ import torch
 from rlhfkit.config import RMConfig
 from rlhfkit.data import collate_preference, collate_preference_padding_free
 from rlhfkit.losses.reward import bradley_terry_loss
-from rlhfkit.models import load_reward_model, unwrap_peft
+from rlhfkit.models import disable_dropout, load_reward_model, unwrap_peft
 from rlhfkit.rewards import POOLING_ATTR, sequence_scores, sequence_scores_padding_free
 from rlhfkit.trainers.offline import OfflineTrainer
 from rlhfkit.types import PaddingFreePairs, PreferenceBatch
@@ -30,6 +30,8 @@ class RewardTrainer(OfflineTrainer):
 
     def load_model(self, tokenizer):
         model = load_reward_model(self.model_config(), tokenizer, given=self.objects.model)
+        if getattr(self.cfg.algo, "disable_dropout", False):
+            disable_dropout(model)
         if self.cfg.algo.head_only:  # no parameter below the head needs a gradient: the body runs as inference
             model.requires_grad_(False)
             model.score.requires_grad_(True)

@@ -81,3 +81,22 @@ def test_the_other_trl_configs_run_through_their_stages(stage, cls, data, extra,
 def test_a_trl_config_given_as_config_points_to_args(tmp_path):
     with pytest.raises(UserError, match=r"^config: a TRL GRPOConfig goes in as args=\.\.\., not config=\.\.\.$"):
         rlhfkit.train("grpo", model="tiny", config=trl.GRPOConfig(output_dir=str(tmp_path), **ONLINE))
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dpo_disable_dropout_is_trls(disable, tmp_path):
+    """A policy with attention dropout, at lr 0, against its own copy as the reference: with dropout off (TRL's
+    default) every log-ratio is 0 and the loss is ln 2 exactly; with it on, the policy's forward is noisy."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.model_sources import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(ModelConfig(name_or_path="tiny")),
+                                                 attention_dropout=0.5)
+    args = trl.DPOConfig(output_dir=str(tmp_path), learning_rate=0.0, disable_dropout=disable, **{
+        **FAST, "per_device_train_batch_size": 4})
+    result = rlhfkit.train("dpo", model=model, train_dataset="data/tiny/pref_train.jsonl", args=args)
+    assert (result.metrics["loss"] == pytest.approx(math.log(2), abs=1e-6)) is disable

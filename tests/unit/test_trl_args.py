@@ -79,13 +79,14 @@ def test_the_other_stages_map_their_own_fields():
     dpo = trl_config_keys("dpo", trl.DPOConfig(**CPU, beta=0.2, loss_type=["ipo"], max_length=256, sync_ref_model=True,
                                                ref_model_sync_steps=4, gradient_accumulation_steps=2))
     assert dpo["algo"] == {"beta": 0.2, "loss_type": "ipo", "precompute_ref_logprobs": False, "label_smoothing": 0.0,
-                           "sync_ref_model": True, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 4}
+                           "sync_ref_model": True, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 4,
+                           "disable_dropout": True}
     assert dpo["data"]["max_length"] == 256 and dpo["data"]["max_prompt_length"] == 128
     assert dpo["optim"]["grad_accum_steps"] == 2
     kto = trl_config_keys("kto", trl.KTOConfig(**CPU, desirable_weight=1.33))
-    assert kto["algo"] == {"beta": 0.1, "desirable_weight": 1.33, "undesirable_weight": 1.0}
+    assert kto["algo"] == {"beta": 0.1, "desirable_weight": 1.33, "undesirable_weight": 1.0, "disable_dropout": True}
     rm = trl_config_keys("rm", trl.RewardConfig(**CPU, center_rewards_coefficient=0.01))
-    assert rm["algo"] == {"center_coef": 0.01} and rm["optim"]["lr"] == 1e-4
+    assert rm["algo"] == {"center_coef": 0.01, "disable_dropout": True} and rm["optim"]["lr"] == 1e-4
     sft = trl_config_keys("sft", trl.SFTConfig(**CPU, dataset_text_field="body", packing=True))
     assert sft["data"]["columns"] == {"text": "body"} and sft["data"]["packing"] is True
     rloo = trl_config_keys("rloo", trl.RLOOConfig(**CPU, beta=0.1, reward_clip_range=(-3.0, 3.0)))
