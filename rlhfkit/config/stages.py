@@ -181,9 +181,11 @@ class OnlineOptions:
     num_minibatches: PosInt = 1  # optimizer steps per pass (each split into micro-batches of per_device_batch_size)
     # Where π_old's log-probs come from. "auto": with one pass (ppo_epochs × num_minibatches = 1) and no KL in the
     # reward, the update forward's own, detached (exact: the ratio is 1; one policy forward fewer per step, as TRL's
-    # GRPO), else as "recompute". "recompute": a no-grad forward of the policy after sampling, always. "sampler": those
-    # the decode loop recorded (one policy forward fewer per step, as TRL's PPO; they differ by numerics only:
-    # policy/sampler_logprob_gap, measured at the first update forward); with one pass as "auto".
+    # GRPO); else, where the sampler's agree with a recomputation (rlhfkit's single-turn decode loop in fp32: no
+    # mixed precision, no 4-bit, no tools, no Objects.rollout, no algo.rollout_correction), those the decode loop
+    # recorded (one policy forward fewer, as TRL's PPO); else as "recompute". "recompute": a no-grad forward of the policy after sampling, always.
+    # "sampler": the decode loop's, always; with one pass as "auto". Whenever the sampler's are π_old, their gap to the
+    # first update forward (same weights) is logged as policy/sampler_logprob_gap (float noise, ~1e-7, in fp32).
     old_logprob_source: Literal["auto", "recompute", "sampler"] = "auto"
     clip_eps: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # ratio clip ε (lower side)
     clip_eps_high: Positive | None = None  # upper side (DAPO's clip-higher, 0.28); None = clip_eps

@@ -368,7 +368,10 @@ class Demo:
             "generation.max_new_tokens": size.max_new_tokens, "generation.temperature": 1.0,
             "kl.controller": "adaptive", "kl.coef": 0.05, "kl.target": 4.0, "kl.horizon": 100,
             "algo.algorithm": "ppo", "algo.rollout_batch_size": size.ppo_batch, "algo.ppo_epochs": 1,
-            "algo.num_minibatches": 2, "algo.vf_coef": 0.1, "logging.table_steps": 1, "logging.sample_log_steps": 5,
+            "algo.num_minibatches": 2, "algo.vf_coef": 0.1,
+            # π_old from a no-grad forward, as when the demo's figures were measured ("auto" would take the sampler's,
+            # equal to float noise: the same run, but not its figures to the last digit).
+            "algo.old_logprob_source": "recompute", "logging.table_steps": 1, "logging.sample_log_steps": 5,
             "optim.lr": size.ppo_lr, "optim.per_device_batch_size": size.ppo_batch // 2})
 
     # 3b. Online DPO: fresh pairs from the policy, labelled by the reward model, PPO's prompt budget -------------

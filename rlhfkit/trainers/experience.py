@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -63,6 +64,30 @@ class PolicyFigures:
     seq_kl: torch.Tensor | None  # (B,) this process's sequence KL, for the sample rows
 
 
+OldSource = Literal["update", "sampler", "recompute"]  # where a run's π_old comes from, once resolved
+
+
+def old_logprob_source(cfg: OnlineConfig, algo: Algorithm, sampler_is_exact: bool) -> OldSource:
+    """Where π_old's log-probs come from, `algo.old_logprob_source` resolved for this run:
+    - "update": the update forward's own, detached, when each rollout is read once (ppo_epochs × num_minibatches = 1)
+      and no KL is in the reward (nothing needs π_old before the update): exact, the ratio is 1 by definition;
+    - "sampler": the log-probs the decode loop recorded (`Rollout.sampler_logprobs`), asked for, or under "auto"
+      where `sampler_is_exact`: the weights that sampled are the ones the update starts from (no stale rollout), and
+      both compute in fp32 without dropout, so the two differ by summation order only (the KV cache's), as
+      TRL's PPO takes them; the gap is measured at the first update forward (`policy/sampler_logprob_gap`);
+    - "recompute": a no-grad forward of the policy after sampling, asked for, or where the sampler's may differ
+      (transformers' `generate`, bf16/fp16, a rollout component the config did not make), or where
+      `algo.rollout_correction` weighs the two against each other (it needs π_old from the training forward)."""
+    a = cfg.algo
+    if a.old_logprob_source == "recompute":
+        return "recompute"
+    if a.ppo_epochs * a.num_minibatches == 1 and not algo.kl_in_reward:
+        return "update"
+    if a.old_logprob_source == "sampler" or (sampler_is_exact and a.rollout_correction == "none"):
+        return "sampler"
+    return "recompute"
+
+
 def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     """(b, r) -> (b, width) with zeros on the right (a trimmed micro-batch's outputs back at the rollout's width)."""
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
@@ -70,16 +95,16 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 class ExperienceMaker:
     def __init__(self, rollout: RolloutMaker, rewards: Rewards, reference, critic, kl_control, moments: RunningMoments,
-                 cfg: OnlineConfig, algo: Algorithm, run, one_pass: bool, candidates=None):
+                 cfg: OnlineConfig, algo: Algorithm, run, old_source: OldSource, candidates=None):
         """`reference`: a `models.Reference` or None; `critic`: the prepared critic module or None; `kl_control`: the
         β controller (`rlhfkit.kl_control`); `moments`: the running reward moments (`reward.normalize: running`),
         updated only by a step that is kept; `run`: the run's process group and unwrapping (`trainers.run.Run`);
-        `one_pass`: π_old is the update forward's own log-probs (see `trainers.online`), not computed here;
+        `old_source`: where π_old comes from (`old_logprob_source`): only "recompute" runs a forward here;
         `candidates(step, round)`: this process's refill prompts and examples (`trainers.online_setup.PromptStream`),
         for dynamic sampling (`algo.dynamic_filtering` with `algo.max_sampling_rounds` > 1)."""
         self.rollout, self.rewards, self.reference, self.critic = rollout, rewards, reference, critic
-        self.kl_control, self.moments, self.cfg, self.algo, self.run, self.one_pass = \
-            kl_control, moments, cfg, algo, run, one_pass
+        self.kl_control, self.moments, self.cfg, self.algo, self.run, self.old_source = \
+            kl_control, moments, cfg, algo, run, old_source
         self.candidates = candidates
         if cfg.algo.dynamic_filtering and cfg.algo.max_sampling_rounds > 1:
             if candidates is None:
@@ -158,9 +183,9 @@ class ExperienceMaker:
         chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
         cat = lambda f: torch.cat([pad_to(f(c), width) for c in chunks]) * ro.action_mask  # noqa: E731
         temperature = cfg.generation.temperature
-        if self.one_pass:
+        if self.old_source == "update":
             old = None  # the update forward's own, detached (`PolicyUpdate` returns them)
-        elif cfg.algo.old_logprob_source == "sampler":
+        elif self.old_source == "sampler":
             old = ro.sampler_logprobs
         else:
             old = cat(lambda c: rollout_logprobs(policy, c, temperature))
@@ -219,7 +244,7 @@ class ExperienceMaker:
             per_row["kl"] = seq_kl
         g = {k: run.gather(v.float()) for k, v in per_row.items()}  # (world·B,) each
         stats = {"objective/entropy": g["entropy"].mean()}
-        if self.cfg.algo.old_logprob_source != "sampler" or old_logprobs is not None:
+        if self.old_source != "sampler":
             stats["policy/sampler_logprob_gap"] = g["gap"].sum() / g["length"].sum().clamp(min=1)
         mean_kl = None
         if "kl" in g:

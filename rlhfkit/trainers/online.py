@@ -28,7 +28,7 @@ from rlhfkit.models import Reference, disable_dropout, load_causal_lm
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards, RunningMoments
 from rlhfkit.rollout.maker import environment_rewards, rollout_maker
-from rlhfkit.trainers.experience import ExperienceMaker, Made
+from rlhfkit.trainers.experience import ExperienceMaker, Made, old_logprob_source
 from rlhfkit.trainers.held_out import HeldOutEval
 from rlhfkit.trainers.online_setup import (PromptStream, Samples, StepLog, load_online_data, policy_is_finite,
                                            total_steps_of)
@@ -37,6 +37,15 @@ from rlhfkit.trainers.policy_update import PolicyUpdate, Update
 from rlhfkit.trainers.ptx import Ptx
 from rlhfkit.trainers.ref_sync import RefSync
 from rlhfkit.trainers.run import Run
+
+
+def sampler_is_exact(cfg: OnlineConfig, mixed_precision: str, policy, objects: Objects) -> bool:
+    """Whether the rollout's recorded log-probs are π_old to float noise, so that `algo.old_logprob_source: auto` may
+    take them instead of a forward: rlhfkit's own single-turn decode loop (a rollout component the config made, no
+    tools), in fp32 weights without autocast — the update starts from the weights that sampled, both run without
+    dropout at the same temperature, and differ only in the KV cache's summation order (~1e-7)."""
+    return (cfg.generation.engine == "rlhfkit" and mixed_precision == "no" and policy.dtype == torch.float32
+            and not cfg.model.quantization.load_in_4bit and objects.rollout is None and objects.toolbox is None)
 
 
 class OnlineTrainer:
@@ -76,11 +85,8 @@ class OnlineTrainer:
     def build(self, ptx_set) -> None:
         cfg, a, acc, run = self.cfg, self.cfg.algo, self.accelerator, self.run
         self.algo = get_algorithm(a.algorithm)
-        # One pass over the experience (ppo_epochs × num_minibatches = 1) and no KL in the reward: π_old is then the
-        # update forward's own log-probs, detached (the ratio is 1 by definition), so the separate no-grad forward is
-        # skipped, as TRL's GRPO does (unless algo.old_logprob_source=recompute).
-        one_pass = a.ppo_epochs * a.num_minibatches == 1 and not self.algo.kl_in_reward and a.old_logprob_source != "recompute"
         policy = load_causal_lm(cfg.model, self.tokenizer, given=self.objects.model)
+        old_source = old_logprob_source(cfg, self.algo, sampler_is_exact(cfg, run.mixed_precision, policy, self.objects))
         # The reference: for the KL term, or only to monitor the drift (`kl.monitor`). With LoRA it is the base with
         # adapters disabled: one copy of the weights, not two.
         monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
@@ -119,9 +125,9 @@ class OnlineTrainer:
                                                      a.entropy_coef_min, a.entropy_coef_max) if a.adaptive_entropy else None
         rollout = rollout_maker(cfg, self.tokenizer, self.objects)
         self.maker = ExperienceMaker(rollout, self.reward, self.ref, self.value, self.kl_ctl, self.moments, cfg, self.algo,
-                                     run, one_pass, candidates=self.prompts.candidates)
+                                     run, old_source, candidates=self.prompts.candidates)
         self.update = PolicyUpdate(cfg, self.algo, run, self.model, self.value, self.shares_base, self.optim, ptx,
-                                   self.kl_ctl, one_pass, self.entropy_ctl)
+                                   self.kl_ctl, old_source, self.entropy_ctl)
         self.ref_sync = RefSync(self.ref, a.ref_model_mixup_alpha, a.ref_model_sync_steps, acc.distributed_type) \
             if a.sync_ref_model else None  # TR-DPO
 

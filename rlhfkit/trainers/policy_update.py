@@ -25,7 +25,7 @@ from rlhfkit.losses.correction import off_policy_sequence_mask, rollout_correcti
 from rlhfkit.losses.policy import get_objective, policy_objective, value_loss
 from rlhfkit.models import rollout_logprobs
 from rlhfkit.ops import masked_mean
-from rlhfkit.trainers.experience import pad_to
+from rlhfkit.trainers.experience import OldSource, pad_to
 from rlhfkit.trainers.optim import Fault, advance_schedule, optimizer_step
 from rlhfkit.trainers.processes import global_share, sums_by_name
 from rlhfkit.types import Experience
@@ -80,14 +80,15 @@ def figure(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
 
 
 class PolicyUpdate:
-    def __init__(self, cfg, algo, run, model, critic, shares_base: bool, optim, ptx, kl_control, one_pass: bool,
+    def __init__(self, cfg, algo, run, model, critic, shares_base: bool, optim, ptx, kl_control, old_source: OldSource,
                  entropy_control=None):
         """`model`/`critic`: the prepared policy and critic (None without one); `shares_base`: the critic is a second
         adapter on the policy's base, backpropagated on its own; `ptx`: the PPO-ptx term (`trainers.ptx`) or None;
-        `kl_control`: β's controller, read when the KL is in the loss; `one_pass`: π_old is this update's own forward;
+        `kl_control`: β's controller, read when the KL is in the loss; `old_source`: where π_old comes from
+        (`trainers.experience.old_logprob_source`; "update": this update's own forward);
         `entropy_control`: the adaptive entropy coefficient's controller, or None (a fixed `algo.entropy_coef`)."""
         self.cfg, self.algo, self.run, self.model, self.critic = cfg, algo, run, model, critic
-        self.shares_base, self.optim, self.ptx, self.kl_control, self.one_pass = shares_base, optim, ptx, kl_control, one_pass
+        self.shares_base, self.optim, self.ptx, self.kl_control, self.old_source = shares_base, optim, ptx, kl_control, old_source
         self.entropy_control, self.params = entropy_control, objective_params(cfg.algo)
         self.objective = get_objective(cfg.algo.policy_loss)
 
@@ -98,7 +99,7 @@ class PolicyUpdate:
         a = self.cfg.algo
         n, total = exp.loss_mask.shape[0], a.ppo_epochs * a.num_minibatches
         tally, norms, done = Tally(), [], 0
-        kept = torch.zeros_like(exp.loss_mask) if self.one_pass else None  # π_old = this pass's own log-probs
+        kept = torch.zeros_like(exp.loss_mask) if self.old_source == "update" else None  # π_old = this pass's own log-probs
         if self.ptx is not None:
             self.ptx.start_step()
         for module in (self.model, self.critic):
@@ -110,7 +111,7 @@ class PolicyUpdate:
                 idx = perm[m * (n // a.num_minibatches) : (m + 1) * (n // a.num_minibatches)]
                 # π_old from the sampler: its gap to the training forward, read where the weights are still the
                 # sampler's (the first minibatch of the first epoch).
-                gap = a.old_logprob_source == "sampler" and not self.one_pass and epoch == m == 0
+                gap = self.old_source == "sampler" and epoch == m == 0
                 nonfinite, approxkl, entropy = self.minibatch(exp, idx, tally, kept, gap, (step - 1) * total + done)
                 result = optimizer_step(self.optim, step, Fault.LOSS if nonfinite else None, schedule_steps=total - done)
                 done += 1

@@ -29,7 +29,7 @@ from rlhfkit.objects import Objects
 from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 from rlhfkit.stages import run_stage
 from rlhfkit.trainers import online_setup
-from rlhfkit.trainers.online import OnlineTrainer
+from rlhfkit.trainers.online import OnlineTrainer, sampler_is_exact
 from rlhfkit.trainers.policy_update import PolicyUpdate
 from tests.hooks import causal_lm_forwards
 
@@ -68,7 +68,7 @@ def update_with(t, shares_base=None, **algo):
     """The trainer's update component built again with `algo` changes (a config given at construction)."""
     cfg = dataclasses.replace(t.cfg, algo=dataclasses.replace(t.cfg.algo, **algo))
     return PolicyUpdate(cfg, t.algo, t.run, t.model, t.value, t.shares_base if shares_base is None else shares_base,
-                        t.optim, None, t.kl_ctl, t.update.one_pass)
+                        t.optim, None, t.kl_ctl, t.update.old_source)
 
 
 def grads(trainer):
@@ -478,28 +478,79 @@ def test_separate_critic_is_backpropagated_with_the_policy_in_one_backward(tmp_p
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_ppo_old_logprobs_from_the_sampler_skip_a_forward_and_match_the_recompute(tmp_path, monkeypatch):
-    """`algo.old_logprob_source=sampler` (PPO, 2 epochs × 2 minibatches, KL in the reward): the decode loop's recorded
-    log-probs stand for π_old, so one policy forward per micro-batch fewer; they equal a training forward's to float
-    noise, so the run matches the recomputing one (same metrics and weights), and the sampler gap is measured at the
-    first update forward, where it is float noise too."""
+def test_ppo_old_logprobs_from_the_sampler_by_default_skip_a_forward_and_match_the_recompute(tmp_path, monkeypatch):
+    """PPO, 2 epochs × 2 minibatches, KL in the reward, fp32 on rlhfkit's decode loop: `algo.old_logprob_source: auto`
+    takes the decode loop's recorded log-probs for π_old, so one policy forward per micro-batch fewer than
+    `recompute`; they equal a training forward's to float noise, so the run matches the recomputing one (same metrics
+    and weights), and the sampler gap is measured at the first update forward, where it is float noise too."""
     args = ["ppo", "--config", "configs/ppo_tiny.yaml", "max_steps=2", "optim.lr=1e-2", "optim.adam_eps=1e-4",
             "logging.logging_steps=1", *FAST, "algo.num_minibatches=2", "optim.per_device_batch_size=2", "algo.ppo_epochs=2"]
     with causal_lm_forwards() as recompute:
-        assert main(args + [f"output_dir={tmp_path / 'recompute'}"]) == 0
+        assert main(args + [f"output_dir={tmp_path / 'recompute'}", "algo.old_logprob_source=recompute"]) == 0
+    with causal_lm_forwards() as auto:
+        assert main(args + [f"output_dir={tmp_path / 'auto'}"]) == 0
     with causal_lm_forwards() as sampler:
         assert main(args + [f"output_dir={tmp_path / 'sampler'}", "algo.old_logprob_source=sampler"]) == 0
-    assert sum(r for r, _ in recompute) - sum(r for r, _ in sampler) == 2 * 4  # the skipped pass: 2 steps × 4 rows
-    rows = rows_of(tmp_path / "sampler" / "metrics.jsonl")
+    assert sum(r for r, _ in recompute) - sum(r for r, _ in auto) == 2 * 4  # the skipped pass: 2 steps × 4 rows
+    assert auto == sampler  # the same forwards, at the same widths
+    rows = rows_of(tmp_path / "auto" / "metrics.jsonl")
     assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
     assert all(r["policy/approxkl_avg"] > 1e-6 for r in rows)  # the weights did move between minibatches
-    gapless = tmp_path / "sampler_gapless.jsonl"  # the gap is the one metric measured differently
+    untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
+    assert untimed(rows) == untimed(rows_of(tmp_path / "sampler" / "metrics.jsonl"))  # auto is sampler here
+    gapless = tmp_path / "auto_gapless.jsonl"  # the gap is the one metric measured differently
     gapless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "policy/sampler_logprob_gap"}) + "\n" for r in rows))
-    (tmp_path / "sampler" / "metrics.jsonl").replace(tmp_path / "sampler" / "metrics_with_gap.jsonl")
-    gapless.replace(tmp_path / "sampler" / "metrics.jsonl")
+    (tmp_path / "auto" / "metrics.jsonl").replace(tmp_path / "auto" / "metrics_with_gap.jsonl")
+    gapless.replace(tmp_path / "auto" / "metrics.jsonl")
     # The sampler's log-probs differ from a training forward's by ~1e-7 (the KV cache's sums): after two steps of
     # Adam at lr 1e-2 the weights differ by ~1e-6 (thread count dependent), far below the 1e-2 an update moves them.
-    assert_same_run(tmp_path / "recompute", tmp_path / "sampler", rtol=1e-4, atol=1e-5)
+    assert_same_run(tmp_path / "recompute", tmp_path / "auto", rtol=1e-4, atol=1e-5)
+
+
+def test_auto_old_logprobs_give_the_recomputed_update_to_fp32_tolerance(tmp_path):
+    """One PPO step (2 epochs × 2 minibatches) from the same rollout: π_old as `auto` takes it (the sampler's) and as
+    a no-grad forward recomputes it agree to fp32 noise, and so do the updates they drive (metrics and weights)."""
+    args = ("max_steps=1", "optim.lr=1e-2", "optim.adam_eps=1e-4", "algo.num_minibatches=2", "optim.per_device_batch_size=2",
+            "algo.ppo_epochs=2")
+    auto = build(tmp_path / "auto", "ppo_tiny.yaml", *args)
+    again = build(tmp_path / "again", "ppo_tiny.yaml", *args, "algo.old_logprob_source=recompute")
+    assert (auto.update.old_source, again.update.old_source) == ("sampler", "recompute")
+    torch.manual_seed(0)
+    a = auto.experience(0).experience
+    torch.manual_seed(0)  # the same draws
+    b = again.experience(0).experience
+    assert torch.equal(a.rollout.response_ids, b.rollout.response_ids)  # the same seeded rollout
+    assert torch.equal(a.old_logprobs, a.rollout.sampler_logprobs)
+    on = a.rollout.action_mask.bool()
+    assert 0 < float((a.old_logprobs - b.old_logprobs)[on].abs().max()) < 1e-5  # the KV cache's sums: noise, not 0
+    torch.manual_seed(0)
+    first = auto.update(a, 1)
+    torch.manual_seed(0)  # the same minibatch shuffles
+    second = again.update(b, 1)
+    assert 0 < first.metrics["policy/sampler_logprob_gap"] < 1e-5
+    assert "policy/sampler_logprob_gap" not in second.metrics  # the recompute's gap is the experience's figure
+    for key, value in second.metrics.items():
+        assert first.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for p, q in zip([*auto.model.parameters(), *auto.value.parameters()], [*again.model.parameters(), *again.value.parameters()]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "rollout", "source"), [
+    ((), None, "sampler"),  # fp32, rlhfkit's single-turn decode loop: the sampler's are π_old
+    (("algo.ppo_epochs=1", "algo.num_minibatches=1", "algo.algorithm=grpo", "generation.num_samples=2"), None, "update"),
+    (("generation.engine=hf",), None, "recompute"),  # transformers' generate: its processors see other logits
+    ((), VariedLengths, "recompute"),  # a rollout component the config did not make
+    (("algo.rollout_correction=token_truncate",), None, "recompute"),  # weighs π_old against the sampler's
+    (("algo.old_logprob_source=recompute",), None, "recompute"),
+])
+def test_auto_takes_the_sampler_old_logprobs_only_where_they_equal_a_recompute(tmp_path, overrides, rollout, source):
+    t = build(tmp_path, "ppo_tiny.yaml", "max_steps=1", "algo.num_minibatches=2", "optim.per_device_batch_size=2",
+              *overrides, rollout=rollout)
+    assert (t.maker.old_source, t.update.old_source) == (source, source)
+    if source == "sampler":  # in bf16 (autocast, or weights) the two differ by more than noise: recomputed
+        policy = t.run.unwrap(t.model)
+        assert not sampler_is_exact(t.cfg, "bf16", policy, Objects())
+        assert not sampler_is_exact(t.cfg, "no", policy.to(torch.bfloat16), Objects())
 
 
 def test_sampler_old_logprobs_need_rlhfkits_decode_loop():

@@ -70,7 +70,7 @@ def made(tmp_path, rounds: int, first=("flat0", "sig1", "flat2", "flat3")):
     rollout = ScriptedRollout()
     rewards = Rewards(cfg.reward, SimpleNamespace(pad_token_id=0), "cpu", given=[length_reward])
     maker = ExperienceMaker(rollout, rewards, None, None, FixedKLController(0.0), RunningMoments(), cfg,
-                            get_algorithm("dapo"), OneProcess(), one_pass=True,
+                            get_algorithm("dapo"), OneProcess(), old_source="update",
                             candidates=lambda step, round_: batch(ROUNDS[round_]))
     prompts, examples = batch(list(first))
     return maker.make(torch.nn.Linear(1, 1), prompts, examples, 3, 10), rollout

@@ -92,7 +92,7 @@ def make(tmp_path, algorithm="rloo", beta=0.1, **algo):
     rollout, policy = ScriptedRollout(), TableLM(POLICY)
     rewards = Rewards(cfg.reward, None, "cpu", given=[fixed_scores])
     maker = ExperienceMaker(rollout, rewards, ScriptedReference(), None, FixedKLController(beta), RunningMoments(), cfg,
-                            get_algorithm(algorithm), OneProcess(), one_pass=False)
+                            get_algorithm(algorithm), OneProcess(), old_source="recompute")
     prompts = PromptBatch(torch.tensor([[1, 2], [2, 1]]), torch.ones(2, 2, dtype=torch.long))
     examples = [{"prompt": "p0", "columns": {}}, {"prompt": "p1", "columns": {}}]
     return maker, policy, maker.make(policy, prompts, examples, 0, 1), cfg
@@ -137,7 +137,7 @@ def test_tokens_that_are_not_the_policys_take_no_loss_no_kl_no_entropy(tmp_path)
 
     def loss_of(model, batch):
         update = PolicyUpdate(cfg, get_algorithm("rloo"), OneProcess(), model, None, False, None, None,
-                              FixedKLController(0.1), one_pass=False)
+                              FixedKLController(0.1), old_source="recompute")
         return update.policy_loss(batch, "token-mean", float(batch.loss_mask.sum()), float(batch.loss_mask.shape[0]))
 
     assert float(loss_of(policy, exp)[0].detach()) != pytest.approx(float(loss_of(other, exp)[0].detach()), abs=1e-4)
@@ -186,7 +186,7 @@ def test_normalize_then_sum_reads_each_sources_own_scores(tmp_path):
     cfg = load_config(OnlineConfig, "configs/grpo_tiny.yaml", overrides)
     rewards = Rewards(cfg.reward, None, "cpu", given=[first_source, second_source], given_weights=[1.0, 2.0])
     maker = ExperienceMaker(ScriptedRollout(), rewards, ScriptedReference(), None, FixedKLController(0.0),
-                            RunningMoments(), cfg, get_algorithm("grpo"), OneProcess(), one_pass=True)
+                            RunningMoments(), cfg, get_algorithm("grpo"), OneProcess(), old_source="update")
     prompts = PromptBatch(torch.tensor([[1, 2], [2, 1]]), torch.ones(2, 2, dtype=torch.long))
     made = maker.make(TableLM(POLICY), prompts, [{"prompt": "p0", "columns": {}}, {"prompt": "p1", "columns": {}}], 0, 1)
     r2, std = math.sqrt(2), math.sqrt(13 / 3)
@@ -203,7 +203,7 @@ def test_scale_rewards_batch_through_the_experience_maker(tmp_path):
     cfg = load_config(OnlineConfig, "configs/grpo_tiny.yaml", overrides)
     maker = ExperienceMaker(ScriptedRollout(), Rewards(cfg.reward, None, "cpu", given=[fixed_scores]),
                             ScriptedReference(), None, FixedKLController(0.0), RunningMoments(), cfg,
-                            get_algorithm("grpo"), OneProcess(), one_pass=True)
+                            get_algorithm("grpo"), OneProcess(), old_source="update")
     prompts = PromptBatch(torch.tensor([[1, 2], [2, 1]]), torch.ones(2, 2, dtype=torch.long))
     made = maker.make(TableLM(POLICY), prompts, [{"prompt": "p0", "columns": {}}, {"prompt": "p1", "columns": {}}], 0, 1)
     expected = torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (math.sqrt(2 / 3) + 1e-4)
