@@ -50,14 +50,14 @@ def build(tmp_path, config, *overrides, rollout=None):
 
 
 def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
-    """Two run directories with the same metrics (wall times aside) and the same final weights."""
+    """Two run directories with the same metrics (wall times and measured memory aside) and the same final weights."""
     from safetensors.torch import load_file
 
     rows_a, rows_b = rows_of(a / "metrics.jsonl"), rows_of(b / "metrics.jsonl")
     assert len(rows_a) == len(rows_b)
     for r1, r2 in zip(rows_a, rows_b):
         for key, value in r2.items():
-            if not key.startswith("time/"):
+            if not key.startswith(("time/", "memory/")):
                 assert r1[key] == pytest.approx(value, rel=rtol, abs=atol), key
     w1, w2 = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     for k in w1:
@@ -496,7 +496,7 @@ def test_ppo_old_logprobs_from_the_sampler_by_default_skip_a_forward_and_match_t
     rows = rows_of(tmp_path / "auto" / "metrics.jsonl")
     assert all(0 < r["policy/sampler_logprob_gap"] < 1e-5 for r in rows)
     assert all(r["policy/approxkl_avg"] > 1e-6 for r in rows)  # the weights did move between minibatches
-    untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
+    untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rs]  # noqa: E731
     assert untimed(rows) == untimed(rows_of(tmp_path / "sampler" / "metrics.jsonl"))  # auto is sampler here
     gapless = tmp_path / "auto_gapless.jsonl"  # the gap is the one metric measured differently
     gapless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "policy/sampler_logprob_gap"}) + "\n" for r in rows))
