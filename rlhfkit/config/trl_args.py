@@ -177,6 +177,8 @@ RLOO: dict[str, Key | Rule | Refused | Inert] = {
     **_refused("TRL whitens each sequence's advantage, rlhfkit's algo.whiten_advantages every token's: not the same",
                "normalize_advantages"),
     "reward_clip_range": Rule("reward.clip", "symmetric ranges (-c, c) only"),
+    "epsilon": Key("algo.clip_eps", note="TRL clips one ratio per sequence, rlhfkit per token (algo.loss_agg "
+                   "seq-mean-token-sum: the same gradient on-policy)"),
 }
 
 PREFERENCE_REF: dict[str, Key | Rule | Refused | Inert] = {

@@ -181,8 +181,12 @@ def grpo_objective(args) -> Keys:
 
 
 def rloo_objective(args) -> Keys:
-    """RLOO: the leave-one-out baseline with the KL in the reward (β = beta); reward_clip_range."""
-    keys: Keys = {"algo.algorithm": "rloo", "kl.coef": args.beta, "algo.clip_eps_high": args.epsilon_high}
+    """RLOO: the leave-one-out baseline with the KL in the reward (β = beta); reward_clip_range. TRL's RLOO clips one
+    ratio per sequence, exp(Σ_t log r_t), and averages over sequences; rlhfkit's clips per token, summed over each
+    sequence's tokens and averaged over sequences (seq-mean-token-sum): the same gradient wherever the ratio is 1
+    (every update of a rollout read once, TRL's default num_iterations=1), clipped differently off-policy."""
+    keys: Keys = {"algo.algorithm": "rloo", "kl.coef": args.beta, "algo.clip_eps_high": args.epsilon_high,
+                  "algo.loss_agg": "seq-mean-token-sum"}
     if args.reward_clip_range is not None:
         low, high = args.reward_clip_range
         if low != -high:

@@ -91,6 +91,7 @@ def test_the_other_stages_map_their_own_fields():
     assert sft["data"]["columns"] == {"text": "body"} and sft["data"]["packing"] is True
     rloo = trl_config_keys("rloo", trl.RLOOConfig(**CPU, beta=0.1, reward_clip_range=(-3.0, 3.0)))
     assert rloo["algo"]["algorithm"] == "rloo" and rloo["kl"]["coef"] == 0.1 and rloo["reward"]["clip"] == 3.0
+    assert rloo["algo"]["loss_agg"] == "seq-mean-token-sum"  # TRL's per-sequence loss, its gradient at ratio 1
 
 
 def test_reward_weights_come_from_the_trl_config_once(tmp_path):
