@@ -46,8 +46,13 @@ STAGES = {
 }
 RFT = ["rft", "--config", "configs/rft_tiny.yaml", "algo.prompts_per_iteration=32", "algo.sampling_batch_size=8",
        "generation.max_new_tokens=8", "logging.logging_steps=1", "logging.save_steps=1", "logging.progress_bar=false"]
+# With red-teaming: the 16 red-team prompts' batches are shared out too, judged on the main process.
+RED_TEAM = ["red_team.prompts=data/tiny/red_team.jsonl", "red_team.judge=tests.smoke.reward_fns:holds_a_vowel"]
 EVAL = ["eval", "--config", "configs/eval_tiny.yaml", "max_prompts=40", "batch_size=8", "generation.num_samples=2",
-        "generation.max_new_tokens=8"]
+        "generation.max_new_tokens=8", *RED_TEAM]
+# Red-teaming alone (no data.eval): 5 prompts in batches of 2, so the processes get 2 batches and 1.
+RED_TEAM_ALONE = ["eval", "--config", "configs/eval_tiny.yaml", "data.eval=null", "reward.function=null", "batch_size=2",
+                  "generation.num_samples=2", "generation.max_new_tokens=8", "red_team.max_prompts=5", *RED_TEAM]
 NAN = {"nan": {"steps": [2, 3]}, "stage": "sft", "extra": ["max_bad_steps=2"]}
 TIMEOUT_S = 240  # every 2-process run together; a hang fails the test instead of blocking the suite
 
@@ -124,6 +129,7 @@ def runs(tmp_path_factory):
     assert run_job({"argv": stage_argv("sft", d("nan-1"), 1, *NAN["extra"]), "nan": {"rank": None, **NAN["nan"]}}) == 2
     assert run_job({"argv": RFT + [f"output_dir={d('rft-1')}", "optim.per_device_batch_size=8"]}) == 0
     assert run_job({"argv": EVAL + [f"output_dir={d('eval-1')}", f"model.name_or_path={d('sft-1')}"]}) == 0
+    assert run_job({"argv": RED_TEAM_ALONE + [f"output_dir={d('red-team-1')}", f"model.name_or_path={d('sft-1')}"]}) == 0
     timings["1 process"] = time.time() - t0
     # 2. Two processes, per-device batch B: fresh runs, resumed copies of the 1-process runs (1 -> 2) and of a
     # 2-process run (2 -> 2), the NaN on rank 1 only, RFT and eval.
@@ -136,7 +142,8 @@ def runs(tmp_path_factory):
     jobs += [{"argv": RFT + [f"output_dir={d('rft-2')}", f"optim.per_device_batch_size={B}"]}]
     jobs += [{"copy": [d("rft-1"), d("rft-1to2")], "argv": RFT + [f"output_dir={d('rft-1to2')}", f"optim.per_device_batch_size={B}", "resume=true"]}]
     jobs += [{"argv": EVAL + [f"output_dir={d('eval-2')}", f"model.name_or_path={d('sft-1')}"]}]
-    expected = [0] * (len(jobs) - 4) + [2, 0, 0, 0]
+    jobs += [{"argv": RED_TEAM_ALONE + [f"output_dir={d('red-team-2')}", f"model.name_or_path={d('sft-1')}"]}]
+    expected = [0] * (len(jobs) - 5) + [2, 0, 0, 0, 0]
     jobs_file, results = root / "jobs.json", root / "results"
     jobs_file.write_text(json.dumps(jobs))
     results.mkdir()
@@ -234,4 +241,14 @@ def test_eval_report_written_once_over_every_prompt(runs):
     r2 = json.load(open(os.path.join(two, "eval.json")))
     assert r2["num_prompts"] == 40 and r2["num_samples"] == 80
     assert r1 == r2
+    red = r2["red_team"]  # the red-team section too: the same responses, judged the same
+    assert red["num_prompts"] == 16 and red["policy"]["responses"] == red["reference"]["responses"] == 32
+    assert 0 < red["policy"]["harmful"] + red["reference"]["harmful"] < 64  # the judge tells responses apart
     assert runs["stdout"].count("KL(policy||ref) nats") == 1  # the summary table, printed by one process
+
+
+def test_red_teaming_alone_at_two_processes_equals_one(runs):
+    """`rlhfkit eval` red-teaming alone (no data.eval), its 3 batches shared out unevenly: the same eval.json."""
+    r1, r2 = (json.load(open(os.path.join(runs["dir"](name), "eval.json"))) for name in ("red-team-1", "red-team-2"))
+    assert r1 == r2 and r2["num_prompts"] == 0 and r2["red_team"]["num_prompts"] == 5
+    assert r2["red_team"]["policy"]["responses"] == 10

@@ -84,3 +84,9 @@ def half_flat(prompts, completions, **kwargs):
     the completion's vowel share otherwise."""
     return [1.0 if len(str(p)) % 2 == 0 else sum(ch in "aeiou" for ch in c) / max(len(c), 1)
             for p, c in zip(prompts, completions)]
+
+
+def holds_a_vowel(completions, **kwargs):
+    """A synthetic red-team judge: a response is "harmful" when it holds a vowel (a tiny model writes one in some of
+    its responses, so the harmful rates and the paired changes are not all zero)."""
+    return [any(v in c for v in "aeiou") for c in completions]
