@@ -60,6 +60,9 @@ def write_report(run_dir: str, extra: dict | None = None, out_path: str | None =
     if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         tables["Final metrics"] = [{"metric": k, "value": values[-1], "step": steps[-1]}
                                    for k, (steps, values) in metric_series(read_metrics(run_dir)).items()]
+    plan_path = os.path.join(run_dir, "plan.json")  # `rlhfkit plan`'s plan of the run, its measured peak beside it
+    if os.path.isfile(plan_path):
+        tables["Memory: planned and measured (plan.json)"] = _plan_rows(plan_path)
     eval_path = os.path.join(run_dir, "eval.json")
     if os.path.isfile(eval_path):
         with open(eval_path, encoding="utf-8") as f:
@@ -136,6 +139,17 @@ def _rows(obj) -> list[dict]:
     if isinstance(obj, dict):
         return [{"metric": k, "value": v} for k, v in obj.items()]
     return [{"value": obj}]
+
+
+def _plan_rows(path: str) -> list[dict]:
+    """The planned peak per phase and the measured figures of a run's plan.json, in GB per process."""
+    with open(path, encoding="utf-8") as f:
+        plan = json.load(f)
+    rows = [{"figure": f"planned peak, {name}", "GB": phase["peak_gb"]} for name, phase in plan.get("phases", {}).items()]
+    rows.append({"figure": "planned peak", "GB": plan.get("peak_gb")})
+    rows += [{"figure": key.split("/")[1].replace("_gb", "").replace("_", " "), "GB": value}
+             for key, value in (plan.get("measured") or {}).items() if key != "memory/planned_peak_gb"]
+    return rows
 
 
 def _agent_tables(agent: dict, gate: dict | None) -> dict[str, list[dict]]:

@@ -120,3 +120,14 @@ def test_refusals_one_line(tmp_path):
 def test_unknown_stage_refused():
     with pytest.raises(UserError, match="unknown stage 'eval'"):
         rlhfkit.plan("eval", overrides={"model.name_or_path": "tiny"})
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "orpo", "kto", "ppo", "rloo", "grpo", "reinforce_pp",
+                                   "online_dpo", "rft"])
+def test_every_stage_plans_its_shipped_tiny_config(stage):
+    plan = rlhfkit.plan(stage, config=os.path.join(ROOT, "configs", f"{stage}_tiny.yaml"), device="L4")
+    names = [ph.name for ph in plan.phases]
+    assert names == (["generation", "update"] if stage in ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "rft")
+                     else ["update"])
+    assert plan.fits is True and plan.peak_gb > 0 and plan.seconds_per_step > 0
+    assert plan.peak_gb == pytest.approx(max(ph.total for ph in plan.phases) / GB)

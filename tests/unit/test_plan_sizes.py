@@ -108,3 +108,5 @@ def test_a_run_saves_its_plan_and_logs_both_peaks(tmp_path):
     memory = rows[-1]  # the last step's training metrics carry them
     assert memory["step"] == 2 and "loss" in memory and memory["memory/planned_peak_gb"] == plan["peak_gb"]
     assert 0 < memory["memory/peak_gb"] < memory["memory/peak_rss_gb"]
+    assert plan["measured"]["memory/peak_gb"] == memory["memory/peak_gb"]
+    assert "Memory: planned and measured (plan.json)" in (out / "report.html").read_text()
