@@ -29,6 +29,7 @@ loop that kept every row in the batch until the last one ended.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -58,6 +59,17 @@ class Row:
     stream: Stream
     slot: int = 0
     unfed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Parked:
+    """Rows taken out of the cache while the others go on (their turn ended): their keys and values per layer, cache
+    mask and next positions, as they were."""
+
+    rows: list[Row]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    next_position: torch.Tensor
 
 
 @dataclass
@@ -99,6 +111,13 @@ def compiled_step(model, forward, cuda: bool):
         step = torch.compile(forward, mode="reduce-overhead" if cuda else None, dynamic=False)
         model.__dict__["_rlhfkit_decode_step"] = step  # a plain attribute: no submodule, no state-dict entry
     return step
+
+
+def next_logits(model, arg: str, ids: torch.Tensor, attention, positions: torch.Tensor, cache) -> torch.Tensor:
+    """One forward of (n, S) tokens through `cache` (passed as `arg`) -> the last position's logits (n, V), fp32;
+    transformers computes the logits of that position only."""
+    return model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+                 **{arg: cache}).logits[:, -1].float()
 
 
 def window_masks(mask: torch.Tensor, positions: torch.Tensor, window: int, layer_types, dtype, eager: bool):
@@ -161,8 +180,7 @@ class Session:
 
     def call(self, ids: torch.Tensor, attention, positions: torch.Tensor, cache) -> torch.Tensor:
         """The model's forward: (n, S) tokens -> the last position's logits (n, V), fp32."""
-        return self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                          logits_to_keep=1, **{self.arg: cache}).logits[:, -1].float()
+        return next_logits(self.model, self.arg, ids, attention, positions, cache)
 
     def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Feeds (n, S) tokens, `real` (n, S) marking the rows' real ones; -> the last position's logits (n, V)."""
@@ -174,12 +192,14 @@ class Session:
             # The static cache's columns: those written so far, then ones that causality hides until written.
             attention = torch.nn.functional.pad(self.mask, (0, self.cache_len - self.mask.shape[1]), value=1)
             if ids.shape[1] == 1:
-                step = compiled_step(self.model, self.call, ids.is_cuda)
+                # compiled over the model, not this session (the graph outlives it, and must not keep its cache)
+                step = compiled_step(self.model, functools.partial(next_logits, self.model, self.arg), ids.is_cuda)
                 if ids.is_cuda:
                     torch.compiler.cudagraph_mark_step_begin()  # the previous replay's output is no longer read
                 return step(ids, attention, positions, self.cache).clone()
         elif self.window is not None:
-            attention = window_masks(self.mask, positions, self.window, self.layer_types, next(self.model.parameters()).dtype, self.eager)
+            dtype = next(self.model.parameters()).dtype
+            attention = window_masks(self.mask, positions, self.window, self.layer_types, dtype, self.eager)
         else:
             attention = self.mask
         return self.call(ids, attention, positions, self.cache)
@@ -223,12 +243,44 @@ class Session:
             self.rows = [self.rows[r] for r in rows]
             self.logits = self.logits[rows] if self.logits is not None else None
 
+    @property
+    def rebuildable(self) -> bool:
+        """Whether the cache can be rebuilt from its keys and values (rows parked, rows joining): a dynamic cache of
+        attention layers only (a model's linear-attention or shared layers hold other state)."""
+        return not self.static and not any(self.cache.is_linear) and not any(getattr(self.cache, "is_dummy", []))
+
+    def park(self, rows: list[int]) -> Parked:
+        """Takes the session's `rows` (indices) out of the cache, kept aside until `unpark`."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        parked = Parked([self.rows[i] for i in rows], [(k[index], v[index]) for k, v, *_ in self.cache],
+                        self.mask[index], self.next_position[index])
+        self.select([i for i in range(len(self.rows)) if i not in set(rows)])
+        return parked
+
+    def unpark(self, parked: list[Parked], order: list[Row]) -> None:
+        """The parked rows back into the cache, the rows then in `order`: their columns padded on the right with
+        masked ones to the width the others reached (both share the columns from before the parking)."""
+        from transformers import DynamicCache
+
+        width = self.mask.shape[1]
+        parts = [Parked(self.rows, [(k, v) for k, v, *_ in self.cache], self.mask, self.next_position), *parked]
+        where = {id(row): i for i, row in enumerate(row for part in parts for row in part.rows)}
+        index = torch.tensor([where[id(row)] for row in order], dtype=torch.long, device=self.device)
+        right = lambda x: torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))  # noqa: E731 (masked columns)
+        stacked = lambda tensors: torch.cat([right(t) for t in tensors])[index]  # noqa: E731
+        self.cache = DynamicCache(ddp_cache_data=[(stacked([p.kv[layer][0] for p in parts]),
+                                                   stacked([p.kv[layer][1] for p in parts]))
+                                                  for layer in range(len(parts[0].kv))])
+        self.mask = torch.cat([torch.nn.functional.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts])[index]
+        self.next_position = torch.cat([p.next_position for p in parts])[index]
+        self.rows, self.logits = list(order), None  # the next logits come from `extend`
+
     def join(self, groups: list[Group]) -> None:
         """The groups' rows join the cache after its rows (continuous refill): prefilled on their own, then both
         caches left-padded with masked columns to one width and stacked, columns no row reads cut off the left."""
         from transformers import DynamicCache
 
-        if self.static or any(self.cache.is_linear) or any(getattr(self.cache, "is_dummy", [])):
+        if not self.rebuildable:
             raise UserError("generation.max_batch_rows: continuous refill needs the dynamic KV cache (generation.compile "
                             "false) and a model whose every layer is attention")
         rows, cache, mask, positions, logits = self.prefill(groups)
@@ -311,13 +363,21 @@ class Session:
         """Samples one turn per row, until its EOS or its budget (`budgets`: one per row; a waiting group's rows get
         theirs); -> {row key: (tokens, log-probs)}.
 
-        `keep_finished` (a multi-turn caller, which may extend a row after its turn): a row whose turn ended stays in
-        the cache, fed padding (masked) while others go on, its last token left unfed. Else it leaves the cache at once,
-        and `waiting` groups join when there is room for them (`max_rows` rows in all: continuous refill)."""
+        `keep_finished` (a multi-turn caller, which may extend a row after its turn): a row whose turn ended is parked
+        out of the cache while the others go on (`park`; where the cache cannot be rebuilt, it stays, fed masked
+        padding), and back in its place when the turn is over, its last token left unfed. Else it leaves the cache at
+        once, and `waiting` groups join when there is room for them (`max_rows` rows in all: continuous refill)."""
         self.lay_out_streams(self.rows)
         budget = {row.key: b for row, b in zip(self.rows, budgets)}
         turns = {row.key: ([], []) for row in self.rows}
         live = [budget[row.key] > 0 for row in self.rows]
+        order, parked = list(self.rows), []
+        parking = keep_finished and self.rebuildable and any(live)
+        for row, on in zip(self.rows, live):
+            row.unfed = [] if keep_finished and not on else row.unfed
+        if parking and not all(live):
+            parked.append(self.park([i for i, on in enumerate(live) if not on]))
+            live = [True] * len(self.rows)
         while any(live):
             token, logprob = self.draw(self.logits, live)
             tokens, values, fed = token.tolist(), logprob.tolist(), list(live)
@@ -327,11 +387,17 @@ class Session:
                     ids.append(tokens[i])
                     lps.append(values[i])
                     live[i] = tokens[i] != self.eos and len(ids) < budget[row.key]
+            if keep_finished and not any(live):
+                for i, row in enumerate(self.rows):
+                    row.unfed = [tokens[i]] if fed[i] else []
+                break
+            if parking and not all(live):
+                for i, row in enumerate(self.rows):
+                    row.unfed = [tokens[i]] if not live[i] else []
+                parked.append(self.park([i for i, on in enumerate(live) if not on]))
+                token, live = token[[i for i, on in enumerate(fed) if on and live[i]]], [True] * len(self.rows)
+                fed = live
             if keep_finished or self.static:
-                if not any(live):
-                    for i, row in enumerate(self.rows):
-                        row.unfed = [tokens[i]] if fed[i] else []
-                    break
                 real = torch.tensor(fed if not self.static else [True] * len(fed), device=self.device)
                 self.logits = self.step(token.masked_fill(~real, self.pad), real)
                 continue
@@ -346,6 +412,8 @@ class Session:
             if joining:
                 self.join(joining)
             live = [True] * len(self.rows)
+        if parked:
+            self.unpark(parked, order)
         return turns
 
     def step(self, token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,26 @@ def test_max_batch_rows_is_checked_in_one_line(overrides, message):
         load_config(OnlineConfig, None, ["model.name_or_path=tiny", "data.train=t.jsonl", "output_dir=out", "reward.function=m:f",
                                          *overrides])
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_tool_loop_turn_feeds_only_the_rows_still_in_it(tiny):
+    """A direct answer ends long before a tool call is written: from then on the turn's one-token forwards carry the
+    calling row only (the finished one is parked out of the cache), and the next turn's chunk has the calling row
+    alone (the other episode is over)."""
+    from tests.unit.test_tool_loop import BIAS, script
+    from rlhfkit.rollout.tool_loop import ToolLoop
+    from rlhfkit.tools import Toolbox
+    from tests.scripted import Scripted
+    from tests.smoke.agent_tools import add
+
+    model, tok = tiny
+    recording = Recording(model)
+    loop = ToolLoop(tok, GenerationConfig(max_new_tokens=200, top_k=1), 0, Toolbox([add]), 3, 2.0, 100)
+    examples = [{"prompt": p, "columns": {}} for p in ("add 1 2", "hello")]
+    ro = loop(Scripted(recording, tok, script, BIAS), batch_of(tok, ["a", "b"]), examples, 0)
+    assert ro.tools.calls.tolist() == [1, 0]
+    steps = [rows for rows, width in recording.shapes if width == 1]
+    answer = int(ro.response_mask[1].sum())  # "no tool" and its EOS: the second row's whole episode
+    assert steps[: answer - 1] == [2] * (answer - 1)  # both rows sample until the answer's EOS
+    assert set(steps[answer - 1:]) == {1}  # then the call alone, in this turn and the next
+    assert [rows for rows, width in recording.shapes if width > 1][1:] == [1]  # the results, fed to the caller only
