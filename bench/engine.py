@@ -16,7 +16,8 @@ responses ending at EOS at lengths of their own, as a GRPO step's or an evaluati
 Under one seed transformers' `generate` and the engine draw the same tokens (tests/unit/test_generation.py): the
 script checks that they generated the same number. Tokens counted: each row's tokens up to and including its EOS (the
 padding after it is not work anyone wants). Engines take turns (A B C D, then D C B A, ...), so a shared machine's
-load falls on all; the figure is the median over the rounds.
+load falls on all; the figure is the median over the rounds, per second of the process's CPU time (one thread, so
+its compute: on a shared machine, wall time is mostly waiting for a core), wall time shown beside it.
 
     OMP_NUM_THREADS=1 python bench/engine.py            # writes docs/results/engine.{json,md}
     OMP_NUM_THREADS=1 python bench/engine.py --model tiny --rounds 1 --no-record   # a quick check of the script
@@ -142,38 +143,43 @@ def main() -> None:
     batch = prompt_batch(tok, args.prompts)
     table, why = engines(model, tok, batch, args)
     names = list(table)
-    seconds = {n: [] for n in names}
+    seconds, cpu = {n: [] for n in names}, {n: [] for n in names}
     tokens = {n: set() for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             if name == "transformers generate_batch" and r >= args.batching_rounds:
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tokens[name].add(table[name](seed=r))
             seconds[name].append(time.perf_counter() - t0)
-            print(f"round {r}: {name}: {seconds[name][-1]:.1f}s, {sorted(tokens[name])[-1]} tokens", flush=True)
+            cpu[name].append(time.process_time() - c0)
+            print(f"round {r}: {name}: {seconds[name][-1]:.1f}s wall, {cpu[name][-1]:.1f}s CPU, "
+                  f"{sorted(tokens[name])[-1]} tokens", flush=True)
     if tokens["transformers generate"] != tokens["rlhfkit engine"]:
         sys.exit(f"the engine and transformers' generate drew different tokens: {tokens}")
-    base = statistics.median(seconds["transformers generate"]) / statistics.mean(tokens["transformers generate"])
+    rate = lambda name: statistics.mean(tokens[name]) / statistics.median(cpu[name])  # noqa: E731 tokens per CPU second
     rows = []
     for name in names:
-        median, count = statistics.median(seconds[name]), statistics.mean(tokens[name])
-        rows.append([name, f"{count:.0f}", f"{median:.1f}", f"{count / median:.1f}", f"{base / (median / count):.2f}x"])
+        count = statistics.mean(tokens[name])
+        rows.append([name, f"{count:.0f}", f"{statistics.median(seconds[name]):.1f}", f"{statistics.median(cpu[name]):.1f}",
+                     f"{rate(name):.1f}", f"{rate(name) / rate('transformers generate'):.2f}x"])
     lengths = [len(ids[m.bool()]) for ids, m in zip(batch.input_ids, batch.attention_mask)]
     notes = [f"{args.prompts} chat prompts of {min(lengths)}-{max(lengths)} tokens, {args.samples} samples each "
              f"({args.prompts * args.samples} rows), temperature 1, at most {args.max_new_tokens} new tokens, "
              f"{args.model} in fp32 on the CPU, one thread (OMP_NUM_THREADS=1); median of {args.rounds} rounds, "
              "engines taking turns. Tokens: each row's tokens up to its EOS, per round (the rounds' seeds differ; "
              "the engine and transformers' generate draw the same tokens under each).",
-             "Measured on a machine shared with other jobs (see the load average): the absolute figures are slower than "
-             "a quiet machine's; the engines ran in turns under the same load, so the ratios are the comparison."]
+             "Measured on a machine shared with many other jobs (see the load average), the benchmark at low priority: "
+             "wall time there is mostly waiting for a core, so the rate is per second of CPU time the process used "
+             "(one thread: its compute), wall seconds shown beside it. A quiet machine's figures will be higher; the "
+             "engines ran in turns under the same load, so the ratios are the comparison."]
     if why is not None:
         notes.append(f"transformers' continuous batching (`generate_batch`) does not run here: {why}.")
     for row in rows:
         print(" | ".join(row))
     if not args.no_record:
-        record("engine", "Sampling: rlhfkit's engine against transformers", ["engine", "tokens", "seconds",
-               "tokens/s", "vs generate"], rows, command="OMP_NUM_THREADS=1 python bench/engine.py", notes=notes)
+        record("engine", "Sampling: rlhfkit's engine against transformers", ["engine", "tokens", "wall s", "CPU s",
+               "tokens per CPU s", "vs generate"], rows, command="OMP_NUM_THREADS=1 python bench/engine.py", notes=notes)
 
 
 if __name__ == "__main__":
