@@ -20,11 +20,11 @@ from tests.unit.test_tool_loop import tiny  # noqa: F401 - tiny is a fixture
 
 PACKAGE = pathlib.Path(rlhfkit.__file__).parent
 ENGINE = PACKAGE / "generation"
-# The samplers, each importing the engine (directly, or the module that does: label candidates sample through
-# `evaluation.evaluate.sample`, online DPO through the rollout component).
+# The samplers, each importing the engine or the module through which it samples (evaluation and online DPO through
+# the rollout component, label candidates through evaluation's sampling).
 SAMPLERS = {"rlhfkit.rollout.single_turn": "rlhfkit.generation", "rlhfkit.rollout.tool_loop": "rlhfkit.generation",
-            "rlhfkit.evaluation.evaluate": "rlhfkit.generation", "rlhfkit.trainers.best_of_n": "rlhfkit.generation",
-            "rlhfkit.tasks.demo": "rlhfkit.generation", "rlhfkit.label.candidates": "rlhfkit.evaluation.evaluate",
+            "rlhfkit.evaluation.samples": "rlhfkit.rollout.single_turn", "rlhfkit.trainers.best_of_n": "rlhfkit.generation",
+            "rlhfkit.tasks.demo": "rlhfkit.generation", "rlhfkit.label.candidates": "rlhfkit.evaluation.samples",
             "rlhfkit.trainers.online_dpo": "rlhfkit.rollout.maker"}
 DECODING_NAMES = {"multinomial", "sample_next", "DynamicCache", "StaticCache", "Cache", "DynamicLayer", "StaticLayer"}
 CACHE_KEYWORDS = {"past_key_values", "cache", "use_cache"}
@@ -99,7 +99,7 @@ def test_the_samplers_forward_only_through_the_engine(tiny):
     """The single-turn rollout, the tool loop and evaluation's sampling, each on a watched model: they make
     forwards, and every one of them is the session's."""
     from rlhfkit.data import collate_prompts
-    from rlhfkit.evaluation.evaluate import sample
+    from rlhfkit.evaluation.samples import sample
     from rlhfkit.rollout.single_turn import SingleTurn
     from rlhfkit.rollout.tool_loop import ToolLoop
     from rlhfkit.tools import Toolbox
