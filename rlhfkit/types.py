@@ -252,12 +252,14 @@ class Rollout(_TensorBatch):
         draws). Prompts left-padded and responses right-padded to the widest (padding columns carry nothing: mask 0,
         log-prob 0), group ids continued after each part's last, and the per-row text, completions, environments,
         played prompts, schemas and tool counts kept wherever every part has them."""
+        if len(parts) == 1:
+            return parts[0]
         P, R = max(r.prompt_ids.shape[1] for r in parts), max(r.response_ids.shape[1] for r in parts)
         left = lambda t, v: torch.nn.functional.pad(t, (P - t.shape[1], 0), value=v)  # noqa: E731
         right = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
         offsets = [0]
         for r in parts[:-1]:
-            offsets.append(offsets[-1] + int(r.group_ids.max()) + 1)
+            offsets.append(offsets[-1] + (int(r.group_ids.max()) + 1 if r.group_ids.numel() else 0))
         rows = {name: Rows(row for r in parts for row in getattr(r, name))
                 for name in ("texts", "completions", "environments", "prompts", "schemas")
                 if all(getattr(r, name) is not None for r in parts)}

@@ -27,7 +27,7 @@ import torch
 
 from rlhfkit.advantages import penalize_missing_eos, zero_variance_groups
 from rlhfkit.rewards import Scores
-from rlhfkit.types import PromptBatch, Rollout, Rows, ToolCounts
+from rlhfkit.types import PromptBatch, Rollout
 
 
 def refill_key(step: int, round_: int) -> int:
@@ -117,7 +117,7 @@ def assemble(parts: list[Rollout], scores: list[Scores], rows: list[list[dict]],
     for part in parts:
         starts.append(starts[-1] + part.group_ids.numel())
     index = torch.tensor([starts[p] + g * k + s for p, g in chosen for s in range(k)])
-    rollout = cat_rollouts(parts, pad_token_id).select(index)
+    rollout = Rollout.concat(parts, pad_token_id).select(index)
     rollout = dataclasses.replace(rollout, group_ids=torch.arange(len(chosen), device=rollout.group_ids.device)
                                   .repeat_interleave(k))
     total = torch.cat([s.total for s in scores])
@@ -129,36 +129,3 @@ def assemble(parts: list[Rollout], scores: list[Scores], rows: list[list[dict]],
     picked = {column: [values[i] for i in index.tolist()] if len(values) == len(flat_rows) else values
               for column, values in extras.items()}
     return Filled(rollout, scored, [flat_rows[i] for i in index.tolist()], stats, logged, picked)
-
-
-def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Rollouts as one: prompts left-padded and responses right-padded to the widest, group ids offset part by part,
-    per-row values and tool counts joined in order."""
-    if len(parts) == 1:
-        return parts[0]
-    width_p = max(p.prompt_ids.shape[1] for p in parts)
-    width_r = max(p.response_ids.shape[1] for p in parts)
-    left = lambda x, v: torch.nn.functional.pad(x, (width_p - x.shape[1], 0), value=v)  # noqa: E731
-    right = lambda x, v: torch.nn.functional.pad(x, (0, width_r - x.shape[1]), value=v)  # noqa: E731
-    offsets, groups = 0, []
-    for part in parts:
-        groups.append(part.group_ids + offsets)
-        offsets += int(part.group_ids.max()) + 1 if part.group_ids.numel() else 0
-    joined = {name: Rows(row for p in parts for row in getattr(p, name)) if getattr(parts[0], name) is not None
-              else None for name in ("texts", "completions", "environments", "prompts", "schemas")}
-    return Rollout(prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
-                   prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
-                   response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
-                   response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
-                   group_ids=torch.cat(groups), has_eos=torch.cat([p.has_eos for p in parts]),
-                   sampler_logprobs=torch.cat([right(p.sampler_logprobs, 0.0) for p in parts]),
-                   action_mask=torch.cat([right(p.action_mask, 0) for p in parts]), **joined,
-                   tools=cat_tool_counts([p.tools for p in parts]) if parts[0].tools is not None else None)
-
-
-def cat_tool_counts(parts: list[ToolCounts]) -> ToolCounts:
-    """Tool counts of several rollouts, rows in order (the same tools on every part)."""
-    tensors = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(ToolCounts)
-               if isinstance(getattr(parts[0], f.name), torch.Tensor)}
-    well_formed = Rows(r for p in parts for r in p.well_formed) if parts[0].well_formed is not None else None
-    return ToolCounts(**tensors, tool_names=parts[0].tool_names, well_formed=well_formed)

@@ -31,11 +31,11 @@ from rlhfkit.models import rollout_logprobs
 from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards, RunningMoments, normalize_scores
 from rlhfkit.rollout import RolloutMaker
-from rlhfkit.sharding import gathered_weights
 from rlhfkit.errors import UserError
 from rlhfkit.trainers.dynamic_sampling import Filled, fill, refill_key
 from rlhfkit.trainers.optim import Fault
 from rlhfkit.trainers.processes import sums_by_name
+from rlhfkit.trainers.sampling import Sampling
 from rlhfkit.types import Experience, PromptBatch, Rollout, ToolCounts, ToolFigures
 
 
@@ -88,11 +88,6 @@ def old_logprob_source(cfg: OnlineConfig, algo: Algorithm, sampler_is_exact: boo
     return "recompute"
 
 
-def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(b, r) -> (b, width) with zeros on the right (a trimmed micro-batch's outputs back at the rollout's width)."""
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
 class ExperienceMaker:
     def __init__(self, rollout: RolloutMaker, rewards: Rewards, reference, critic, kl_control, moments: RunningMoments,
                  cfg: OnlineConfig, algo: Algorithm, run, old_source: OldSource, candidates=None):
@@ -106,6 +101,7 @@ class ExperienceMaker:
         self.kl_control, self.moments, self.cfg, self.algo, self.run, self.old_source = \
             kl_control, moments, cfg, algo, run, old_source
         self.candidates = candidates
+        self.parts = Sampling(rollout, rewards, reference, run, cfg.optim.per_device_batch_size, cfg.generation.temperature)
         if cfg.algo.dynamic_filtering and cfg.algo.max_sampling_rounds > 1:
             if candidates is None:
                 raise ValueError("dynamic sampling with refills needs the prompt stream's candidates")
@@ -121,14 +117,13 @@ class ExperienceMaker:
         critic) without dropout; 4. shaped scores, per-token rewards with the KL penalty, advantages."""
         cfg, run = self.cfg, self.run
         t0 = time.perf_counter()
-        with gathered_weights(run.accelerator, policy, run.unwrap(policy)) as sampler:  # FSDP / ZeRO-3: whole weights
-            ro = self.rollout(sampler, prompts.to(run.accelerator.device), examples, step)  # 1. roll out
+        ro = self.parts.roll_out(policy, prompts, examples, step)  # 1. roll out
         stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
         if not run.on_every_process(ro is not None):
             return Made(None, Fault.ROLLOUT, stats)
         rows = [e for e in examples for _ in range(cfg.generation.num_samples)]  # the dataset example of each row
         state = trainer_state(step, total_steps)
-        scored = self.rewards(ro, rows, state)  # 2. score
+        scored, source_figures = self.parts.score(ro, rows, state)  # 2. score
         taken = None  # the reward functions' logs, when dynamic sampling took them
         if cfg.algo.dynamic_filtering:  # DAPO: groups without signal dropped, more prompts sampled
             filled = self.refill(policy, ro, scored, rows, step, state)
@@ -136,8 +131,9 @@ class ExperienceMaker:
                 return Made(None, Fault.ROLLOUT, stats)
             ro, scored, rows, taken = filled.rollout, filled.scores, filled.rows, (filled.logged, filled.extras)
             stats.update(filled.stats)
+            source_figures = source_stats({name: run.gather(v) for name, v in scored.per_source.items()})
         scores = scored.total  # (B,) the weighted sum over the reward sources
-        stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
+        stats.update(source_figures)
         old_logprobs, ref_logprobs, values = self.forwards(run.unwrap(policy), ro)  # 3.
         finite = run.on_every_process(all(bool(torch.isfinite(x).all()) for x in (scores, old_logprobs, ref_logprobs, values)
                                           if x is not None))
@@ -161,8 +157,7 @@ class ExperienceMaker:
         cfg, run = self.cfg, self.run
 
         def sample(prompts, examples, round_):
-            with gathered_weights(run.accelerator, policy, run.unwrap(policy)) as sampler:
-                return self.rollout(sampler, prompts.to(run.accelerator.device), examples, refill_key(step, round_))
+            return self.parts.roll_out(policy, prompts, examples, refill_key(step, round_))
 
         return fill(ro, scored, rows, k=cfg.generation.num_samples, rounds=cfg.algo.max_sampling_rounds,
                     candidates=lambda round_: self.candidates(step, round_), sample=sample,
@@ -175,22 +170,19 @@ class ExperienceMaker:
         in no-grad forwards without dropout on the unwrapped modules (no DDP collectives): with unchanged weights
         they give exactly the update forward's values. Each micro-batch is cut to its own longest response, its
         outputs padded back to the rollout's width."""
-        cfg, mb, width = self.cfg, self.cfg.optim.per_device_batch_size, ro.response_ids.shape[1]
+        cfg, parts = self.cfg, self.parts
         critic = self.run.unwrap(self.critic) if self.critic is not None else None
         for module in (policy, critic):
             if module is not None:
                 module.eval()
-        chunks = [ro.select(slice(i, i + mb)).trimmed() for i in range(0, ro.response_ids.shape[0], mb)]
-        cat = lambda f: torch.cat([pad_to(f(c), width) for c in chunks]) * ro.action_mask  # noqa: E731
-        temperature = cfg.generation.temperature
         if self.old_source == "update":
             old = None  # the update forward's own, detached (`PolicyUpdate` returns them)
         elif self.old_source == "sampler":
             old = ro.sampler_logprobs
         else:
-            old = cat(lambda c: rollout_logprobs(policy, c, temperature))
-        ref = cat(lambda c: self.reference.rollout_logprobs(policy, c, temperature)) if self.reference is not None else None
-        values = cat(lambda c: critic_values(critic, critic, c)) if critic is not None else None
+            old = parts.micro(ro, lambda c: rollout_logprobs(policy, c, cfg.generation.temperature))
+        ref = parts.reference_logprobs(policy, ro)
+        values = parts.micro(ro, lambda c: critic_values(critic, critic, c)) if critic is not None else None
         return old, ref, values
 
     def source_scores(self, per_source: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ Each step:
   4. one optimizer step (`optimizer_step`) on the DPO family's loss over the fresh pairs
      (`online_pair_loss` → `preference_loss`: sigmoid, IPO or hinge), + PPO-ptx with data.ptx;
   5. log (TRL's online-DPO metric names), write samples, raise the alarms, checkpoint (`online_setup.StepLog`).
-The data, the prompt stream and the step log are the services the other online loop calls too (`trainers.online_setup`).
+Steps 1-3 go through the parts the experience maker uses (`trainers.experience.Sampling`). The data, the prompt
+stream and the step log are the services the other online loop calls too (`trainers.online_setup`).
 
 Labels from a Bradley–Terry judge (P(y1 ≻ y2) = σ(r1 − r2)) make the fixed point π* ∝ π_ref · exp(r/β), the
 KL-regularised optimum. Hard labels (the argmax of a deterministic r, as a reward model ranks) have another fixed
@@ -30,11 +31,11 @@ from rlhfkit.config import OnlineDPOConfig
 from rlhfkit.losses.online_preference import Pairs, online_pair_loss, rank_pairs
 from rlhfkit.models import Reference, disable_dropout, load_causal_lm, rollout_logprobs
 from rlhfkit.objects import Objects
-from rlhfkit.reward_functions import source_stats, trainer_state
+from rlhfkit.reward_functions import trainer_state
 from rlhfkit.rewards import Rewards
 from rlhfkit.rollout.maker import environment_rewards, rollout_maker
-from rlhfkit.sharding import gathered_weights
-from rlhfkit.trainers.experience import logged_means, pad_to, rollout_stats
+from rlhfkit.trainers.experience import logged_means, rollout_stats
+from rlhfkit.trainers.sampling import Sampling
 from rlhfkit.trainers.held_out import HeldOutEval
 from rlhfkit.trainers.online_setup import (PromptStream, Samples, StepLog, load_online_data, policy_is_finite,
                                            total_steps_of)
@@ -94,7 +95,8 @@ class OnlineDPOTrainer:
         self.optim = run.make_optim(optimizer, scheduler, [self.model])
         self.ptx = None if data.ptx_set is None else Ptx(data.ptx_set, a.ptx_coef, run, 2 * a.rollout_batch_size,
                                                         cfg.optim.per_device_batch_size, self.tokenizer.pad_token_id)
-        self.rollout = rollout_maker(cfg, self.tokenizer, self.objects)
+        self.parts = Sampling(rollout_maker(cfg, self.tokenizer, self.objects), self.reward, self.ref, run,
+                              2 * cfg.optim.per_device_batch_size, cfg.generation.temperature)
         self.held_out = HeldOutEval(run, cfg, self.tokenizer, data.eval_prompts, data.capability, a.rollout_batch_size,
             self.objects)
         self.held_out.check_reference(self.ref)
@@ -112,20 +114,16 @@ class OnlineDPOTrainer:
         cfg, run = self.cfg, self.run
         prompts, examples = self.prompts(step)
         t0 = time.perf_counter()
-        with gathered_weights(self.accelerator, self.model, run.unwrap(self.model)) as sampler:
-            ro = self.rollout(sampler, prompts.to(self.accelerator.device), examples, step)
+        ro = self.parts.roll_out(self.model, prompts, examples, step)  # 1. roll out
         stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
         if not run.on_every_process(ro is not None):
             return None, stats
         rows = [e for e in examples for _ in range(2)]
         state = trainer_state(step, self.total_steps)
-        scored = self.reward(ro, rows, state)
-        stats.update(source_stats({name: run.gather(v) for name, v in scored.per_source.items()}))
+        scored, source_figures = self.parts.score(ro, rows, state)  # 2. score
+        stats.update(source_figures)
         shaped = penalize_missing_eos(scored.total, ro.has_eos, cfg.reward.missing_eos_penalty)
-        policy, mb = run.unwrap(self.model), 2 * cfg.optim.per_device_batch_size
-        policy.eval()
-        ref = torch.cat([pad_to(self.ref.rollout_logprobs(policy, ro.select(slice(i, i + mb)).trimmed(), cfg.generation.temperature),
-                                ro.response_ids.shape[1]) for i in range(0, ro.response_ids.shape[0], mb)]) * ro.action_mask
+        ref = self.parts.reference_logprobs(run.unwrap(self.model), ro)  # 3. the reference's forward
         stats.update(rollout_stats(run, self.reward, ro, scored.total, rows, state, cfg.algo.rollout_batch_size))
         logged, extras = self.reward.logs.take()  # log_metric / log_extra
         stats.update(logged_means(run, logged))

@@ -25,7 +25,8 @@ from rlhfkit.losses.correction import off_policy_sequence_mask, rollout_correcti
 from rlhfkit.losses.policy import get_objective, policy_objective, value_loss
 from rlhfkit.models import rollout_logprobs
 from rlhfkit.ops import masked_mean
-from rlhfkit.trainers.experience import OldSource, pad_to
+from rlhfkit.trainers.experience import OldSource
+from rlhfkit.trainers.sampling import pad_to
 from rlhfkit.trainers.optim import Fault, advance_schedule, optimizer_step
 from rlhfkit.trainers.processes import global_share, sums_by_name
 from rlhfkit.types import Experience

@@ -31,7 +31,9 @@ from rlhfkit.models import Reference, load_causal_lm, save_model, scored_logits
 from rlhfkit.objects import Objects
 from rlhfkit.rewards import Rewards
 from rlhfkit.sharding import loaded_weights
-from rlhfkit.trainers.best_of_n import best_of_n
+from rlhfkit.rollout.single_turn import SingleTurn
+from rlhfkit.trainers.best_of_n import BestOfN
+from rlhfkit.trainers.sampling import Sampling
 from rlhfkit.trainers.held_out import HeldOutEval, capability_set
 from rlhfkit.trainers.offline import micro_batch_positions, train_step
 from rlhfkit.trainers.optim import build_optimizer, build_scheduler
@@ -99,6 +101,9 @@ class RFTTrainer:
         scheduler = build_scheduler(optimizer, cfg, self.total_steps)
         self.model, optimizer = acc.prepare(policy, optimizer)
         self.optim = run.make_optim(optimizer, scheduler, [self.model])
+        parts = Sampling(SingleTurn(self.tokenizer, cfg.generation, cfg.seed), self.reward, None, run,
+                         cfg.optim.per_device_batch_size, cfg.generation.temperature)
+        self.best_of_n = BestOfN(parts, cfg, self.prompts, self.per_iteration, self.total_steps)
         self.start_step = self.start_iteration = 0
         self.resumed = None  # a checkpoint inside an iteration: its trainer state, which `resume_iteration` continues
         self.metrics, self.evaluations, self.raised = {}, [], set()  # what `checkpoint` carries over
@@ -167,7 +172,7 @@ class RFTTrainer:
 
     def sample_and_keep(self, iteration: int, step: int, last: dict) -> bool:
         """1-3. Sample n per prompt, keep the best (`train_set`), log the iteration; whether anything was kept."""
-        self.train_set, stats, self.samples = best_of_n(self, iteration, step)
+        self.train_set, stats, self.samples = self.best_of_n(self.model, iteration, step)
         self.run.log(step, stats)
         self.run.log_samples(step, self.samples)
         last.update(stats)

@@ -14,7 +14,7 @@ from rlhfkit.algorithms import get_algorithm
 from rlhfkit.config import OnlineConfig, load_config
 from rlhfkit.kl_control import FixedKLController
 from rlhfkit.rewards import Rewards, RunningMoments
-from rlhfkit.trainers.dynamic_sampling import cat_rollouts, refill_key, refill_order
+from rlhfkit.trainers.dynamic_sampling import refill_key, refill_order
 from rlhfkit.trainers.experience import ExperienceMaker
 from rlhfkit.types import PromptBatch, Rollout, Rows
 from tests.scripted import OneProcess
@@ -126,10 +126,10 @@ def test_refill_order_is_a_function_of_seed_step_and_round():
     assert sorted(refill_order(0, 5, 1, n=3, slots=7)[:3]) == [0, 1, 2]  # fewer prompts than slots: repeated
 
 
-def test_cat_rollouts_pads_each_part_to_the_widest():
+def test_the_parts_are_joined_by_rollout_concat():
     a = ScriptedRollout()(None, *batch(["sig"]), 0)  # responses of width 3
     b = ScriptedRollout()(None, *batch(["flat", "flat"]), 0)  # width 1
-    both = cat_rollouts([a, b], pad_token_id=9)
+    both = Rollout.concat([a, b], pad_token_id=9)
     assert both.response_ids.shape == (6, 3) and both.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     assert both.response_ids[2].tolist() == [1, 9, 9] and both.response_mask[2].tolist() == [1, 0, 0]
     assert list(both.texts) == ["x", "xxx", "x", "x", "x", "x"]
