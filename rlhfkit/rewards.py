@@ -263,12 +263,13 @@ class RewardModelSource:
     """
 
     def __init__(self, scorer: RewardModelScorer, name: str, policy_tokenizer, batch_size: int | None = None,
-                 given=None):
-        """`given`: the model object the Python API was given (None: loaded from `name`'s directory or hub name)."""
+                 given=None, reads_text: bool = False):
+        """`given`: the model object the Python API was given (None: loaded from `name`'s directory or hub name);
+        `reads_text`: always score the rows' text in its own tokens (texts without a rollout: `rlhfkit label`)."""
         self.scorer, self.name, self.batch_size, self.given = scorer, name, batch_size, given
         own = scorer.tokenizer
         self.own_vocabulary = own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
-        self.retokenize = own is not None and (self.own_vocabulary or getattr(own, "chat_template", None)
+        self.retokenize = own is not None and (reads_text or self.own_vocabulary or getattr(own, "chat_template", None)
                                                != getattr(policy_tokenizer, "chat_template", None))
         self.policy_template = getattr(policy_tokenizer, "chat_template", None)
         self.tool_template: str | None = None  # what tool episodes are rendered with, chosen at the first (`template_for`)
@@ -280,8 +281,9 @@ class RewardModelSource:
         return values, torch.ones_like(values, dtype=torch.bool)
 
     def values(self, rollout, inputs: RewardInputs) -> Tensor:
-        if self.retokenize:
-            ids, mask, resp = (t.to(rollout.input_ids.device) for t in self.encode(inputs, rollout.schemas))
+        if self.retokenize:  # `rollout` None: texts alone, scored on the model's device
+            device = rollout.input_ids.device if rollout is not None else next(self.scorer.model.parameters()).device
+            ids, mask, resp = (t.to(device) for t in self.encode(inputs, rollout.schemas if rollout is not None else None))
         else:
             ids, mask, resp = rollout.input_ids, rollout.attention_mask, rollout.sequence_response_mask  # (B, P + R)
         step = self.batch_size or ids.shape[0]
@@ -364,7 +366,8 @@ def reads_ids_of(embeddings: int, tokenizer_size: int) -> bool:
 
 def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quantization: QuantizationConfig | None = None,
                              batch_size: int | None = None, dtype: str = "float32",
-                             attn_implementation: str | None = None, tokenizer=None) -> RewardModelSource:
+                             attn_implementation: str | None = None, tokenizer=None,
+                             reads_text: bool = False) -> RewardModelSource:
     """The frozen reward model at `path` as a source scoring the policy's rollouts.
 
     A reward model saved without a tokenizer can only read the policy's token ids: it is refused (naming both) when
@@ -388,7 +391,8 @@ def load_reward_model_source(path: str, policy_tokenizer, policy_name: str, quan
                             "policy's tokens; save the reward model with its tokenizer")
     model = load_reward_model(cfg, tokenizer if tokenizer is not None else policy_tokenizer, trainable=False)
     name = os.path.basename(os.path.normpath(path))
-    return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size)
+    return RewardModelSource(RewardModelScorer(model, tokenizer), name, policy_tokenizer, batch_size,
+                             reads_text=reads_text)
 
 
 def _reward_function(entry, key: str) -> RewardFunction:

@@ -48,6 +48,13 @@ class Judged:
     extras: dict[str, list] = field(default_factory=dict)  # log_extra column -> one value per row
 
 
+def verdicts(source: RewardSource, rollout: Rollout | None, inputs) -> list[float | None]:
+    """The view: a reward source's scores of the rows of `inputs` as one float per row, None where it does not
+    apply. `rollout`: the rows' rollout, or None for a source that reads the inputs alone (the red-team judges)."""
+    values, applies = source.score(rollout, inputs)
+    return [float(v) if a else None for v, a in zip(values.tolist(), applies.tolist())]
+
+
 @torch.no_grad()
 def judge(judges: dict[str, RewardSource], rollout: Rollout, examples: list[dict], tokenizer) -> Judged:
     """Every judge on all of `rollout`'s rows (each called once: a judge may batch its work or normalise over the
@@ -57,8 +64,7 @@ def judge(judges: dict[str, RewardSource], rollout: Rollout, examples: list[dict
     n = rollout.response_ids.shape[0]
     scores = {}
     for name, source in judges.items():
-        values, applies = source.score(rollout, inputs)
-        row = [float(v) if a else None for v, a in zip(values.tolist(), applies.tolist())]
+        row = verdicts(source, rollout, inputs)
         if len(row) != n:
             raise UserError(f"judge '{name}' returned {len(row)} scores for {n} completions")
         bad = next(((i, s) for i, s in enumerate(row) if s is not None and not math.isfinite(s)), None)

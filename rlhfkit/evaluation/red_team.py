@@ -6,9 +6,11 @@ The figures are pure functions of per-row judgements (`side_figures`, `paired_ch
 judge, the refusal detector and the human flags before any policy loads (so bad input fails first), then judges the
 rollouts `evaluate.sample` drew and writes eval.json's `red_team` section. See docs/red-teaming.md.
 
-A safety judge maps a batch of rows (`reward_functions.RewardInputs`, TRL's reward contract) to one harmfulness in
-[0, 1] per row, or None for a row it does not judge: a Python function (`FunctionJudge`), or a text-classification
-model's probability of its harmful label (`ClassifierJudge`). A row is harmful when its harmfulness >= the threshold.
+The safety judge and the refusal detector are reward sources (`rewards.RewardSource`: `score(rollout, inputs)` over
+rows under TRL's reward contract), read through the judges' one view (`judges.verdicts`): a safety judge gives one
+harmfulness in [0, 1] per row, or None for a row it does not judge — a Python function (`FunctionJudge`), or a
+text-classification model's probability of its harmful label (`ClassifierJudge`); a row is harmful when its
+harmfulness >= the threshold. The refusal detector (`RefusalDetector`) gives 1 for a refusal, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,7 @@ from rlhfkit.config.stages import RedTeamConfig
 from rlhfkit.data.sources import open_source
 from rlhfkit.errors import UserError, first_line
 from rlhfkit.evaluation.alarms import Alarm
+from rlhfkit.evaluation.judges import verdicts
 from rlhfkit.evaluation.metrics import wilson_interval
 from rlhfkit.reward_functions import RewardFunction, RewardInputs, completion_text, load_reward_function
 
@@ -223,9 +227,13 @@ def human_figures(flags: Sequence[HumanFlag], policy_model: str, reference_model
             "reference": human_side(sides["reference"]) if reference_model is not None else None, "unmatched": unmatched}
 
 
-# 3. Judges ----------------------------------------------------------------------------------------------------------
+# 3. Judges: reward sources ------------------------------------------------------------------------------------------
 
-HarmJudge = Callable[[RewardInputs], list]  # rows -> harmfulness in [0, 1] per row, None where not judged
+
+def as_scores(values: Sequence[float | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward source's answer from one value per row: (B,) fp32 (NaN where None) and (B,) bool where it applies."""
+    return (torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32),
+            torch.tensor([v is not None for v in values], dtype=torch.bool))
 
 
 class FunctionJudge:
@@ -233,15 +241,15 @@ class FunctionJudge:
     is 0 or 1)."""
 
     def __init__(self, fn: RewardFunction):
-        self.fn = fn
+        self.fn, self.name = fn, fn.label
 
-    def __call__(self, inputs: RewardInputs) -> list[float | None]:
+    def score(self, rollout, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.fn(inputs)
         bad = next(((i, s) for i, s in enumerate(scores) if s is not None and not 0 <= s <= 1), None)
         if bad is not None:
             raise UserError(f"{self.fn.label} returned {bad[1]} at row {bad[0]}: a safety judge returns harmfulness in "
                             "[0, 1] (or a bool) per row, None for a row it does not judge")
-        return scores
+        return as_scores(scores)
 
 
 def harmful_probability(logits: torch.Tensor, index: int, multi_label: bool) -> torch.Tensor:
@@ -275,7 +283,7 @@ class ClassifierJudge:
         if label not in labels:
             raise UserError(f"red_team.harmful_label '{label}' is not a label of classifier '{path}' (its labels: "
                             f"{', '.join(sorted(labels))})")
-        self.index, self.pair, self.batch_size = labels[label], pair, batch_size
+        self.index, self.pair, self.batch_size, self.name = labels[label], pair, batch_size, path
         self.multi_label = self.model.config.problem_type == "multi_label_classification"
         if self.tokenizer.pad_token is None:  # batches need padding (the model pools each row by its pad id)
             if self.tokenizer.eos_token is None:
@@ -288,7 +296,7 @@ class ClassifierJudge:
         self.max_length = min(int(x) for x in limits if x)
 
     @torch.no_grad()
-    def __call__(self, inputs: RewardInputs) -> list[float]:
+    def score(self, rollout, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
         texts = [completion_text(c) for c in inputs.completions]
         prompts = [p if isinstance(p, str) else completion_text(p) for p in inputs.prompts]
         out: list[float] = []
@@ -298,24 +306,29 @@ class ClassifierJudge:
                                    max_length=self.max_length, return_tensors="pt").to(self.model.device)
             logits = self.model(**batch).logits  # (b, L)
             out += harmful_probability(logits, self.index, self.multi_label).tolist()
-        return out
+        return as_scores(out)
 
 
 class RefusalDetector:
-    """Which rows are refusals: `is_refusal` on each response's text, or a function under the reward-function contract
-    (a bool, or a number: refusal when >= 0.5)."""
+    """Which rows are refusals (1) or not (0): `is_refusal` on each response's text, or a function under the
+    reward-function contract (a bool, or a number: refusal when >= 0.5)."""
 
     def __init__(self, fn: RewardFunction | None = None):
-        self.fn = fn
+        self.fn, self.name = fn, fn.label if fn is not None else "refusal phrases"
 
-    def __call__(self, inputs: RewardInputs) -> list[bool]:
+    def score(self, rollout, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fn is None:
-            return [is_refusal(completion_text(c)) for c in inputs.completions]
+            return as_scores([float(is_refusal(completion_text(c))) for c in inputs.completions])
         values = self.fn(inputs)
         if None in values:
             raise UserError(f"{self.fn.label} returned None at row {values.index(None)}: a refusal detector returns "
                             "a bool per row")
-        return [v >= 0.5 for v in values]
+        return as_scores([float(v >= 0.5) for v in values])
+
+
+def refusals(detector: RefusalDetector, inputs: RewardInputs) -> list[bool]:
+    """Whether each row is a refusal, through the judges' view."""
+    return [v == 1.0 for v in verdicts(detector, None, inputs)]
 
 
 # 4. Orchestration ---------------------------------------------------------------------------------------------------
@@ -328,7 +341,7 @@ class RedTeam:
 
     def __init__(self, cfg: RedTeamConfig, policy_model: str, reference_model: str | None, device, batch_size: int):
         self.cfg, self.policy_model, self.reference_model = cfg, policy_model, reference_model
-        self.judge: HarmJudge | None = None
+        self.judge: FunctionJudge | ClassifierJudge | None = None
         if cfg.judge is not None:
             self.judge = FunctionJudge(load_reward_function(cfg.judge, "red_team.judge"))
         elif cfg.classifier is not None:
@@ -350,14 +363,14 @@ class RedTeam:
         c, alarms = self.cfg, []
         out: dict = {"prompts_file": c.prompts, "num_prompts": num_prompts}
         if policy is not None:
-            pol_h, pol_r = self.judge(policy), self.refusals(policy)
+            pol_h, pol_r = verdicts(self.judge, None, policy), refusals(self.refusals, policy)
             pol = side_figures(pol_h, pol_r, c.threshold)
             out.update(judge=self.describe_judge(), threshold=c.threshold,
                        refusal_detector=c.refusal_function or "phrases", policy=dataclasses.asdict(pol), reference=None,
                        kl=kl, worse=None, alarm=None)  # the last three need a reference
             if reference is not None:
-                ref_h = self.judge(reference)
-                ref = side_figures(ref_h, self.refusals(reference), c.threshold)
+                ref_h = verdicts(self.judge, None, reference)
+                ref = side_figures(ref_h, refusals(self.refusals, reference), c.threshold)
                 worse, better = paired_changes(pol_h, ref_h, c.threshold)
                 out["reference"] = dataclasses.asdict(ref)
                 out["worse"] = {"count": len(worse), "better_count": len(better),

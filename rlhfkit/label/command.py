@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import socket
-import tempfile
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
@@ -278,8 +277,8 @@ def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
     """human_eval.json in `out_dir` (beside `rlhfkit eval`'s eval.json): the human win rate, its interval and tie
     rate; the judges' win rates from eval.json when it is there; the reward model's mean score of both models' responses
     on the same pairs and its own win rate, with the alarm when it prefers what people do not. The reward model reads the
-    stored texts as the data pipeline renders them for training (each response closed by EOS), where `rlhfkit eval`
-    scores the sampled ids (a response cut at max_new_tokens has no EOS): the two can differ on truncated responses."""
+    stored texts as a reward source reads text (`reward_scores`), where `rlhfkit eval` scores the sampled ids when the
+    reward model shares the policy's tokenizer: the two can differ where re-tokenising the text does not give them back."""
     from rlhfkit.label.figures import human_win_rate, reward_disagrees
 
     try:
@@ -313,31 +312,30 @@ def write_result(judgements, out_dir: str, reward_model: str | None) -> str:
 
 
 def reward_scores(path: str, texts: list[tuple]) -> list[float | None]:
-    """A reward model's score of each (prompt, response), tokenised by the reward model's own tokenizer through the
-    SFT data pipeline (prompt_completion records; each response alone, so two equal responses are both scored). An
-    empty response gets None: there is nothing to score."""
-    import torch
+    """A reward model's score of each (prompt, response), through the reward-source protocol (`rewards.RewardModelSource`
+    reading text in its own tokens, as it reads a policy's rows in training): a text prompt and response become a user
+    and an assistant turn when the reward model's tokenizer has a chat template. An empty response gets None: there is
+    nothing to score."""
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.evaluation.judges import verdicts
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.reward_functions import RewardInputs
+    from rlhfkit.rewards import load_reward_model_source
 
-    from rlhfkit.config import DataConfig
-    from rlhfkit.data import build_datasets, collate_sft
-    from rlhfkit.rewards import load_reward_scorer
-
-    scorer = load_reward_scorer(path)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=path))
+    source = load_reward_model_source(path, tokenizer, path, batch_size=16, tokenizer=tokenizer, reads_text=True)
+    chat = bool(getattr(tokenizer, "chat_template", None))
     scored = [i for i, (_, response) in enumerate(texts) if response]
-    with tempfile.TemporaryDirectory() as tmp:
-        data = write_jsonl([{"prompt": texts[i][0], "completion": texts[i][1]} for i in scored], os.path.join(tmp, "texts.jsonl"))
-        examples, _ = build_datasets("sft", DataConfig(train=data), scorer.tokenizer, 0)
-    if len(examples) != len(scored):
-        raise UserError(f"reward model '{path}': {len(scored) - len(examples)} of {len(scored)} responses have no "
-                        "token left to score after tokenisation")
-    scores = []
-    with torch.no_grad():
-        for start in range(0, len(examples), 16):
-            b = collate_sft(examples[start : start + 16], scorer.tokenizer.pad_token_id)
-            scores += scorer(b.input_ids, b.attention_mask, b.labels != -100).tolist()
+    prompts = [texts[i][0] for i in scored]
+    responses = [texts[i][1] for i in scored]
+    if chat:
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        responses = [[{"role": "assistant", "content": r}] if isinstance(r, str) else r for r in responses]
     out: list[float | None] = [None] * len(texts)
-    for i, score in zip(scored, scores):
-        out[i] = score
+    if scored:
+        inputs = RewardInputs(prompts=prompts, completions=responses, completion_ids=[[] for _ in scored])
+        for i, score in zip(scored, verdicts(source, None, inputs)):
+            out[i] = score
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from rlhfkit.cli import main
 from rlhfkit.errors import UserError
+from rlhfkit.evaluation.judges import verdicts
 from rlhfkit.evaluation.red_team import ClassifierJudge
 from rlhfkit.evaluation.report import write_report
 from rlhfkit.reward_functions import RewardInputs
@@ -141,7 +142,7 @@ def test_classifier_judge_is_the_models_own_probability(classifier_dir, pair):
     texts = ["short", "a much longer response of many characters", "mid length"]
     prompts = ["p one", "p two is longer", "p3"]
     judge = ClassifierJudge(classifier_dir, "harmful", pair, "cpu", batch_size=2)
-    got = judge(RewardInputs(prompts=prompts, completions=texts, completion_ids=[[0]] * 3))
+    got = verdicts(judge, None, RewardInputs(prompts=prompts, completions=texts, completion_ids=[[0]] * 3))
     model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     with torch.no_grad():
@@ -151,7 +152,8 @@ def test_classifier_judge_is_the_models_own_probability(classifier_dir, pair):
     assert got == pytest.approx(alone, abs=1e-5)
     assert len({round(x, 6) for x in got}) == 3  # a random head: three different texts, three scores
     if not pair:  # the 41-character response is read as its first 24 characters
-        assert judge(RewardInputs(prompts=["p"], completions=[texts[1][:24]], completion_ids=[[0]]))[0] == pytest.approx(got[1])
+        cut = RewardInputs(prompts=["p"], completions=[texts[1][:24]], completion_ids=[[0]])
+        assert verdicts(judge, None, cut)[0] == pytest.approx(got[1])
 
 
 def test_classifier_judge_refuses_bad_models(classifier_dir, tmp_path):

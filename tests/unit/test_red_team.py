@@ -100,17 +100,23 @@ def test_function_judge_and_refusal_function():
     def marker(completions):
         return [("##" in c) for c in completions]
 
+    """The safety judge and the refusal detector are reward sources, read through the judges' one view."""
+    from rlhfkit.evaluation.judges import verdicts
+    from rlhfkit.evaluation.red_team import refusals
+
     judge = FunctionJudge(RewardFunction(marker, "red_team.judge 'm:marker'"))
-    assert judge(inputs(["a ## b", "clean", "##"])) == [1.0, 0.0, 1.0]
+    assert verdicts(judge, None, inputs(["a ## b", "clean", "##"])) == [1.0, 0.0, 1.0]
+    skips = FunctionJudge(RewardFunction(lambda completions: [None, 0.25], "red_team.judge 'm:skip'"))
+    assert verdicts(skips, None, inputs(["a", "b"])) == [None, 0.25]
     out_of_range = FunctionJudge(RewardFunction(lambda completions: [0.5, 2.0], "red_team.judge 'm:bad'"))
     with pytest.raises(UserError, match=r"red_team.judge 'm:bad' returned 2.0 at row 1: .*\[0, 1\]"):
-        out_of_range(inputs(["a", "b"]))
-    assert RefusalDetector()(inputs(["I cannot do that.", "Here you go."])) == [True, False]
+        verdicts(out_of_range, None, inputs(["a", "b"]))
+    assert refusals(RefusalDetector(), inputs(["I cannot do that.", "Here you go."])) == [True, False]
     scripted = RefusalDetector(RewardFunction(lambda completions: [0.7, 0.2, True], "red_team.refusal_function 'm:r'"))
-    assert scripted(inputs(["x", "y", "z"])) == [True, False, True]
+    assert refusals(scripted, inputs(["x", "y", "z"])) == [True, False, True]
     no_answer = RefusalDetector(RewardFunction(lambda completions: [None, 1.0], "red_team.refusal_function 'm:n'"))
     with pytest.raises(UserError, match="returned None at row 0"):
-        no_answer(inputs(["x", "y"]))
+        refusals(no_answer, inputs(["x", "y"]))
 
 
 def write_jsonl(path, rows):
