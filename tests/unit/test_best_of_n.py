@@ -71,3 +71,37 @@ def test_select_best_groups_need_not_be_adjacent_and_nan_never_wins():
 
 def test_select_best_with_one_sample_per_group_is_the_identity():
     assert select_best(torch.tensor([0.3, -0.2, 0.9]), torch.tensor([0, 1, 2])).tolist() == [0, 1, 2]
+
+
+def test_best_of_n_is_made_of_parts_and_keeps_each_prompts_best(tmp_path):
+    """`BestOfN` takes the parts every sampling loop uses (a scripted rollout component, the reward sources, a
+    one-process run), never the trainer: two prompts, two samples each, scores 1, 3 | 2, 2 by hand; each prompt's best
+    (a tie to the lower index) is kept with its prompt tokens unlabelled."""
+    from rlhfkit.config import RFTConfig, load_config
+    from rlhfkit.model_sources import build_tiny_tokenizer
+    from rlhfkit.rewards import Rewards
+    from rlhfkit.trainers.best_of_n import BestOfN
+    from rlhfkit.trainers.sampling import Sampling
+    from tests.scripted import OneProcess
+    from tests.unit.test_experience_maker import POLICY, ScriptedRollout, TableLM, fixed_scores
+
+    class Run(OneProcess):
+        def permutation(self, n, epoch):
+            return torch.arange(n)
+
+        def sharded(self, model):
+            return False
+
+    cfg = load_config(RFTConfig, "configs/rft_tiny.yaml", [f"output_dir={tmp_path}", "generation.num_samples=2",
+                                                            "algo.sampling_batch_size=2"])
+    rewards = Rewards(cfg.reward, build_tiny_tokenizer(), "cpu", given=[fixed_scores])
+    rollout = ScriptedRollout()
+    prompts = [{"prompt": p, "prompt_ids": ids, "columns": {}} for p, ids in (("p0", [1, 2]), ("p1", [2, 1]))]
+    best_of_n = BestOfN(Sampling(rollout, rewards, None, Run(), 2, 1.0), cfg, prompts, per_iteration=2, total_steps=4)
+    kept, stats, samples = best_of_n(TableLM(POLICY), 0, 0)
+    assert rollout.calls == 1
+    assert kept == [{"input_ids": [1, 2, 1, 3], "labels": [-100, -100, 1, 3]},
+                    {"input_ids": [2, 1, 0, 0, 3], "labels": [-100, -100, 0, 0, 3]}]
+    assert stats["rft/mean_score_all"] == 2.0 and stats["rft/mean_score_best"] == 2.5
+    assert stats["rft/kept"] == 2 and stats["rft/kept_length_avg"] == 2.5
+    assert [s["completion"] for s in samples] == ["b", "c"]  # the text the rollout component decoded
