@@ -86,3 +86,43 @@ def test_normalize_then_sum_matches_trl(num_prompts, k, sources, holes):
                                                         source_scores=per_func, source_weights=weights))
     theirs = trl_advantages(per_func, weights, k, "group", "normalize_then_sum")
     torch.testing.assert_close(ours[:, 0], theirs, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RLOOConfig's mapping (config.trl_rules.rloo_objective): TRL's RLOO loss, one clipped ratio per sequence averaged over
+# sequences, has the gradient of rlhfkit's per-token clipped surrogate reduced with "seq-mean-token-sum" wherever the
+# ratio is 1 (a rollout's one update, TRL's default num_iterations=1). Checked against RLOOTrainer._compute_loss.
+
+
+def test_rloo_on_policy_gradient_matches_trls_rloo_loss():
+    from collections import defaultdict
+
+    from trl import RLOOTrainer
+
+    from parity_helpers import IdentityAccelerator, leaf
+    from rlhfkit.losses.aggregate import aggregate
+    from rlhfkit.losses.policy import ppo_policy_loss
+
+    g = torch.Generator().manual_seed(11)
+    b, r = 6, 7
+    mask = torch.arange(r).unsqueeze(0) < torch.randint(1, r + 1, (b, 1), generator=g)
+    old = torch.where(mask, -torch.rand(b, r, generator=g) * 3, 0.0)
+    logprobs, advantages = leaf(old.clone()), torch.randn(b, generator=g)  # on-policy: the ratio is 1
+    trainer = object.__new__(RLOOTrainer)
+    for name, value in dict(model=types.SimpleNamespace(training=True), accelerator=IdentityAccelerator(),
+                            _metrics={"train": defaultdict(list)}, epsilon_low=0.2, epsilon_high=0.2,
+                            aux_loss_enabled=False,
+                            _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs),
+                                                                                None)).items():
+        setattr(trainer, name, value)
+    inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(b, r, dtype=torch.long), "completion_mask": mask.long(),
+              "old_logps": (old * mask).sum(1), "advantages": advantages}
+    theirs, = torch.autograd.grad(RLOOTrainer._compute_loss(trainer, trainer.model, inputs), logprobs)
+    per_token, _ = ppo_policy_loss(logprobs, old, advantages.unsqueeze(1).expand(b, r), clip_eps=0.2)
+    ours, = torch.autograd.grad(aggregate(per_token, mask, "seq-mean-token-sum"), logprobs)
+    # The losses' values differ (TRL's is -mean A at ratio 1, ours -mean A·|o|); their gradients are the same.
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    other, = torch.autograd.grad(aggregate(ppo_policy_loss(logprobs, old, advantages.unsqueeze(1).expand(b, r))[0],
+                                           mask, "token-mean"), logprobs)
+    assert not torch.allclose(other, theirs)  # rlhfkit's default reduction for rloo would not match
