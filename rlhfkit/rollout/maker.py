@@ -16,14 +16,18 @@ def rollout_maker(cfg, tokenizer, objects) -> RolloutMaker:
     assistant turn per sample, or with tools (`objects.toolbox`) multi-turn episodes (`tool_loop.ToolLoop`);
     `objects.rollout`, when given, is called with it and returns the component to use."""
     if objects.toolbox is not None:
-        from rlhfkit.rollout.tool_loop import ToolLoop
-
-        t = cfg.tools
-        made = ToolLoop(tokenizer, cfg.generation, cfg.seed, objects.toolbox, t.max_calls, t.timeout_s,
-                        t.max_result_tokens)
+        made = tool_loop(tokenizer, cfg.generation, cfg.seed, objects.toolbox, cfg.tools)
     else:
         made = SingleTurn(tokenizer, cfg.generation, cfg.seed)
     return objects.rollout(made) if objects.rollout is not None else made
+
+
+def tool_loop(tokenizer, params, seed: int, toolbox: Toolbox, tools) -> RolloutMaker:
+    """The tool loop (`tool_loop.ToolLoop`) of `toolbox` under a `ToolsConfig`'s limits (`tools`: max_calls,
+    timeout_s, max_result_tokens) and the generation settings `params`: the one place it is made."""
+    from rlhfkit.rollout.tool_loop import ToolLoop
+
+    return ToolLoop(tokenizer, params, seed, toolbox, tools.max_calls, tools.timeout_s, tools.max_result_tokens)
 
 
 class FreshRollout:

@@ -288,7 +288,8 @@ def evaluate(model_dir: str, records: list[dict], size: AgentSize, tools: bool) 
     from rlhfkit.config import GenerationConfig, ModelConfig
     from rlhfkit.evaluation.agent import agent_figures
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.rollout.tool_loop import ToolLoop
+    from rlhfkit.config.sections import ToolsConfig
+    from rlhfkit.rollout.maker import tool_loop
     from rlhfkit.tools import Toolbox
     from rlhfkit.types import PromptBatch
 
@@ -297,7 +298,8 @@ def evaluate(model_dir: str, records: list[dict], size: AgentSize, tools: bool) 
     templates.load("chatml_tools").apply_to(tok)
     model = load_causal_lm(cfg, tok, trainable=False).eval()
     params = GenerationConfig(max_new_tokens=size.max_new_tokens, top_k=1)
-    loop = ToolLoop(tok, params, 0, Toolbox([multiply]) if tools else Toolbox([], NoTools), 2, 5.0, 64)
+    limits = ToolsConfig(max_calls=2, timeout_s=5.0, max_result_tokens=64)
+    loop = tool_loop(tok, params, 0, Toolbox([multiply]) if tools else Toolbox([], NoTools), limits)
     seed_only = PromptBatch(torch.zeros(len(records), 1, dtype=torch.long), torch.ones(len(records), 1, dtype=torch.long))
     ro = loop(model, seed_only, [{"prompt": r["prompt"], "columns": {}} for r in records], 0)
     answers = [r["answer"] for r in records]
