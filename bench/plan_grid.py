@@ -55,6 +55,7 @@ def write_data(directory: str) -> dict[str, str]:
         "pairs": [{"prompt": "Hi", "chosen": text(400, i), "rejected": text(400, i + 1)} for i in range(64)],
         "kto": [{"prompt": "Hi", "completion": text(400, i), "label": i % 2 == 0} for i in range(64)],
         "prompts": [{"prompt": text(400, i)} for i in range(64)],
+        "tool_prompts": [{"prompt": f"What is {i + 2} times {i + 3}? Use the tool."} for i in range(64)],
     }
     paths = {}
     for name, records in rows.items():
@@ -85,10 +86,12 @@ def cell_config(stage: str, model: str, mode: str, ckpt: bool, mb: int, length: 
         o.update({"generation.num_samples": 2, "algo.sampling_batch_size": 4, "algo.prompts_per_iteration": 4})
         return o
     o.update({"algo.rollout_batch_size": 4, "generation.num_samples": 2, "logging.sample_log_steps": 100})
-    if stage == "grpo_tools":
+    if stage == "grpo_tools":  # short prompts after the tool's definition, which the tool loop never cuts
         template = "chatml_tools" if model == "tiny" else "smollm2_tools"
+        room = 2880 if model == "tiny" else 384  # the definition: 2,815 characters (the tiny tokenizer's tokens)
         o.update({"model.chat_template": template, "tools.functions": ["rlhfkit.tasks.agent:multiply"],
-                  "tools.max_calls": 1})
+                  "tools.max_calls": 1, "data.train": data["tool_prompts"], "data.max_prompt_length": room,
+                  "data.max_length": room + length // 2})
     return o
 
 

@@ -27,6 +27,7 @@ class Forward:
     length: int
     logit_len: int
     grad: bool
+    in_update: bool = False  # a no-grad forward of the update's micro-batch (a reference's), not of the sampling
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,9 @@ def _offline_reference(stage: str, cfg: Any, base: dict, policy: ModelShape, loa
     uses_reference = stage == "kto" or a.loss_type != "simpo"
     reference = _reference(cfg, a.ref_model, policy, load) if uses_reference else None
     rows = 2 * mb if stage == "dpo" else mb
-    frozen = [Forward(rows, length, length, False)] if uses_reference else []
+    frozen = [Forward(rows, length, length, False, True)] if uses_reference else []
     if stage == "kto":  # z0: the mismatched pairs through the policy and the reference, without gradient
-        frozen = frozen + [Forward(mb, length, length, False)] * 2
+        frozen = frozen + [Forward(mb, length, length, False, True)] * 2
     precompute = stage == "dpo" and a.precompute_ref_logprobs
     return Layout(**{**base, "reference": reference, "trained": Forward(rows, length, length, True),
                      "frozen": () if precompute else tuple(frozen), "release_reference": precompute})
@@ -149,7 +150,7 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
         trained = Forward(2 * mb, length, logit_len, True)
         return Layout(**{**base, "reference": reference, "rewards": rewards, "generation": gen, "trained": trained,
                          "rewards_4bit": cfg.reward.quantization.load_in_4bit, "micro_batches": max(1, rows // (2 * mb)),
-                         "frozen": (Forward(2 * mb, length, logit_len, False),) + (score,) * len(rewards)})
+                         "frozen": (Forward(2 * mb, length, logit_len, False, True),) + (score,) * len(rewards)})
     algo = ALGORITHMS[a.algorithm]
     monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
     reference = _reference(cfg, None, policy, load) if algo.needs_reference or monitor else None

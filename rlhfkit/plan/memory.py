@@ -179,8 +179,7 @@ def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     # Over the saved activations, one after the other: the reference's forward of the same micro-batch (offline
     # stages), the logits' buffers at the backward's start, a checkpointed layer's recomputation.
     transient = {"logits": logits_bytes(lay.policy, f, p, lay.entropy), "recompute": fwd.pop("recompute", 0.0),
-                 "reference forward": max((no_grad_forward(lay, p, g) for g in lay.frozen), default=0.0)
-                 if lay.generation is None else 0.0}
+                 "reference forward": max((no_grad_forward(lay, p, g) for g in lay.frozen if g.in_update), default=0.0)}
     top = max(transient, key=transient.get)
     fwd[top] = transient[top]
     tied_head = lay.train == "full" and lay.policy.tied and lay.head == "lm"
@@ -209,11 +208,15 @@ def generation_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase | None
     parts = resident(lay, p, shard)
     s = lay.policy
     length = g.prompt_len + g.new_tokens
+    if g.static_cache:  # generation.compile: a StaticCache of the whole length, rounded up, from the first token
+        from rlhfkit.generation.session import static_cache_length
+
+        length = static_cache_length(length)
     kv = 2 * s.layers * g.rows * s.kv_heads * s.head_dim * length * p.compute
     decode = g.rows * s.vocab * 4 * (3 + (3 if g.top_p else 0))
     prefill = g.rows * g.prompt_len * (3 * s.intermediate + 2 * s.hidden) * p.compute + attention_scores(
         s, Forward(g.rows, g.prompt_len, 0, False), lay.attention, p)
-    scoring = max((no_grad_forward(lay, p, f) for f in lay.frozen), default=0.0)
+    scoring = max((no_grad_forward(lay, p, f) for f in lay.frozen if not f.in_update), default=0.0)
     if kv + max(decode, prefill) >= scoring:
         parts.update({"kv cache": kv, "sampling": max(decode, prefill)})
     else:

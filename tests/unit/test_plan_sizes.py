@@ -110,3 +110,21 @@ def test_a_run_saves_its_plan_and_logs_both_peaks(tmp_path):
     assert 0 < memory["memory/peak_gb"] < memory["memory/peak_rss_gb"]
     assert plan["measured"]["memory/peak_gb"] == memory["memory/peak_gb"]
     assert "Memory: planned and measured (plan.json)" in (out / "report.html").read_text()
+
+
+def test_static_cache_is_the_allocated_one():
+    """generation.compile: transformers' StaticCache of the rounded-up length, allocated whole from the start."""
+    from transformers import StaticCache
+
+    from rlhfkit.generation.session import static_cache_length
+
+    cfg = build_stage_config("grpo", {"model": {"name_or_path": "tiny"}, "data": {"train": "x", "max_prompt_length": 24,
+                                      "max_length": 64}, "output_dir": "x", "reward": {"function": "m:f"},
+                                      "generation": {"max_new_tokens": 8, "num_samples": 2, "compile": True},
+                                      "algo": {"rollout_batch_size": 2}, "optim": {"per_device_batch_size": 2}})
+    gen = next(ph for ph in plan_for("grpo", cfg, device="cpu", suggest=False).phases if ph.name == "generation")
+    model = load_causal_lm(cfg.model, trainable=False)
+    cache = StaticCache(config=model.config, max_cache_len=static_cache_length(32))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 50, (4, 32)), past_key_values=cache, use_cache=True)
+    assert nbytes([t for layer in cache.layers for t in (layer.keys, layer.values)]) == gen.parts["kv cache"]
