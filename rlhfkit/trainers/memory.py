@@ -1,6 +1,7 @@
-"""A run's check against its plan (`rlhfkit plan`; config section `plan`): at the start the planned peak in one line
-and, on a GPU, a stop before any model loads when it exceeds the free memory by more than `plan.margin`; plan.json in
-output_dir; at the end the measured peak beside the planned one."""
+"""A run's check against its plan (`rlhfkit plan`; config section `plan`): on a GPU, a stop before any model loads when
+the planned peak exceeds the free memory by more than `plan.margin`; once the models are loaded, the planned peak in
+one line and plan.json in output_dir; at the end of a finished run the measured peak beside the planned one. (A run
+refused for bad input prints its one line only: the plan's lines wait until the run has started.)"""
 
 from __future__ import annotations
 
@@ -47,8 +48,6 @@ class MemoryCheck:
         except UserError as exc:
             logger.info("plan: not planned (%s)", exc)
             return
-        if main:
-            logger.info("%s", self.plan.summary())
         if self.gpu and cfg.plan.check and self.plan.peak_gb > free * (1 + cfg.plan.margin):
             first = self.plan.suggestions[0].text if self.plan.suggestions else "a larger device"
             raise UserError(f"plan: the planned peak of {self.plan.peak_gb:.1f} GB per process exceeds the "
@@ -68,6 +67,7 @@ class MemoryCheck:
                 warnings.simplefilter("ignore")
                 self.tracker.add(*(o for o in gc.get_objects() if isinstance(o, torch.Tensor)))
         if self.plan is not None and self.main:
+            logger.info("%s", self.plan.summary())
             atomic_write_text(os.path.join(self.cfg.output_dir, "plan.json"),
                               json.dumps(self.plan.to_dict(), indent=1) + "\n")
 
@@ -81,16 +81,17 @@ class MemoryCheck:
         peak = self.tracker.peak / GB if self.tracker is not None else None
         return Measured(peak, peak_rss_gb(), "live tensor storage (plan.measure)")
 
-    def close(self) -> dict[str, float]:
+    def close(self, say: bool = True) -> dict[str, float]:
         """Stop tracking; the planned and measured peaks, the first time (none without a plan), also written into
-        plan.json beside the plan (a run stopped before its last step logs them there only)."""
+        plan.json beside the plan (a run stopped before its last step logs them there only); `say`: also in a line
+        (not for a run that failed, whose error is its last line)."""
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
         result = self.measured().metrics(self.plan.peak_gb) if self.plan is not None and not self.closed else {}
         self.tracker, self.closed = None, True
         if result and self.main and os.path.isfile(path := os.path.join(self.cfg.output_dir, "plan.json")):
             atomic_write_text(path, json.dumps({**self.plan.to_dict(), "measured": result}, indent=1) + "\n")
-        if result and self.main:
+        if result and self.main and say:
             logger.info("memory: planned peak %.3f GB, measured %s", result["memory/planned_peak_gb"],
                         ", ".join(f"{k.split('/')[1]} {v:.3f} GB" for k, v in result.items() if k != "memory/planned_peak_gb"))
         return result

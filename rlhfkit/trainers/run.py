@@ -73,7 +73,7 @@ class Run:
             if exc_type is not None:
                 self.run_dir.guard()
         finally:
-            self.memory.close()
+            self.memory.close(say=exc_type is None)
             if self.bar is not None:
                 self.bar.close()
             self.sinks = close_sinks(self.sinks)  # a failed run's tracker runs end too: a resume here reopens them
