@@ -261,11 +261,13 @@ def test_lora_ppo_uses_disabled_adapters_as_reference(tmp_path, monkeypatch):
 
 
 def test_dapo_options_take_effect(tmp_path, monkeypatch):
-    """Dynamic filtering drops the group whose four scores are equal; mask_truncated drops the truncated sample;
+    """Dynamic filtering drops the group whose four scores are equal (one round: the scripted scores cannot score a
+    refill, which tests/unit/test_dynamic_sampling.py covers); mask_truncated drops the truncated sample;
     clip-higher (ε_high = 0.28) leaves a ratio of 1.25 unclipped where the symmetric 0.2 clips it."""
     fixed, forced = _fixed_scores(monkeypatch, tmp_path, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0],
                                   [True] * 5 + [False] + [True] * 2)
-    t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dapo", "algo.dynamic_filtering=true", "algo.mask_truncated=true",
+    t = build(tmp_path, "grpo_tiny.yaml", "algo.algorithm=dapo", "algo.dynamic_filtering=true",
+              "algo.max_sampling_rounds=1", "algo.mask_truncated=true",
               "algo.clip_eps_high=0.28", "algo.rollout_batch_size=2", "optim.lr=0", "max_steps=1",
               "optim.per_device_batch_size=8", fixed, rollout=forced)
     exp = t.experience(0).experience
