@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import resource
@@ -193,6 +194,7 @@ class Meter:
         self.steps = 0
         self.started = False
         self.t_resume = 0.0
+        self.c_resume = 0.0
         self.in_generate = False
         self.counts: dict[str, float] = {}
         self.intervals: list[dict] = []
@@ -223,6 +225,7 @@ class Meter:
         self.counts = {}
         self.sync()
         self.t_resume = time.perf_counter()
+        self.c_resume = time.process_time()
 
     def sync(self) -> None:
         if self.cuda:
@@ -234,7 +237,8 @@ class Meter:
         """The end of a step: record it; pause where the parent asked; at the last step report and exit at once (so
         that nothing after the measured steps — a final save — runs beside another library's steps)."""
         self.sync()
-        self.intervals.append({"s": time.perf_counter() - self.t_resume, **{k: float(v) for k, v in self.counts.items()}})
+        self.intervals.append({"s": time.perf_counter() - self.t_resume, "cpu_s": time.process_time() - self.c_resume,
+                               **{k: float(v) for k, v in self.counts.items()}})
         self.steps += 1
         if self.steps >= self.total:
             self.send(state="done", intervals=self.intervals, peak_mb=peak_mb(self.cuda), rss_imports_mb=self.rss_imports,
@@ -417,8 +421,11 @@ def run_rlhfkit(lib: str, method: str, spec: dict, meter: Meter, total: int) -> 
               f"algo.ppo_epochs={s['ppo_epochs'] if method == 'ppo' else 1}", "kl.controller=fixed",
               f"kl.coef={BETA[method]}"]
         o += ["reward.function=rlhfkit.tasks.toy:vowel_reward"] if method == "grpo" else [f"reward.model=[{spec['rm']}]"]
-        if method == "ppo":  # TRL 1.12 takes π_old from the sampler's logits: so does rlhfkit here (same work)
-            o += ["algo.old_logprob_source=sampler"]
+        if method == "ppo":
+            # TRL 1.12 takes π_old from the sampler's logits: so does rlhfkit's `auto` in fp32; in bf16 (the GPU shape)
+            # `auto` recomputes, so the same work is asked for. TRL 1.12's PPO loop clips no gradient: neither does
+            # rlhfkit here (it still measures the norm, its non-finite-gradient check).
+            o += ["optim.max_grad_norm=null"] + (["algo.old_logprob_source=sampler"] if s["precision"] != "no" else [])
     cfg = stage_config(method, None, o + spec.get("rlhfkit_set", []))
 
     # A step's boundaries are the `Run` calls every rlhfkit loop makes: `begin` once its models are built, then
@@ -632,11 +639,14 @@ def run_method(method: str, spec: dict, root: str, env: dict, libs: list[str] | 
 
 def summarise(result: dict, warmup: int) -> dict:
     steps = result["intervals"][warmup:]
-    keys = sorted({k for s in steps for k in s if k != "s"})
+    keys = sorted({k for s in steps for k in s if k not in ("s", "cpu_s")})
     work = {k: statistics.median(s.get(k, 0) for s in steps) for k in keys}
     times = sorted(s["s"] for s in steps)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]
-    return {"s_step": statistics.median(times), "p25": q(0.25), "p75": q(0.75), "n": len(times), "work": work,
+    # The process's CPU seconds per step (all its threads): what a loaded machine's wait does not inflate, so the
+    # ratio that still holds when other jobs share the cores (cache and memory-bandwidth contention aside).
+    cpu = statistics.median(s.get("cpu_s", math.nan) for s in steps)
+    return {"s_step": statistics.median(times), "p25": q(0.25), "p75": q(0.75), "n": len(times), "work": work, "cpu_s": cpu,
             "peak_mb": result["peak_mb"], "rss_imports_mb": result["rss_imports_mb"], "models": result["models"],
             "threads": result["threads"]}
 
@@ -655,17 +665,18 @@ def report(method: str, res: dict, cuda: bool) -> list[str]:
     mem = "peak GPU MB" if cuda else "peak RSS MB (at import)"
     counts = ", ".join(f"{LABEL[k]}: {v['n']} steps" for k, v in res.items())
     lines = [f"\n== {method.upper()}  ({counts})",
-             f"{'library':<18}{'s/step':>9}{'p25-p75':>16}{'tokens/s':>11}   {mem}"]
+             f"{'library':<18}{'s/step':>9}{'p25-p75':>16}{'CPU s/step':>11}{'tokens/s':>11}   {mem}"]
     for lib, r in res.items():
         m = f"{r['peak_mb']:.0f}" if cuda else f"{r['peak_mb']:.0f} ({r['rss_imports_mb']:.0f})"
-        lines.append(f"{LABEL[lib]:<18}{r['s_step']:>9.4f}{r['p25']:>8.4f}-{r['p75']:<7.4f}"
+        lines.append(f"{LABEL[lib]:<18}{r['s_step']:>9.4f}{r['p25']:>8.4f}-{r['p75']:<7.4f}{r['cpu_s']:>11.4f}"
                      f"{tokens(method, r) / r['s_step']:>11.0f}   {m}")
     ours = res["rlhfkit"]
     for lib, r in res.items():
         if lib == "rlhfkit":
             continue
         lines.append(f"ratio vs {LABEL[lib]}: step rate rlhfkit/TRL {r['s_step'] / ours['s_step']:.2f}x "
-                     f"(>1: rlhfkit faster); peak memory rlhfkit/TRL {ours['peak_mb'] / r['peak_mb']:.2f}x")
+                     f"(>1: rlhfkit faster), CPU time {r['cpu_s'] / ours['cpu_s']:.2f}x; peak memory rlhfkit/TRL "
+                     f"{ours['peak_mb'] / r['peak_mb']:.2f}x")
     for lib, r in res.items():
         counted = {m: r["models"].count(m) for m in r["models"]}
         lines.append(f"models, optimizer ({LABEL[lib]}): " + ", ".join(f"{n} × {m}" for m, n in counted.items()))
@@ -776,7 +787,7 @@ def main(argv: list[str] | None = None) -> None:
         if failed:
             raise SystemExit(f"failed: {', '.join(failed)}")
         if "all" in args.method and not args.set and not args.libs:  # the docs' table: every method, as shipped
-            record_table(results, cuda, args.shape, shape, device)
+            record_table(results, cuda, args.shape, shape, device, (load0, os.getloadavg()))
     finally:
         if args.keep:
             print(f"kept {root}")
@@ -809,7 +820,15 @@ def git_state() -> str:
     return f"at {head}" + (" + uncommitted changes in rlhfkit/" if dirty else "")
 
 
-def record_table(results: dict, cuda: bool, shape_name: str, shape: dict, device: str) -> None:
+def work_difference(method: str, ours: dict, peer: dict) -> str:
+    """The counted work per step where the peer's differs from rlhfkit's ("same" where none does)."""
+    diffs = [f"{name} {peer['work'].get(key, 0):g} vs {ours['work'].get(key, 0):g}" for key, name in WORK_KEYS
+             if not (key == "tok_grad" and method not in ("dpo", "rm"))
+             and peer["work"].get(key, 0) != ours["work"].get(key, 0)]
+    return "same" if not diffs else "peer: " + ", ".join(diffs)
+
+
+def record_table(results: dict, cuda: bool, shape_name: str, shape: dict, device: str, load: tuple) -> None:
     """docs/results/vs_trl[_gpu].json and .md (bench/results.py): one row per method and peer."""
     from results import record
 
@@ -817,15 +836,19 @@ def record_table(results: dict, cuda: bool, shape_name: str, shape: dict, device
     for method, res in results.items():
         ours = res["rlhfkit"]
         rows += [[f"{method} ({LABEL[lib]})", f"{ours['s_step']:.4f}", f"{r['s_step']:.4f}",
-                  f"{r['s_step'] / ours['s_step']:.2f}×", f"{ours['peak_mb']:.0f} / {r['peak_mb']:.0f}"]
+                  f"{r['s_step'] / ours['s_step']:.2f}×", f"{r['cpu_s'] / ours['cpu_s']:.2f}×", work_difference(method, ours, r),
+                  f"{ours['peak_mb']:.0f} / {r['peak_mb']:.0f}"]
                  for lib, r in res.items() if lib != "rlhfkit"]
     record("vs_trl" + ("" if shape_name == "cpu" else f"_{shape_name}"), "rlhfkit against TRL on the same work",
-           ["method (peer)", "rlhfkit s/step", "TRL s/step", "TRL / rlhfkit",
+           ["method (peer)", "rlhfkit s/step", "TRL s/step", "TRL / rlhfkit (wall)", "TRL / rlhfkit (CPU time)",
+            "work per step (forwards, positions, tokens, backwards, optimizer steps)",
             f"peak {'GPU' if cuda else 'RSS'} MB, rlhfkit / TRL"], rows,
            command="python bench/vs_trl.py" + ("" if shape_name == "cpu" else f" --shape {shape_name}"),
            notes=[f"Shape {shape_name} ({', '.join(f'{k}={v}' for k, v in shape.items())}) on {device}; medians after "
-                  "warm-up, the libraries taking turns; the work (forwards, positions, generated tokens, backward calls, "
-                  "optimizer steps) counted identical on both sides."])
+                  "warm-up, the libraries taking turns (A B, B A, ...); CPU time is each worker process's own CPU "
+                  "seconds per step, which a loaded machine's waiting does not inflate. Load average (1, 5, 15 min) "
+                  f"{load[0][0]:.1f} {load[0][1]:.1f} {load[0][2]:.1f} at the start, {load[1][0]:.1f} {load[1][1]:.1f} "
+                  f"{load[1][2]:.1f} at the end."])
 
 
 def summary(results: dict, cuda: bool) -> str:

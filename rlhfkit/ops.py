@@ -90,6 +90,17 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
+CHUNK_ELEMENTS = 1 << 22  # fp32 values (16 MiB) a log-prob or entropy chunk holds at most, one row at least
+
+
+def row_chunks(logits: torch.Tensor) -> list[slice]:
+    """(B, T, V) -> slices of rows, each holding at most CHUNK_ELEMENTS values (and at least one row): one chunk for
+    a tiny vocabulary's whole batch, one row at a time for a real one (T · V is millions)."""
+    per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
+    rows = max(1, CHUNK_ELEMENTS // per_row)
+    return [slice(i, min(i + rows, logits.shape[0])) for i in range(0, logits.shape[0], rows)]
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[label] per position, in fp32.
 
@@ -97,10 +108,12 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     old, new and reference log-probs all use the same τ (otherwise the PPO ratio and the KL compare different
     distributions).
 
-    Memory: we compute label_logit - logsumexp(logits) one sequence at a time rather than `log_softmax` then `gather`
-    over the whole batch. Both are exact in fp32; the row loop holds one (T, V) fp32 copy at a time instead of a
-    (B, T, V) one (the vocabulary dimension dominates), at the cost of a Python loop over B. With autograd on, the fp32
-    rows are still saved for backward; the saving is in peak memory of the forward.
+    Memory: we compute label_logit - logsumexp(logits) a few sequences at a time (`row_chunks`: one (T, V) row for a
+    real vocabulary, the whole batch where it is small) rather than `log_softmax` then `gather` over the whole batch.
+    Both are exact in fp32; a chunk holds at most `CHUNK_ELEMENTS` fp32 values instead of a (B, T, V) copy (the
+    vocabulary dimension dominates). With autograd on, the fp32 chunks are still saved for backward; the saving is in
+    peak memory of the forward. Each chunk is a handful of ops forward and backward, so a small model's step does
+    not pay them per row.
 
     Args:
         logits: (B, T, V), any float dtype; upcast to fp32 row by row.
@@ -112,11 +125,11 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     """
     _check_temperature(temperature)
     rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        z = row_logits.float() / temperature  # (T, V)
-        picked = z.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)  # (T, V) -> (T,)
+    for part in row_chunks(logits):
+        z = logits[part].float() / temperature  # (b, T, V)
+        picked = z.gather(-1, labels[part].unsqueeze(-1)).squeeze(-1)  # (b, T, V) -> (b, T)
         rows.append(picked - torch.logsumexp(z, dim=-1))
-    return torch.stack(rows)  # (B, T)
+    return torch.cat(rows)  # (B, T)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -133,12 +146,12 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     """
     _check_temperature(temperature)
     rows = []
-    for row_logits in logits:
-        z = row_logits.float() / temperature  # (T, V)
-        lse = torch.logsumexp(z, dim=-1)  # (T,)
-        probs = torch.exp(z - lse.unsqueeze(-1))  # (T, V)
+    for part in row_chunks(logits):
+        z = logits[part].float() / temperature  # (b, T, V)
+        lse = torch.logsumexp(z, dim=-1)  # (b, T)
+        probs = torch.exp(z - lse.unsqueeze(-1))  # (b, T, V)
         rows.append(lse - (probs * z).sum(-1))
-    return torch.stack(rows)  # (B, T)
+    return torch.cat(rows)  # (B, T)
 
 
 def summed(*groups: dict[str, torch.Tensor | float], sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -228,3 +228,21 @@ def test_sums_by_name_keeps_each_group_apart_and_goes_by_name():
     figures, own = sums_by_name({"b": 2.0, "a": 1.0}, {"weight": 4}, sum_over=lambda t: t + torch.tensor([10.0, 20.0, 40.0], dtype=t.dtype))
     assert figures == {"a": 11.0, "b": 22.0} and own == {"weight": 44.0}
     assert sums_by_name({}, {}) == ({}, {})
+
+
+def test_log_probs_and_entropy_go_by_chunks_of_rows_bounded_in_memory():
+    """A small vocabulary's batch is one chunk (a handful of ops, not a handful per row); a real vocabulary's rows go
+    one at a time (a chunk never holds more than CHUNK_ELEMENTS fp32 values beyond one row); and the values are the
+    row-by-row ones, bit for bit."""
+    from rlhfkit.ops import CHUNK_ELEMENTS, row_chunks
+
+    assert row_chunks(torch.zeros(8, 17, 103)) == [slice(0, 8)]
+    assert row_chunks(torch.zeros(3, 300, 49152, dtype=torch.bfloat16)) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    rows = CHUNK_ELEMENTS // (64 * 1024)
+    assert row_chunks(torch.zeros(rows + 1, 64, 1024))[0] == slice(0, rows)
+    torch.manual_seed(0)
+    logits, labels = torch.randn(5, 7, 11), torch.randint(0, 11, (5, 7))
+    for part in (logits, logits[:1]):
+        one_by_one = torch.cat([logprobs_from_logits(r[None], l[None], 0.7) for r, l in zip(part, labels)])
+        assert torch.equal(logprobs_from_logits(part, labels[: len(part)], 0.7), one_by_one)
+        assert torch.equal(entropy_from_logits(part, 0.7), torch.cat([entropy_from_logits(r[None], 0.7) for r in part]))
