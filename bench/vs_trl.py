@@ -42,14 +42,9 @@ How it is measured:
 The GPU shapes are written but not yet measured (no device so far); bench/DEVICE.md is the prepared run on a lent
 H200 (bench/device.sh: wheels, TRL 1.12 and this script's GPU table in one call, with `--method-timeout`).
 
-Measured at the CPU shape (2026-12-02, rlhfkit at e4f98f5; 2 x86_64 cores, nothing else running; OMP_NUM_THREADS=1),
-s/step, ratio = TRL s/step / rlhfkit s/step, peak RSS MB; the work counted identical on every row:
-    dpo    0.0267 vs 0.0338  1.27x   604 vs 615
-    rm     0.0171 vs 0.0173  1.01x   578 vs 610
-    grpo   0.0368 vs 0.0475  1.29x   594 vs 598
-    rloo   0.0461 vs 0.0538  1.17x   588 vs 597
-    ppo    0.1236 vs 0.6924  5.60x   596 vs 606   (TRL 1.12 as shipped)
-    ppo    0.1236 vs 0.1278  1.03x                (TRL 1.12 without gc.collect; rlhfkit with algo.old_logprob_source=sampler)
+The figures, with the date, the machine, its load and the commit, are in docs/results/vs_trl.md (written by this
+script's own `record_table` when it runs every method as shipped), and what keeps a method under 1.3x is in
+docs/results.md.
 """
 
 from __future__ import annotations
