@@ -66,6 +66,14 @@ def device_named(name: str) -> Device:
     return DEVICES[key]
 
 
+def device_matching(name: str, total_gb: float) -> Device | None:
+    """The table's device a GPU's reported name ("NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090") is, the one of
+    the closest memory where several match (A100 40/80 GB); None for a GPU the table does not hold."""
+    tokens = set(name.upper().replace("-", " ").split())
+    found = [d for key, d in DEVICES.items() if all(t in tokens for t in key.upper().split("-") if not t.endswith("GB"))]
+    return min(found, key=lambda d: abs(d.memory_gb - total_gb)) if found else None
+
+
 def memory_device(memory_gb: float) -> Device:
     """A device known by its memory alone (`--memory GB`): time is not planned on it."""
     if not memory_gb > 0:

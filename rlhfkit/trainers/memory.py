@@ -5,6 +5,7 @@ refused for bad input prints its one line only: the plan's lines wait until the 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -16,6 +17,7 @@ import torch
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text
 from rlhfkit.plan import GB, Plan, plan_for
+from rlhfkit.plan.devices import device_matching, memory_device
 from rlhfkit.plan.measure import LiveTensors, Measured, peak_rss_gb
 
 logger = logging.getLogger("rlhfkit")
@@ -31,6 +33,12 @@ def launch_sharding() -> str:
     return "none"
 
 
+def this_gpu():
+    """The devices table's entry for this process's GPU, or None."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return device_matching(props.name, props.total_memory / GB)
+
+
 class MemoryCheck:
     """Plans the run from its config (never failing it for a model the planner does not know: it says so instead),
     stops a GPU run that cannot fit, tracks what the run holds, and reports both at the end."""
@@ -41,10 +49,12 @@ class MemoryCheck:
         self.plan: Plan | None = None
         self.tracker: LiveTensors | None = None
         self.closed, self.total_steps = False, None
-        free = torch.cuda.mem_get_info()[0] / GB if self.gpu else None
+        free, device = (torch.cuda.mem_get_info()[0] / GB, this_gpu()) if self.gpu else (None, "cpu")
         try:
-            self.plan = plan_for(stage, cfg, device=None if self.gpu else "cpu", memory_gb=free, processes=processes,
-                                 sharding=launch_sharding(), suggest=self.gpu)
+            if self.gpu:  # planned against the free memory, timed with the table's rates when it knows this GPU
+                device = dataclasses.replace(device, memory_gb=free) if device is not None else memory_device(free)
+            self.plan = plan_for(stage, cfg, device=device, processes=processes, sharding=launch_sharding(),
+                                 suggest=self.gpu)
         except UserError as exc:
             logger.info("plan: not planned (%s)", exc)
             return

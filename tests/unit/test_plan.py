@@ -131,3 +131,14 @@ def test_every_stage_plans_its_shipped_tiny_config(stage):
                      else ["update"])
     assert plan.fits is True and plan.peak_gb > 0 and plan.seconds_per_step > 0
     assert plan.peak_gb == pytest.approx(max(ph.total for ph in plan.phases) / GB)
+
+
+def test_a_gpu_is_found_in_the_table_by_its_reported_name():
+    from rlhfkit.plan.devices import device_matching
+
+    assert device_matching("NVIDIA H100 80GB HBM3", 79.1).name == "H100-80GB"
+    assert device_matching("NVIDIA A100-SXM4-40GB", 39.4).name == "A100-40GB"
+    assert device_matching("NVIDIA A100-SXM4-80GB", 79.2).name == "A100-80GB"
+    assert device_matching("NVIDIA GeForce RTX 4090", 23.6).name == "RTX-4090"
+    assert device_matching("NVIDIA L4", 22.0).name == "L4"
+    assert device_matching("NVIDIA L40S", 44.4) is None and device_matching("NVIDIA H200", 139.8).name == "H200-141GB"
