@@ -39,7 +39,8 @@ KEEP = 2  # logging.save_total_limit: every save from the third on prunes the ol
 ARGS = [f"max_steps={MAX_STEPS}", "logging.save_steps=1", "logging.logging_steps=1", "logging.progress_bar=false",
         f"logging.save_total_limit={KEEP}"]
 SAVING_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-")  # checkpoint-N while it is being written
-TIMING = ("elapsed_s",)  # wall-clock metrics, different in every run; so is every `time/*` metric
+# Measurements that differ in every run: wall clock (so does every `time/*` metric) and the resident memory.
+TIMING = ("elapsed_s", "memory/peak_rss_gb")
 POLL_S = 0.001
 TIMEOUT_S = 120
 
