@@ -190,8 +190,8 @@ def _train(stage: str, data: dict, model, tokenizer, reward_funcs, reward_weight
 @contextlib.contextmanager
 def as_found(models: list):
     """Gives the caller's model objects back as they were, when the run returns or raises: each module's train/eval
-    mode, each parameter's `requires_grad`, the KV-cache and pad-token settings of its config and gradient
-    checkpointing, all of which the run sets while it prepares, trains, samples from or scores with them. Their
+    mode, each parameter's `requires_grad`, its dropout rates (`algo.disable_dropout`), the KV-cache and pad-token
+    settings of its config and gradient checkpointing, all of which the run sets while it prepares, trains, samples from or scores with them. Their
     weights are the run's business (a trained model is trained); so are the LoRA layers a run adds."""
     saved = [_model_state(m) for m in models]
     try:
@@ -211,11 +211,17 @@ def as_found(models: list):
 
 
 def _model_state(model) -> tuple:
-    """(modes, requires_grad flags, config attributes, checkpointing) of a model object, for `as_found`."""
+    """(modes, requires_grad flags, attributes to set back, checkpointing) of a model object, for `as_found`."""
+    import torch
+
     config = [(owner, name, getattr(owner, name)) for owner, names in (
         (getattr(model, "config", None), ("use_cache", "pad_token_id")),
         (getattr(model, "generation_config", None), ("pad_token_id",))) if owner is not None
         for name in names if hasattr(owner, name)]
+    # The dropout rates models.disable_dropout sets to 0: a Dropout layer's p, an attention module's float rate.
+    config += [(m, "p", m.p) for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    config += [(m, "attention_dropout", m.attention_dropout) for m in model.modules()
+               if isinstance(getattr(m, "attention_dropout", None), float)]
     return ([(m, m.training) for m in model.modules()], [(p, p.requires_grad) for p in model.parameters()], config,
             getattr(model, "is_gradient_checkpointing", False))
 

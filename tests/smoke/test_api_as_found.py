@@ -23,7 +23,14 @@ def model_state(model) -> dict:
     return {"modes": [(name, m.training) for name, m in model.named_modules()],
             "requires_grad": [(name, p.requires_grad) for name, p in model.named_parameters()],
             "use_cache": model.config.use_cache, "checkpointing": getattr(model, "is_gradient_checkpointing", False),
-            "pad_token_id": model.config.pad_token_id}
+            "pad_token_id": model.config.pad_token_id, "dropout": dropout_rates(model)}
+
+
+def dropout_rates(model) -> list:
+    """Every dropout probability a run may set to 0 (algo.disable_dropout): Dropout layers' p, attention modules'
+    attention_dropout."""
+    return [(name, m.p if isinstance(m, torch.nn.Dropout) else m.attention_dropout) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Dropout) or isinstance(getattr(m, "attention_dropout", None), float)]
 
 
 def weights(model) -> dict:
@@ -91,3 +98,25 @@ def test_grpo_leaves_the_callers_reward_model_as_found(tmp_path, raises):
     assert model_state(rm) == rm_before
     assert tokenizer_state(rm_tokenizer) == tok_before
     assert all(torch.equal(v, rm_weights[k]) for k, v in weights(rm).items())
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_grpo_gives_back_the_callers_dropout(tmp_path, raises):
+    """The online stages turn dropout off while they train (algo.disable_dropout, as TRL does); the caller's model
+    object gets its own dropout rates back."""
+    model, tokenizer = a_callers_policy()
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    model.model.layers[1].mlp.add_module("drop", torch.nn.Dropout(0.25))  # a Dropout layer (not on the forward path)
+    before = model_state(model)
+    rates = dict(before["dropout"])
+    assert (rates["model.layers.0.self_attn"], rates["model.layers.1.mlp.drop"]) == (0.1, 0.25)
+    run = lambda: rlhfkit.train(  # noqa: E731
+        "grpo", model=model, tokenizer=tokenizer, config="configs/grpo_tiny.yaml",
+        callbacks=[RaiseAtStep()] if raises else None, output_dir=str(tmp_path / "grpo"),
+        overrides={"max_steps": 1, "logging.progress_bar": False})
+    if raises:
+        with pytest.raises(UserError, match="RaiseAtStep.on_step_end raised"):
+            run()
+    else:
+        run()
+    assert model_state(model) == before
