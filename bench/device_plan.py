@@ -3,7 +3,7 @@
 A few cells of bench/plan_grid.py's grid (SFT, DPO, GRPO, PPO on the tiny model, and on SmolLM2-135M when the
 converted GGUF is in RLHFKIT_CACHE), each run by `rlhfkit.train` for a few steps: the run's own plan.json (planned
 on this GPU's free memory, bf16 mixed precision) beside torch.cuda.max_memory_allocated and the median step time.
-Writes $HOOK_OUT/plan_gpu.json and plan_gpu.md; with DEVICE_DRY_RUN=1 (on a CPU) the tiny cells only, as plumbing.
+Writes $HOOK_OUT/plan_gpu_cells.json and, through bench/results.py, plan_gpu.{json,md}; with DEVICE_DRY_RUN=1 (on a CPU) the tiny cells only, as plumbing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/results.py
 
 from bench.plan_grid import cell_config, run_cell, smollm2_dir, write_data  # noqa: E402
 
@@ -44,16 +45,15 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(os.path.join(out, "plan_gpu.json"), "w") as f:
+            with open(os.path.join(out, "plan_gpu_cells.json"), "w") as f:
                 json.dump(rows, f, indent=1)
-    lines = ["| model | stage | mode | ckpt | planned GB | measured GB | planned s | measured s |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" not in r:
-            lines.append(f"| {r['model']} | {r['stage']} | {r['mode']} | {r['ckpt']} | {r['planned_gb']:.3f} | "
-                         f"{(r['measured_gb'] or 0):.3f} | {r['planned_s'] or 0:.4f} | {r['measured_s'] or 0:.4f} |")
-    with open(os.path.join(out, "plan_gpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    from results import record
 
+    table = [[r["model"], r["stage"], r["mode"], r["ckpt"], f"{r['planned_gb']:.3f}", f"{(r['measured_gb'] or 0):.3f}",
+              f"{r['planned_s'] or 0:.4f}", f"{r['measured_s'] or 0:.4f}"] for r in rows if "error" not in r]
+    record("plan_gpu", "rlhfkit plan against the measured peak and step time on the GPU",
+           ["model", "stage", "mode", "ckpt", "planned GB", "measured GB", "planned s", "measured s"], table,
+           command="bash bench/device.sh (hook: bench/device_plan.py)", directory=out)
 
 if __name__ == "__main__":
     main()
