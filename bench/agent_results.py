@@ -39,11 +39,11 @@ def rows(results: list[dict]) -> list[list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="agent demo --output-dirs, each holding eval.json")
+    parser.add_argument("runs", nargs="+", help="agent demo --output-dirs, each holding eval/eval.json")
     args = parser.parse_args()
     results = []
     for run in args.runs:
-        with open(os.path.join(run, "eval.json"), encoding="utf-8") as f:
+        with open(os.path.join(run, "eval", "eval.json"), encoding="utf-8") as f:
             results.append(json.load(f))
     if any(r.get("quick") for r in results):
         sys.exit("agent_results: a --quick run (a tiny random model) is plumbing only")

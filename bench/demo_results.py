@@ -30,9 +30,9 @@ def rows(methods: dict) -> list[list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("demo_dir", help="the demo's --output-dir, holding eval.json")
+    parser.add_argument("demo_dir", help="the demo's --output-dir, holding eval/eval.json")
     args = parser.parse_args()
-    with open(os.path.join(args.demo_dir, "eval.json"), encoding="utf-8") as f:
+    with open(os.path.join(args.demo_dir, "eval", "eval.json"), encoding="utf-8") as f:
         result = json.load(f)
     if result.get("quick"):
         sys.exit("demo_results: this is a --quick demo (a tiny random model): its figures are plumbing only")

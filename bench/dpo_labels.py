@@ -26,12 +26,15 @@ import os
 import time
 
 import torch
+import yaml
 from results import record
 
 from rlhfkit.config import ModelConfig
 from rlhfkit.evaluation.metrics import win_rate
+from rlhfkit.io import read_jsonl_rows, write_jsonl_rows
+from rlhfkit.stages import run_stage, stage_config
 from rlhfkit.tasks import reviews
-from rlhfkit.tasks.demo import Demo, DemoSize, Policy, _read_jsonl, _train, _write_jsonl
+from rlhfkit.tasks.demo import Policy
 
 LABELS = {"annotators": "the demo's: two disjoint pairs per train prompt, annotators' labels",
           "gold": "the same pairs ordered by the gold judge (gold ties dropped)",
@@ -53,11 +56,11 @@ def relabel_by_gold(pairs: list[dict]) -> list[dict]:
     return out
 
 
-def evaluate(model_dir, path, size, sft, sft_gold, pairs, flips, epochs, train_s) -> dict:
+def evaluate(model_dir, path, demo, sft, sft_gold, pairs, flips, epochs, train_s) -> dict:
     """The demo's evaluation of one DPO policy: one sample per held-out prompt under the demo's seed, the gold judge's
     win rate against the demo's SFT samples, the mean gold reward and the sequence KL to the SFT model."""
-    policy = Policy(ModelConfig(name_or_path=model_dir), path("prompts_eval.jsonl"))
-    ros = policy.sample(1, size, SEED + 3)
+    policy = Policy(ModelConfig(name_or_path=model_dir), path("prompts", "prompts_eval.jsonl"))
+    ros = policy.sample(1, demo["max_new_tokens"], demo["sample_batch"], SEED + 3)
     gold = torch.tensor(reviews.gold_judge([], policy.texts(ros)))
     figures = {"pairs": len(pairs), "pairs_against_gold": flips, "epochs": epochs,
                "win_rate_gold": win_rate(gold, sft_gold), "gold_reward": float(gold.mean()),
@@ -74,19 +77,20 @@ def main() -> None:
     args = ap.parse_args()
     demo, out = args.demo_dir, args.out
     os.makedirs(out, exist_ok=True)
-    path = lambda name: os.path.join(demo, name)  # noqa: E731
-    size = DemoSize()
-    settings = Demo(out, seed=SEED, overwrite=True)  # the demo's LoRA and common training settings, nothing run
-    demo_pairs, train_pairs = _read_jsonl(path("pairs_dpo.jsonl")), _read_jsonl(path("pairs_train.jsonl"))
+    path = lambda *names: os.path.join(demo, *names)  # noqa: E731
+    with open(path("eval", "config.yaml"), encoding="utf-8") as f:
+        settings = yaml.safe_load(f)["demo"]  # the demo's vars, as its evaluation recorded them
+    dpo_epochs = settings["dpo_epochs"]
+    demo_pairs, train_pairs = read_jsonl_rows(path("pairs", "pairs_dpo.jsonl")), read_jsonl_rows(path("pairs", "pairs_train.jsonl"))
     variants = {
-        "annotators": (demo_pairs, size.dpo_epochs),
-        "gold": (relabel_by_gold(demo_pairs), size.dpo_epochs),
+        "annotators": (demo_pairs, dpo_epochs),
+        "gold": (relabel_by_gold(demo_pairs), dpo_epochs),
         "annotators-3ep": (demo_pairs, 3.0),
-        "all-gold": (relabel_by_gold(train_pairs), size.dpo_epochs),
-        "all-annotators": (train_pairs, size.dpo_epochs),
+        "all-gold": (relabel_by_gold(train_pairs), dpo_epochs),
+        "all-annotators": (train_pairs, dpo_epochs),
     }
-    sft_gold = torch.tensor([r["gold_sft"] for r in _read_jsonl(path("eval_samples.jsonl"))])
-    sft = Policy(ModelConfig(name_or_path=path("sft")), path("prompts_eval.jsonl"))
+    sft_gold = torch.tensor([r["gold_sft"] for r in read_jsonl_rows(path("eval", "eval_samples.jsonl"))])
+    sft = Policy(ModelConfig(name_or_path=path("sft")), path("prompts", "prompts_eval.jsonl"))
     results = {}
     for name, (pairs, epochs) in variants.items():
         if args.only and name not in args.only:
@@ -94,14 +98,14 @@ def main() -> None:
         flips = sum(p["gold_chosen"] < p["gold_rejected"] for p in pairs)
         t0 = time.time()
         if name == "annotators":  # the demo's own DPO run: evaluated, not retrained
-            results[name] = evaluate(path("dpo"), path, size, sft, sft_gold, pairs, flips, epochs, 0.0)
+            results[name] = evaluate(path("dpo"), path, settings, sft, sft_gold, pairs, flips, epochs, 0.0)
             continue
-        data = _write_jsonl(os.path.join(out, f"pairs_{name}.jsonl"), pairs)
-        # The demo's stage 3c settings (its LoRA and common settings, stage_dpo's), with this variant's pairs and epochs.
-        _train("dpo", {**settings.lora, **settings.common, "logging.progress_bar": False,
-                       "model.name_or_path": path("sft"), "data.train": data, "output_dir": os.path.join(out, name),
-                       "num_epochs": epochs, "algo.beta": 0.1, "optim.lr": 2e-4, "optim.per_device_batch_size": 8})
-        results[name] = evaluate(os.path.join(out, name), path, size, sft, sft_gold, pairs, flips, epochs, time.time() - t0)
+        data = write_jsonl_rows(os.path.join(out, f"pairs_{name}.jsonl"), pairs)
+        # The demo's own DPO config (its saved config.yaml), with this variant's pairs and epochs.
+        run_stage("dpo", stage_config("dpo", path("dpo", "config.yaml"), [
+            "logging.progress_bar=false", f"data.train={data}", f"output_dir={os.path.join(out, name)}",
+            f"num_epochs={epochs}", "overwrite=true"]))
+        results[name] = evaluate(os.path.join(out, name), path, settings, sft, sft_gold, pairs, flips, epochs, time.time() - t0)
     with open(os.path.join(out, "dpo_labels.json"), "w", encoding="utf-8") as f:
         json.dump({"demo_dir": demo, "variants": results}, f, indent=2)
     if not args.only:  # the docs' table holds every variant

@@ -66,11 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the run's seed: data, sampling and training (default: 0)")
     p.add_argument("--output-dir", metavar="DIR", help="where every stage's outputs go (default: runs/demo, with --agent "
                                                        "runs/agent)")
-    p.add_argument("--from-stage", default="prompts", choices=["prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "grpo", "eval"],
-                   help="rerun from this stage on, reusing the earlier stages' outputs in --output-dir (default: all; "
-                        "--agent's stages: prompts, sft, grpo, eval)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the demo in a non-empty --output-dir (refused without this or --from-stage)")
+    p.add_argument("--from-stage", metavar="STAGE",
+                   help="rerun this stage and the later ones, reusing the earlier stages' outputs in --output-dir (the "
+                        "stages of configs/pipelines/demo.yaml: prompts, sft_data, sft, pairs, rm, ppo, online_dpo, "
+                        "dpo, eval; of agent.yaml: prompts, sft, grpo, eval). Without it, the same command skips the "
+                        "stages already done with the same settings and resumes an interrupted one")
+    p.add_argument("--overwrite", action="store_true", help="rerun every stage, replacing the demo's earlier outputs")
     from rlhfkit.label.command import add_label_parser  # the arguments live with the command
 
     add_label_parser(sub)
@@ -186,18 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "dashboard":
             run_dashboard(args.run_dir, args.out)
-        elif args.stage == "demo" and args.agent:
-            from rlhfkit.tasks.agent import run_agent_demo
-
-            if args.full:
-                raise UserError("--full adds online DPO to the reviews demo; it does not apply with --agent")
-            run_agent_demo(args.output_dir or "runs/agent", quick=args.quick, seed=args.seed, from_stage=args.from_stage,
-                           overwrite=args.overwrite)
         elif args.stage == "demo":
-            from rlhfkit.tasks.demo import run_demo  # only `rlhfkit demo` pays for its imports
+            from rlhfkit.tasks.demos import run_demo  # only `rlhfkit demo` pays for its imports
 
-            run_demo(args.output_dir or "runs/demo", quick=args.quick, seed=args.seed, from_stage=args.from_stage,
-                     overwrite=args.overwrite, full=args.full)
+            if args.full and args.agent:
+                raise UserError("--full adds online DPO to the reviews demo; it does not apply with --agent")
+            run_demo("agent" if args.agent else "demo", args.output_dir, quick=args.quick, seed=args.seed,
+                     from_stage=args.from_stage, overwrite=args.overwrite, full=args.full)
         elif args.stage == "plan":
             run_plan(args)
         elif args.stage == "pipeline":

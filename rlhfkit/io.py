@@ -105,6 +105,12 @@ def check_writable(path: str, key: str = "output_dir") -> None:
         raise UserError(f"{key} '{path}' is not writable: no permission to write in '{existing}'")
 
 
+def write_jsonl_rows(path: str, rows: list[dict]) -> str:
+    """Write `rows` as JSON lines, atomically; returns `path`."""
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def read_jsonl_rows(path: str) -> list[dict]:
     """The JSON objects of a JSONL file (metrics.jsonl, samples.jsonl), skipping with a warning any line that is not
     JSON — the half-written last line of a run killed (or out of disk) while writing it."""

@@ -2,11 +2,13 @@
 (passed, failed, skipped with their stage), the rounds and their rollbacks, the wiring, links to each stage's own
 report, and the reward-vs-KL frontier: each online stage's training trajectory (objective/kl against
 objective/scores, one point per logged step) and each evaluated policy (its KL to the reference against its first
-judge's mean reward). Text is escaped; links are relative, so the folder can be moved or archived whole."""
+judge's mean reward), and the points a stage wrote to its `frontier_points.json` ({label: [[kl, reward], ...]}).
+Text is escaped; links are relative, so the folder can be moved or archived whole."""
 
 from __future__ import annotations
 
 import html
+import json
 import logging
 import os
 
@@ -50,6 +52,10 @@ def frontier_points(result) -> dict[str, list[tuple[float, float]]]:
             rows = [r for r in read_jsonl_rows(metrics) if "objective/kl" in r and "objective/scores" in r]
             if rows:
                 points[f"{s.name} (training)"] = [(r["objective/kl"], r["objective/scores"]) for r in rows]
+        given = os.path.join(s.dir, "frontier_points.json")  # a stage's own points (the demo's methods, gold-judged)
+        if os.path.isfile(given):
+            with open(given, encoding="utf-8") as f:
+                points.update({f"{s.name}: {m}": [tuple(p) for p in pts] for m, pts in json.load(f).items()})
         rewards = sorted(k for k in s.figures if k.startswith("reward/"))
         if s.stage == "eval" and "kl" in s.figures and rewards:
             points[f"{s.name}: {rewards[0]}"] = [(s.figures["kl"], s.figures[rewards[0]])]

@@ -3,11 +3,13 @@ overrides; validated as its own command validates it. The wiring is visible: eve
 stage it comes from, printed before the run and shown in the report.
 
 The wiring (InstructGPT's three steps, Ouyang et al. 2022, arXiv 2203.02155, §3.1; 003 §1-§3):
-- the SFT output initialises the reward model and every policy (`model.name_or_path`);
+- the SFT output initialises the reward model and every policy (`model.name_or_path`); with `iterations`, a round's
+  policies start from the last kept round's policy, and its samples (`judge`, `label`) come from that policy;
 - the newest reward model becomes `reward.model` of the online stages and of `eval`;
 - the newest policy and its starting point (the reference) go to `eval` (`model.name_or_path`, `reference`, `run_dir`)
   and to a blind comparison (`label` with `mode: compare`: `model`, `compare`);
-- the preference pairs of a `label` (collect) or `judge` stage become the next reward model's `data.train`;
+- the preference pairs of a `label` (collect) or `judge` stage become the next reward model's `data.train`; in a
+  later round the reward model starts from the last round's and is extended on the round's new comparisons;
 - every stage writes to `output_dir/<name>` (later rounds: `output_dir/round_<r>/<name>`).
 Precedence, later wins: the stage's config file, the wiring, its inline config keys, its overrides. An explicit key
 (inline or an override) always beats the wiring; a config file is a template the wiring fills in.
@@ -51,8 +53,9 @@ class Upstream:
 
     sft: tuple[str, str] | None = None
     rm: tuple[str, str] | None = None
-    policy: tuple[str, str] | None = None
+    policy: tuple[str, str] | None = None  # the newest policy (what eval and a blind comparison judge)
     reference: tuple[str, str] | None = None  # the policy's starting point
+    start: tuple[str, str] | None = None  # the policy a round starts from: the last kept round's (None: SFT)
     pairs: tuple[str, str] | None = None  # preference pairs (label collect, judge)
     fingerprint: str = ""  # the chain of every earlier stage's fingerprint
 
@@ -85,12 +88,13 @@ def stage_dir(root: str, name: str, round_: int) -> str:
 def wires_for(spec: StageSpec, up: Upstream, out: str) -> list[Wire]:
     """The keys the pipeline sets for stage `spec` given what came before it (see the module's docstring)."""
     kind, w = spec.stage, [Wire("output_dir", out, "pipeline")] if spec.stage not in (LABEL, JUDGE, PYTHON) else []
-    if kind == "rm" and up.sft:
-        w.append(Wire("model.name_or_path", up.sft[1], up.sft[0]))
+    if kind == "rm" and (up.sft or up.rm and spec.round):
+        src = up.rm if spec.round and up.rm else up.sft  # a later round extends the last round's reward model
+        w.append(Wire("model.name_or_path", src[1], src[0]))
     if kind == "rm" and up.pairs:
         w.append(Wire("data.train", up.pairs[1], up.pairs[0]))
-    if kind in POLICY_STAGES and (up.policy or up.sft):
-        src = up.policy or up.sft  # a later round's policy starts from the last kept one
+    if kind in POLICY_STAGES and (up.start or up.sft):
+        src = up.start or up.sft  # side-by-side policies all start from SFT; a later round's from the last kept one
         w.append(Wire("model.name_or_path", src[1], src[0]))
     if kind in REWARDED and kind != "eval" and up.rm:
         w.append(Wire("reward.model", [up.rm[1]], up.rm[0]))
@@ -98,8 +102,8 @@ def wires_for(spec: StageSpec, up: Upstream, out: str) -> list[Wire]:
         w += _eval_wires(up)
     if kind == LABEL:
         w += _label_wires(spec, up)
-    if kind == JUDGE and (up.policy or up.sft):
-        src = up.policy or up.sft
+    if kind == JUDGE and (up.start or up.sft):
+        src = up.start or up.sft
         w.append(Wire("model", src[1], src[0]))
     return w
 
@@ -119,7 +123,7 @@ def _eval_wires(up: Upstream) -> list[Wire]:
 
 def _label_wires(spec: StageSpec, up: Upstream) -> list[Wire]:
     mode = _inline(spec).get("mode", spec.overrides.get("mode", "collect"))
-    src = up.policy or up.sft
+    src = up.start or up.sft
     if mode == "compare" and up.policy and up.reference:
         return [Wire("model", up.policy[1], up.policy[0]), Wire("compare", up.reference[1], up.reference[0])]
     return [Wire("model", src[1], src[0])] if src and mode == "collect" else []

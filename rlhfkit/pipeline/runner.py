@@ -23,7 +23,7 @@ from rlhfkit.io import atomic_write_text, check_writable
 from rlhfkit.pipeline import gates as gates_
 from rlhfkit.pipeline import steps
 from rlhfkit.pipeline.resolve import POLICY_STAGES, Resolved, Upstream, produced, resolve
-from rlhfkit.pipeline.spec import LABEL, PYTHON, PipelineSpec, StageSpec
+from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON, PipelineSpec, StageSpec
 
 STATE = "pipeline.json"
 MARKER = "pipeline_stage.json"
@@ -93,8 +93,8 @@ class Runner:
         return {"stages": {}}
 
     def check_all(self) -> list[Resolved]:
-        """Every stage of every round resolved and validated, as if no round were rolled back: the whole file checked
-        before the first stage runs. Returns round 1's stages and prints the wiring."""
+        """Every stage of every round resolved and validated, as if no round were rolled back, and every stage's folder
+        checked: the whole file checked before the first stage runs. Returns round 1's stages."""
         up, first = Upstream(), []
         for r in self.order():
             spec, round_ = r
@@ -103,7 +103,15 @@ class Runner:
             up = produced(resolved, up)
             if round_ == 1:
                 first.append(resolved)
+            self.check_folder(resolved)
         return first
+
+    def check_folder(self, r: Resolved) -> None:
+        """A stage folder the pipeline has no record of must be absent or empty: a user's files are never replaced."""
+        held = os.path.isdir(r.dir) and bool(os.listdir(r.dir))
+        if held and r.dir not in self.state["stages"] and self._marker(r.dir) is None:
+            raise UserError(f"stage '{r.name}': its folder '{r.dir}' holds files the pipeline did not write; move "
+                            "them or choose another output_dir (nothing a user wrote is replaced)")
 
     def order(self) -> list[tuple[StageSpec, int]]:
         """(stage, round) in run order: the stages before the round block once, the block `iterations` times, the
@@ -164,7 +172,7 @@ class Runner:
             record.figures = self._marker(r.dir)["figures"]
         else:
             self._save_state(r, fp, "started")
-            record.figures = steps.run(r, mode, self.root, self.dirs)
+            record.figures = steps.run(r, mode, self.root, self.dirs, self.spec.vars)
             record.seconds = time.time() - t0
             atomic_write_text(os.path.join(r.dir, MARKER), json.dumps(
                 {"fingerprint": fp, "figures": record.figures, "stage": r.stage, "seconds": record.seconds}, indent=2))
@@ -182,16 +190,13 @@ class Runner:
         known = self.state["stages"].get(r.dir)
         if marker and marker.get("fingerprint") == fp and not self.rerunning:
             return "skip"
-        held = os.path.isdir(r.dir) and bool(os.listdir(r.dir))
-        if not held:
+        if not (os.path.isdir(r.dir) and os.listdir(r.dir)):
             return "fresh"
-        if not known and not marker:
-            raise UserError(f"stage '{r.name}': its folder '{r.dir}' holds files the pipeline did not write; move "
-                            "them or choose another output_dir (nothing a user wrote is replaced)")
+        self.check_folder(r)
         if known and known["fingerprint"] == fp and known["state"] == "started" and not self.rerunning:
             from rlhfkit.checkpoint import latest_checkpoint
 
-            if r.stage not in ("eval", LABEL, PYTHON) and latest_checkpoint(r.dir) is not None:
+            if r.stage not in ("eval", LABEL, JUDGE, PYTHON) and latest_checkpoint(r.dir) is not None:
                 return "resume"
             if r.stage in (LABEL, PYTHON):
                 return "resume"  # the label store resumes itself; a python stage is told it was interrupted
@@ -237,14 +242,16 @@ class Runner:
         info = {"round": round_, "policy": up.policy and up.policy[1], "rolled_back": False, "capability_loss_nats": None}
         if cap is None or up.policy is None:
             self.rounds.append(info)
-            return up
-        start_policy = start.policy or start.sft
+            return dataclasses.replace(up, start=up.policy or up.start)
+        start_policy = start.start or start.sft
         check = _capability_spec(cap, round_)
         # The eval's wiring compares the round's policy with its reference: the policy the round started from.
         self.step(resolve(check, up, self.root, round_, f"{self.spec.path}: capability check"), up)
         loss = self.records[-1].figures.get("alignment_tax/delta_nats")
         info["capability_loss_nats"] = loss
-        if loss is not None and loss > cap.max_loss_nats:
+        if loss is None or loss <= cap.max_loss_nats:
+            up = dataclasses.replace(up, start=up.policy)
+        else:
             info.update(rolled_back=True, restored=start_policy[1])
             print(f"  round {round_} ROLLED BACK: capability loss {loss:.4f} nats/token > {cap.max_loss_nats}; the "
                   f"next round starts from {start_policy[1]}. {gates_.SUGGESTIONS['alignment_tax/delta_nats']}",

@@ -4,7 +4,9 @@ overrides, launch, gate and round membership; `vars` substituted; `key=value` ov
 The file (docs/pipeline.md has the reference):
 
     output_dir: runs/my_pipeline
-    vars: {model: HuggingFaceTB/SmolLM2-135M-Instruct}   # `${model}` anywhere in a stage's config, overrides or args
+    vars: {model: HuggingFaceTB/SmolLM2-135M-Instruct}   # `${model}` anywhere in a stage's config, overrides or args;
+                                                         # `${output_dir}` is the pipeline's folder
+    variants: {small: {model: tiny}}                     # `variant=small` on the command line: these vars win
     device: H100-80GB                                    # every stage planned for it first (or memory_gb: 24)
     iterations: 1                                        # > 1 repeats the stages marked `round: true`
     capability: {data: general.jsonl, max_loss_nats: 0.05}   # the check after each round (iterations > 1)
@@ -16,7 +18,7 @@ The file (docs/pipeline.md has the reference):
         launch: [--num_processes, "2"]   # run under `accelerate launch` with these arguments
         gate: {"eval/loss": "<= 2.0"}    # replaces the default gate's figures; `gate: false` removes it
 
-Command-line overrides: `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`, `vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's
+Command-line overrides: `variant=NAME`, `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`, `vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's
 overrides) and `NAME.gate.FIGURE=CONDITION`. A problem is one `ConfigError` naming the file, the stage and the key.
 """
 
@@ -31,7 +33,7 @@ from rlhfkit.errors import ConfigError
 
 # The stages a pipeline runs besides the `rlhfkit` training and evaluation stages (`rlhfkit.stages.STAGES`).
 LABEL, JUDGE, PYTHON = "label", "judge", "python"
-TOP_KEYS = ("output_dir", "vars", "iterations", "capability", "device", "memory_gb", "stages")
+TOP_KEYS = ("output_dir", "vars", "variants", "iterations", "capability", "device", "memory_gb", "stages")
 STAGE_KEYS = ("stage", "name", "config", "overrides", "launch", "gate", "round", "enabled", "run", "args")
 CAPABILITY_KEYS = ("data", "max_loss_nats", "config")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -89,13 +91,16 @@ def read_spec(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict
     """The pipeline in the YAML file `path` (or the mapping `data`, named `path` in messages) with the command line's
     `overrides` applied; every stage's own keys are checked later, against its stage (`plan_pipeline`)."""
     raw = dict(data) if data is not None else read_yaml(path)
-    raw = _apply_overrides(raw, list(overrides), path)
-    unknown = [k for k in raw if k not in TOP_KEYS]
+    raw = _apply_overrides(_with_variant(raw, list(overrides), path), [o for o in overrides if not o.startswith("variant=")],
+                           path)
+    unknown = [k for k in raw if k not in TOP_KEYS and not str(k).startswith("x-")]  # x-*: YAML anchors' holders
     if unknown:
         raise ConfigError(f"{path}: unknown key '{unknown[0]}' (known: {', '.join(TOP_KEYS)})")
     variables = raw.get("vars") or {}
     if not isinstance(variables, dict):
         raise ConfigError(f"{path}: 'vars' must be a mapping of names to values")
+    # `${output_dir}`: the pipeline's folder, for a stage that reads a file an earlier `python` stage wrote
+    variables = {**variables, "output_dir": substitute(raw.get("output_dir"), variables, f"{path}: output_dir")}
     entries = raw.get("stages")
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{path}: 'stages' must be a non-empty list of stages")
@@ -120,6 +125,20 @@ def read_spec(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict
                           "number")
     return PipelineSpec(path, output_dir, stages, iterations, _capability(path, raw.get("capability"), variables),
                         variables, device, float(memory) if memory is not None else None)
+
+
+def _with_variant(raw: dict, overrides: list[str], path: str) -> dict:
+    """`variant=NAME` on the command line: the file's `variants[NAME]` (a mapping of vars) over its `vars`, before the
+    command line's own `vars.X=` (which win)."""
+    chosen = [o.partition("=")[2] for o in overrides if o.startswith("variant=")]
+    variants = raw.pop("variants", None) or {}
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        raise ConfigError(f"{path}: 'variants' must map each variant's name to a mapping of vars")
+    if not chosen:
+        return raw
+    if chosen[-1] not in variants:
+        raise ConfigError(f"variant={chosen[-1]}: {path} has no such variant (variants: {', '.join(variants) or 'none'})")
+    return {**raw, "vars": merge(raw.get("vars") or {}, variants[chosen[-1]])}
 
 
 def _apply_overrides(raw: dict, overrides: list[str], path: str) -> dict:
@@ -234,6 +253,7 @@ def _stage(path: str, index: int, entry: Any, variables: dict) -> StageSpec | No
     round_ = entry.get("round", False)
     if not isinstance(round_, bool):
         raise ConfigError(f"{where}: 'round' must be true or false")
+    config = _nested(config) if isinstance(config, dict) else config  # inline keys may be dotted, as overrides
     return StageSpec(index, name, stage, config, _as_tree(entry.get("overrides"), path, f"stage {index} ({name})"),
                      tuple(str(a) for a in launch) if launch is not None else None, gate, round_, run, args)
 

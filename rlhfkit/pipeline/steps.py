@@ -6,6 +6,7 @@
 - `label` makes its items once (`rlhfkit label`'s own `prepare`, which resumes a database made for the same inputs),
   serves the labelling page while the pipeline waits, and when every item is judged writes `pairs.jsonl` (collect)
   or the human win rate (compare);
+- `judge` samples the policy and lets reward functions or reward models pick each prompt's pair (`pairs.jsonl`);
 - `python` calls a built-in task's function with a `StepContext` and its `args`.
 Figures come back from disk, so a stage run under a launcher, run here, or skipped reports the same ones: a training
 run's last value of every metric in metrics.jsonl, an eval's headline figures and its alarm count.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, read_jsonl_rows
 from rlhfkit.pipeline.resolve import Resolved
-from rlhfkit.pipeline.spec import LABEL, PYTHON
+from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON
 
 logger = logging.getLogger("rlhfkit")
 PRIVATE = ".pipeline"  # the pipeline's own files under its output_dir
@@ -40,23 +41,31 @@ class StepContext:
     root: str  # the pipeline's output_dir
     dirs: dict  # stage name -> folder, for every stage resolved so far in this run
     resume: bool  # an earlier start of this stage was interrupted
+    vars: dict  # the pipeline file's vars, as substituted (a step may record them beside its outputs)
 
     def path(self, stage: str, *parts: str) -> str:
+        """A file in an earlier stage's folder."""
         return os.path.join(self.dirs[stage], *parts)
 
+    def path_out(self, *parts: str) -> str:
+        """A file in this stage's folder."""
+        return os.path.join(self.output_dir, *parts)
 
-def run(r: Resolved, mode: str, root: str, dirs: dict) -> dict[str, float]:
+
+def run(r: Resolved, mode: str, root: str, dirs: dict, variables: dict) -> dict[str, float]:
     """Run stage `r` (mode: "fresh", "resume" from its newest checkpoint, or "replace" an earlier run of it) and
     return its figures."""
     if r.stage == PYTHON:
         os.makedirs(r.dir, exist_ok=True)
-        figures = r.cfg["function"](StepContext(r.dir, root, dict(dirs), mode == "resume"), **r.cfg["args"]) or {}
+        figures = r.cfg["function"](StepContext(r.dir, root, dict(dirs), mode == "resume", dict(variables)), **r.cfg["args"]) or {}
         if not isinstance(figures, dict):
             raise UserError(f"stage '{r.name}': {r.cfg['run']} returned {type(figures).__name__}, expected a dict of "
                             "figures or None")
         return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}
     if r.stage == LABEL:
         return run_label(r)
+    if r.stage == JUDGE:
+        return run_judge(r)
     cfg = dataclasses.replace(r.cfg, overwrite=mode == "replace",
                               **({"resume": mode == "resume"} if hasattr(r.cfg, "resume") else {}))
     if r.spec.launch is not None:
@@ -169,3 +178,58 @@ def label_outputs(r: Resolved, store) -> dict[str, float]:
                "human/win_rate_high": human.interval[1], "human/judgements": float(human.n)}
     atomic_write_text(os.path.join(r.dir, "human_win_rate.json"), json.dumps(dataclasses.asdict(human), indent=2))
     return figures
+
+
+# `judge`: comparisons from reward functions or a reward-model ensemble --------------------------------------------
+
+
+def run_judge(r: Resolved) -> dict[str, float]:
+    """`num_samples` responses of `model` to each prompt (`rlhfkit label`'s sampling), scored by the judge's reward
+    sources (reward.function under TRL's contract, reward.model directories: their mean, an ensemble), summed; each
+    prompt's best and worst response become one preference pair in `pairs.jsonl` (ties dropped)."""
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.label.candidates import SamplingSpec, sample_groups
+
+    cfg = r.cfg
+    k = int(cfg.get("num_samples", 2))
+    if k < 2:
+        raise UserError(f"stage '{r.name}': num_samples must be at least 2 (a pair per prompt), got {k}")
+    generation = GenerationConfig(**{**(cfg.get("generation") or {}), "num_samples": k})
+    groups = sample_groups(SamplingSpec(cfg["model"], cfg["prompts"], generation, None, int(cfg.get("seed", 0)),
+                                        int(cfg.get("batch_size", 8)), cfg.get("max_prompts")))
+    scores = judge_scores(cfg["reward"], [(g.prompt, c.content) for g in groups for c in g.responses])
+    rows, ties = [], 0
+    for i, g in enumerate(groups):
+        s = scores[i * k : (i + 1) * k]
+        best, worst = max(range(k), key=s.__getitem__), min(range(k), key=s.__getitem__)
+        if s[best] == s[worst]:
+            ties += 1
+            continue
+        rows.append({"prompt": g.prompt, "chosen": g.responses[best].content, "rejected": g.responses[worst].content,
+                     "chosen_score": s[best], "rejected_score": s[worst], "judge": "rlhfkit pipeline judge"})
+    if not rows:
+        raise UserError(f"stage '{r.name}': the judge tied every prompt's {k} responses, so there is no preference "
+                        "pair to learn from: sample more (num_samples, max_prompts) or judge with finer rewards")
+    os.makedirs(r.dir, exist_ok=True)
+    atomic_write_text(os.path.join(r.dir, "pairs.jsonl"), "".join(json.dumps(row) + "\n" for row in rows))
+    return {"judge/pairs": float(len(rows)), "judge/ties": float(ties),
+            "judge/mean_score": sum(scores) / len(scores) if scores else 0.0}
+
+
+def judge_scores(reward: dict, texts: list[tuple]) -> list[float]:
+    """Σ of each source's score per (prompt, response): every function in reward.function, the mean of the reward
+    models in reward.model (an ensemble's mean, as `reward.ensemble: mean`)."""
+    from rlhfkit.label.command import reward_scores
+    from rlhfkit.reward_functions import RewardInputs, load_reward_function
+
+    total = [0.0] * len(texts)
+    refs = reward.get("function") or []
+    for ref in [refs] if isinstance(refs, str) else refs:
+        fn = load_reward_function(ref, "reward.function")
+        values = fn(RewardInputs([p for p, _ in texts], [c for _, c in texts], [[] for _ in texts]))
+        total = [t + (v or 0.0) for t, v in zip(total, values)]
+    models = reward.get("model") or []
+    for path in models:
+        values = reward_scores(path, texts)
+        total = [t + (v or 0.0) / len(models) for t, v in zip(total, values)]
+    return total

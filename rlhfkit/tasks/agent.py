@@ -16,22 +16,17 @@ copy the factors into a call of `multiply` and the tool's result into its answer
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
 import re
 import time
-from dataclasses import dataclass
 
 import torch
-import yaml
 
-from rlhfkit.errors import UserError
-from rlhfkit.io import atomic_write_text, check_writable
+from rlhfkit.io import atomic_write_text, read_jsonl_rows, write_jsonl_rows
 
 SYSTEM_PROMPT = "You are a helpful assistant. Use the multiply tool for products of large numbers."
-STAGES = ("prompts", "sft", "grpo", "eval")
 METHODS = ("sft", "grpo", "grpo_no_tools")  # what the evaluation scores (the last: the RL model, tools withheld)
 _NUMBER = re.compile(r"-?\d+")
 
@@ -137,150 +132,39 @@ def exact_answer(prompts: list, completions: list, answer: list, **kwargs) -> li
     return [float(final_answer(c) == int(a)) for c, a in zip(completions, answer)]
 
 
-@dataclass(frozen=True)
-class AgentSize:
-    """How much of everything a run uses, budgeted for 2 shared CPU cores (about 15 minutes a seed), where a token
-    costs most when trained (every prompt carries the tool's schema: about 280 of an SFT trace's 310 tokens)."""
-
-    tool_traces: int = 40
-    direct_traces: int = 8
-    guessed_traces: int = 56
-    sft_epochs: float = 3.0
-    sft_lr: float = 1e-3
-    # Decayed over 3 epochs, the first token's choice (call the tool, or answer) settles near the traces' share
-    # (40 of 96 large products), where one epoch at a constant rate left it wherever the last batches pushed it
-    sft_scheduler: str = "linear"
-    rl_prompts: int = 64
-    grpo_steps: int = 8
-    grpo_batch: int = 4  # prompts per step
-    num_samples: int = 4  # episodes per prompt (GRPO's group)
-    grpo_lr: float = 3e-4
-    temperature: float = 1.0  # the RL rollouts' (the evaluation is greedy)
-    kl_coef: float = 0.0
-    eval_prompts: int = 24
-    # The whole completion: the call (~35 tokens: a digit is a token), the tool result and header (~25), the answer
-    max_new_tokens: int = 96
-    max_prompt_length: int = 320
-    max_length: int = 448
-    # LoRA on the top 8 of SmolLM2's 30 layers: the backward pass stops there (about half a full LoRA step's cost)
-    lora_layers: str = r".*\.layers\.(2[2-9])\.(self_attn|mlp)\.\w+_proj"
+# The steps agent.yaml runs -----------------------------------------------------------------------------------
 
 
-QUICK = AgentSize(tool_traces=6, direct_traces=2, guessed_traces=2, rl_prompts=8, grpo_steps=2, grpo_batch=2, num_samples=2,
-                  grpo_lr=1e-3, eval_prompts=4, max_new_tokens=12, max_prompt_length=960, max_length=1024,
-                  lora_layers="all-linear")
+def write_data(ctx, tool_traces: int, direct_traces: int, guessed_traces: int, rl_prompts: int, eval_prompts: int,
+               seed: int) -> dict:
+    """The SFT traces, the RL prompts and the held-out prompts (`make_splits`), one JSONL file each."""
+    splits = make_splits(tool_traces, direct_traces, rl_prompts, eval_prompts, seed, guessed_traces)
+    for name, records in splits.items():
+        write_jsonl_rows(ctx.path_out(f"{name}.jsonl"), records)
+    print(f"{len(splits['sft'])} SFT traces ({tool_traces} with the tool), {len(splits['rl'])} RL prompts, "
+          f"{len(splits['eval'])} held out")
+    return {"sft_traces": len(splits["sft"]), "rl_prompts": len(splits["rl"]), "eval_prompts": len(splits["eval"])}
 
 
-def _write_jsonl(path: str, records: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-class AgentDemo:
-    """The agent demo's stages, in `STAGES` order; each reads what the earlier ones wrote to `output_dir`."""
-
-    def __init__(self, output_dir: str = "runs/agent", quick: bool = False, seed: int = 0, size: AgentSize | None = None,
-                 overwrite: bool = False):
-        from rlhfkit.tasks.demo import GGUF_FILE, smollm2_dir
-
-        self.output_dir, self.quick, self.seed, self.overwrite = output_dir, quick, seed, overwrite
-        self.size = size or (QUICK if quick else AgentSize())
-        self.base = {"model.name_or_path": "tiny"} if quick else {"model.name_or_path": smollm2_dir(),
-                                                                   "model.gguf_file": GGUF_FILE}
-        self.lora = {"model.lora.enabled": True, "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.dropout": 0.0,
-                     "model.lora.target_modules": self.size.lora_layers}
-        self.common = {"seed": seed, "overwrite": overwrite, "logging.logging_steps": 1, "optim.scheduler": "constant",
-                       "logging.progress_bar": False, "model.chat_template": "chatml_tools",
-                       "data.max_length": self.size.max_length, "data.max_prompt_length": self.size.max_prompt_length}
-        self.timings: dict[str, float] = {}
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.output_dir, name)
-
-    def need(self, *names: str) -> None:
-        missing = [n for n in names if not os.path.exists(self.path(n))]
-        if missing:
-            raise UserError(f"'{self.output_dir}' has no {', '.join(missing)}: run the earlier stages first "
-                            f"(rlhfkit demo --agent{' --quick' if self.quick else ''} --output-dir {self.output_dir})")
-
-    def run(self, from_stage: str = "prompts") -> dict:
-        if from_stage not in STAGES:
-            raise UserError(f"--from-stage must be one of {', '.join(STAGES)} with --agent, got '{from_stage}'")
-        check_writable(self.output_dir, "--output-dir")
-        if from_stage == "prompts" and not self.overwrite and os.path.isdir(self.output_dir) and os.listdir(self.output_dir):
-            raise UserError(f"--output-dir '{self.output_dir}' is not empty: pass --overwrite to replace the demo in it, "
-                            f"or --from-stage {'|'.join(STAGES[1:])} to rerun its later stages")
-        self.common["overwrite"] = self.overwrite or from_stage != "prompts"
-        os.makedirs(self.output_dir, exist_ok=True)
-        atomic_write_text(self.path("config.yaml"), yaml.safe_dump(
-            {"agent_demo": {"quick": self.quick, "seed": self.seed, "from_stage": from_stage, "system_prompt": SYSTEM_PROMPT,
-                            **dataclasses.asdict(self.size)}, "model": self.base, "lora": self.lora}, sort_keys=False))
-        t_start, result = time.time(), {}
-        for name in STAGES[STAGES.index(from_stage):]:
-            print(f"\n=== agent demo: {name} ===", flush=True)
-            t0 = time.time()
-            out = getattr(self, f"stage_{name}")()
-            self.timings[name] = time.time() - t0
-            print(f"--- {name}: {self.timings[name]:.1f}s (total {time.time() - t_start:.1f}s)", flush=True)
-            result = out if name == "eval" else result
-        self.timings["total"] = time.time() - t_start
-        result["timings_s"] = self.timings
-        if from_stage != "prompts":
-            result["from_stage"] = from_stage  # the earlier stages' outputs (and times) are a previous run's
-        atomic_write_text(self.path("eval.json"), json.dumps(result, indent=2))
-        print(format_table(result["methods"]))
-        return result
-
-    def stage_prompts(self) -> None:
-        s = self.size
-        splits = make_splits(s.tool_traces, s.direct_traces, s.rl_prompts, s.eval_prompts, self.seed, s.guessed_traces)
-        for name, records in splits.items():
-            _write_jsonl(self.path(f"{name}.jsonl"), records)
-        print(f"{len(splits['sft'])} SFT traces ({s.tool_traces} with the tool), {len(splits['rl'])} RL prompts, "
-              f"{len(splits['eval'])} held out")
-
-    def stage_sft(self) -> None:
-        from rlhfkit.tasks.demo import _train
-
-        self.need("sft.jsonl")
-        _train("sft", {**self.base, **self.lora, **self.common, "data.train": self.path("sft.jsonl"),
-                       "output_dir": self.path("sft"), "num_epochs": self.size.sft_epochs, "optim.lr": self.size.sft_lr,
-                       "optim.scheduler": self.size.sft_scheduler,
-                       "optim.per_device_batch_size": 8})
-
-    def stage_grpo(self) -> None:
-        from rlhfkit.tasks.demo import _train
-
-        self.need("rl.jsonl", "sft")
-        s = self.size
-        _train("grpo", {
-            **self.lora, **self.common, "model.name_or_path": self.path("sft"), "data.train": self.path("rl.jsonl"),
-            "output_dir": self.path("grpo"), "max_steps": s.grpo_steps, "tools.functions": [f"{__name__}:multiply"],
-            "tools.max_calls": 2, "tools.timeout_s": 5.0, "reward.function": f"{__name__}:exact_answer",
-            "generation.max_new_tokens": s.max_new_tokens, "generation.temperature": s.temperature,
-            "generation.num_samples": s.num_samples, "kl.coef": s.kl_coef, "algo.algorithm": "grpo",
-            "algo.rollout_batch_size": s.grpo_batch, "algo.ppo_epochs": 1, "algo.num_minibatches": 2,
-            "optim.lr": s.grpo_lr, "optim.per_device_batch_size": s.grpo_batch * s.num_samples // 2})
-
-    def stage_eval(self) -> dict:
-        self.need("eval.jsonl", "sft", "grpo")
-        records = _read_jsonl(self.path("eval.jsonl"))
-        methods = {}
-        for method, model_dir, tools in (("sft", "sft", True), ("grpo", "grpo", True), ("grpo_no_tools", "grpo", False)):
-            t0 = time.time()
-            methods[method], samples = evaluate(self.path(model_dir), records, self.size, tools)
-            _write_jsonl(self.path(f"eval_samples_{method}.jsonl"), samples)
-            print(f"  {method}: {methods[method]} ({time.time() - t0:.0f}s)", flush=True)
-        return {"quick": self.quick, "seed": self.seed, "eval_prompts": len(records), "methods": methods,
-                "acceptance": acceptance(methods)}
+def evaluate_all(ctx, max_new_tokens: int, quick: bool, seed: int) -> dict:
+    """The SFT model, the GRPO model, and the GRPO model without tools on the held-out prompts (greedy, through the
+    tool loop): eval.json and one samples file per method in this folder."""
+    records = read_jsonl_rows(ctx.path("prompts", "eval.jsonl"))
+    methods = {}
+    for method, stage, tools in (("sft", "sft", True), ("grpo", "grpo", True), ("grpo_no_tools", "grpo", False)):
+        t0 = time.time()
+        methods[method], samples = evaluate(ctx.path(stage), records, max_new_tokens, tools)
+        write_jsonl_rows(ctx.path_out(f"eval_samples_{method}.jsonl"), samples)
+        print(f"  {method}: {methods[method]} ({time.time() - t0:.0f}s)", flush=True)
+    result = {"quick": quick, "seed": seed, "eval_prompts": len(records), "methods": methods,
+              "acceptance": acceptance(methods)}
+    atomic_write_text(ctx.path_out("eval.json"), json.dumps(result, indent=2))
+    print(format_table(methods))
+    return {f"{m}/{k}": v for m, f in methods.items() for k, v in f.items() if isinstance(v, (int, float))}
 
 
 @torch.no_grad()
-def evaluate(model_dir: str, records: list[dict], size: AgentSize, tools: bool) -> tuple[dict, list[dict]]:
+def evaluate(model_dir: str, records: list[dict], max_new_tokens: int, tools: bool) -> tuple[dict, list[dict]]:
     """Greedy episodes of the model in `model_dir` on `records`, one batch, through the tool loop, with the task's
     tools or none; -> (the figures of `rlhfkit eval`'s agent section: `evaluation.agent.agent_figures`, the task judge
     being `exact_answer`; one sample row per episode)."""
@@ -297,7 +181,7 @@ def evaluate(model_dir: str, records: list[dict], size: AgentSize, tools: bool) 
     tok = load_tokenizer(cfg)
     templates.load("chatml_tools").apply_to(tok)
     model = load_causal_lm(cfg, tok, trainable=False).eval()
-    params = GenerationConfig(max_new_tokens=size.max_new_tokens, top_k=1)
+    params = GenerationConfig(max_new_tokens=max_new_tokens, top_k=1)
     limits = ToolsConfig(max_calls=2, timeout_s=5.0, max_result_tokens=64)
     loop = tool_loop(tok, params, 0, Toolbox([multiply]) if tools else Toolbox([], NoTools), limits)
     seed_only = PromptBatch(torch.zeros(len(records), 1, dtype=torch.long), torch.ones(len(records), 1, dtype=torch.long))
@@ -325,8 +209,3 @@ def format_table(methods: dict) -> str:
         lines.append(f"{m:<15}" + "".join(f"{(f[k] or 0) * 100:>11.1f}%" if k in ("task_completion", "format_accuracy")
                                           else f"{f[k]:>12.2f}" for _, k in cols))
     return "\n".join(lines)
-
-
-def run_agent_demo(output_dir: str = "runs/agent", quick: bool = False, seed: int = 0, from_stage: str = "prompts",
-                   overwrite: bool = False) -> dict:
-    return AgentDemo(output_dir, quick=quick, seed=seed, overwrite=overwrite).run(from_stage)

@@ -22,7 +22,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_eval_json_has_every_figure(demo_run):
-    with open(os.path.join(demo_run, "eval.json")) as f:
+    with open(os.path.join(demo_run, "eval", "eval.json")) as f:
         result = json.load(f)
     assert result["quick"] is True and result["eval_prompts"] == 8
     assert set(result["methods"]) == set(METHODS)
@@ -43,7 +43,10 @@ def test_eval_json_has_every_figure(demo_run):
             "rm_gold_pairs_eval_prompts"} <= set(result["reward_model"])
     assert result["reward_model"]["rm_gold_pairs_eval_prompts"] <= 8 * 10  # 5 samples per prompt: at most 10 pairs each
     assert set(result["acceptance"]) == {"ppo_win_rate_gold>0.65", "ppo_kl<10", "ppo_distinct_2>=sft/2", "rm_accuracy_gold>0.70"}
-    assert {"prompts", "sft", "rm", "ppo", "online_dpo", "dpo", "eval", "total"} <= set(result["timings_s"])
+    with open(os.path.join(demo_run, "pipeline.json")) as f:  # the pipeline's record: every stage ran, timed
+        records = json.load(f)["records"]
+    assert [(r["name"], r["status"]) for r in records] == [(n, "ran") for n in (
+        "prompts", "sft_data", "sft", "pairs", "rm", "ppo", "online_dpo", "dpo", "eval")]
     # The alignment tax against the SFT model on the general-knowledge answers: zero for SFT and best-of-n (the SFT
     # model itself), the difference of the two NLLs for every method.
     tax = result["alignment_tax"]
@@ -61,48 +64,47 @@ def test_every_stage_wrote_its_run(demo_run):
         stage_dir = os.path.join(demo_run, stage)
         for name in ("config.json", "config.yaml", "metrics.jsonl"):
             assert os.path.isfile(os.path.join(stage_dir, name)), (stage, name)
-    for name in ("sft_data.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "pairs_dpo.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
+    for name in ("sft_data/sft_data.jsonl", "pairs/pairs_train.jsonl", "pairs/pairs_eval.jsonl", "pairs/pairs_dpo.jsonl",
+                 "prompts/prompts_train.jsonl", "prompts/prompts_eval.jsonl"):
         assert os.path.getsize(os.path.join(demo_run, name)) > 0, name
-    with open(os.path.join(demo_run, "pairs_train.jsonl")) as f:
+    with open(os.path.join(demo_run, "pairs", "pairs_train.jsonl")) as f:
         pair = json.loads(f.readline())
     assert {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"} <= set(pair)
     with open(os.path.join(demo_run, "rm", "config.json")) as f:
         assert json.load(f)["num_hidden_layers"] == 1  # the reward model keeps the SFT model's first layer(s) only
-    with open(os.path.join(demo_run, "eval_samples.jsonl")) as f:
+    with open(os.path.join(demo_run, "eval", "eval_samples.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == 8 and set(METHODS) <= set(rows[0])
 
 
 def test_frontier_plot_and_report(demo_run):
-    with open(os.path.join(demo_run, "frontier.png"), "rb") as f:
+    with open(os.path.join(demo_run, "eval", "frontier.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with open(os.path.join(demo_run, "report.html"), encoding="utf-8") as f:
+    with open(os.path.join(demo_run, "eval", "report.html"), encoding="utf-8") as f:
         html = f.read()
     assert "frontier" in html or "data:image/png;base64" in html
     assert all(m in html for m in METHODS)
-    assert "best_of_n: 4" in html and "ppo_steps: 2" in html  # the demo's own config, in the report
+    assert "best_of_n: 4" in html and "ppo_steps: 2" in html  # the demo's own settings, in the report
+    # The pipeline's report at the root: every stage, the evaluation's gates, a link to the evaluation's own report.
+    with open(os.path.join(demo_run, "report.html"), encoding="utf-8") as f:
+        root = f.read()
+    assert 'href="eval/report.html"' in root and "ppo/win_rate_gold" in root and 'src="frontier.png"' in root
 
 
-def test_from_stage_reruns_the_later_stages_in_place(demo_run, tmp_path, capsys):
-    import shutil
-
-    rerun = str(tmp_path / "rerun")
-    shutil.copytree(demo_run, rerun)
-    ppo_weights, dpo_weights = (os.path.join(rerun, m, "model.safetensors") for m in ("ppo", "dpo"))
+def test_the_same_command_skips_the_done_stages_and_from_stage_reruns_the_later_ones(demo_run):
+    """Last in this module: it reruns stages of the shared run in place."""
+    ppo_weights, dpo_weights = (os.path.join(demo_run, m, "model.safetensors") for m in ("ppo", "dpo"))
     ppo_before, dpo_before = os.path.getmtime(ppo_weights), os.path.getmtime(dpo_weights)
-    # --from-stage continues in the non-empty directory (no --overwrite): the stages it reruns replace their runs.
-    assert main(["demo", "--quick", "--output-dir", rerun, "--from-stage", "dpo"]) == 0
-    with open(os.path.join(rerun, "eval.json")) as f:
-        result = json.load(f)
-    assert result["from_stage"] == "dpo" and set(result["timings_s"]) == {"dpo", "eval", "total"}
+    with open(os.path.join(demo_run, "eval", "eval.json")) as f:
+        original = json.load(f)
+    assert main(["demo", "--quick", "--output-dir", demo_run]) == 0  # everything done with the same settings
+    assert os.path.getmtime(ppo_weights) == ppo_before and os.path.getmtime(dpo_weights) == dpo_before
+    assert main(["demo", "--quick", "--output-dir", demo_run, "--from-stage", "dpo"]) == 0
+    with open(os.path.join(demo_run, "pipeline.json")) as f:
+        status = {r["name"]: r["status"] for r in json.load(f)["records"]}
+    assert status["ppo"] == "skipped" and status["dpo"] == status["eval"] == "ran"
     assert os.path.getmtime(ppo_weights) == ppo_before  # the earlier stages' outputs were reused, not retrained
     assert os.path.getmtime(dpo_weights) != dpo_before
-    with open(os.path.join(demo_run, "eval.json")) as f:
-        original = json.load(f)
-    assert result["methods"]["sft"] == original["methods"]["sft"]  # same seeds, same samples
-
-    empty = str(tmp_path / "empty")
-    capsys.readouterr()
-    assert main(["demo", "--quick", "--output-dir", empty, "--from-stage", "ppo"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "run the earlier stages first" in err[0]
+    with open(os.path.join(demo_run, "eval", "eval.json")) as f:
+        result = json.load(f)
+    assert result["methods"] == original["methods"]  # same seeds, same samples, same figures

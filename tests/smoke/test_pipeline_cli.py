@@ -215,6 +215,13 @@ def test_a_label_stage_waits_for_people_then_feeds_the_reward_model(tmp_path):
 ITERATED = {"iterations": 2, "capability": {"data": "data/tiny/sft_eval.jsonl", "max_loss_nats": 0.0,
                                            "config": {"max_prompts": 4, "generation": {"max_new_tokens": 4}}},
             "stages": [{"stage": "sft", "config": "configs/sft_tiny.yaml", "overrides": {"max_steps": 2, "logging.eval_steps": 2}},
+                       # a round: sample the last kept policy, let a reward function pick each prompt's pair, extend the
+                       # reward model on the new pairs, optimise the policy against it
+                       {"stage": "judge", "round": True,
+                        "config": {"prompts": "data/tiny/prompts_train.jsonl", "max_prompts": 8, "num_samples": 2,
+                                   "generation": {"max_new_tokens": 8}, "reward": {"function": "rlhfkit.tasks.toy:vowel_reward"}}},
+                       {"stage": "rm", "config": "configs/rm_tiny.yaml", "overrides": {"max_steps": 2}, "gate": False,
+                        "round": True},
                        # lr 0.05 for one step: the policy's NLL of the capability texts rises (about 1.5 nats/token)
                        {"stage": "ppo", "config": "configs/ppo_tiny.yaml", "overrides": {"max_steps": 1, "optim.lr": 0.05},
                         "round": True}]}
@@ -226,16 +233,22 @@ def test_iterated_rounds_that_lose_capability_are_rolled_back(tmp_path):
     sft, ppo1 = os.path.join(out, "sft"), os.path.join(out, "ppo")
     assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, True), (2, True)]
     assert result.rounds[0]["capability_loss_nats"] > 0.5
-    # Round 2 started from the checkpoint before round 1 (SFT), not from round 1's policy.
+    # Round 2 started from the checkpoint before round 1 (SFT), not from round 1's policy: its samples and its policy.
     assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == sft
+    with open(os.path.join(out, "round_2", "judge", "pairs.jsonl")) as f:
+        pairs = [json.loads(line) for line in f]
+    assert pairs and all(p["chosen_score"] > p["rejected_score"] for p in pairs)  # the judge's order
+    rm2 = _config(os.path.join(out, "round_2", "rm"))  # the reward model extended on the round's new pairs
+    assert rm2["model"]["name_or_path"] == os.path.join(out, "rm")
+    assert rm2["data"]["train"] == os.path.join(out, "round_2", "judge", "pairs.jsonl")
     with open(os.path.join(out, "report.html")) as f:
         report = f.read()
     assert report.count("rolled back: the next round starts from") == 2
-    # With a bound the rounds meet, round 1 is kept (its stages skipped: done with the same config) and round 2
-    # starts from round 1's policy.
-    result = rlhfkit.pipeline({**ITERATED, "output_dir": out}, ["capability.max_loss_nats=100"])
+    # A gentler policy step and a bound the rounds meet: round 1 is kept (its stages before the policy skipped, done
+    # with the same config) and round 2 starts from round 1's policy.
+    result = rlhfkit.pipeline({**ITERATED, "output_dir": out}, ["capability.max_loss_nats=100", "ppo.optim.lr=0.001"])
     assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, False), (2, False)]
-    assert [s.status for s in result.stages][:3] == ["skipped", "skipped", "skipped"]
+    assert [s.status for s in result.stages][:4] == ["skipped", "skipped", "skipped", "ran"]  # sft, judge, rm, ppo
     assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == ppo1
 
 
