@@ -97,7 +97,7 @@ def figures_of(stage: str, folder: str) -> dict[str, float]:
     """A finished stage's figures from its folder: eval's headline and alarm count, else metrics.jsonl's last value
     of every metric."""
     if stage == "eval":
-        from rlhfkit.evaluation.evaluate import headline
+        from rlhfkit.evaluation.summary import headline
 
         with open(os.path.join(folder, "eval.json"), encoding="utf-8") as f:
             report = json.load(f)
