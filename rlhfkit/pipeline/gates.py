@@ -7,7 +7,8 @@ with `gate: false`):
 - after an `eval` of an SFT model with tools: format accuracy >= 0.95 and task completion >= 0.80 (003 §2), the
   thresholds of the eval stage's own `gate` section;
 - after the reward model: held-out accuracy >= 0.70 (the usable-RM bar the issue quotes from the seeds' tuning guides);
-- after an `eval` of a policy: the win rate against its reference (SFT) >= 0.60 by every judge (003 §7, "目标: >60%"),
+- after an `eval` of a policy: the win rate against its reference (SFT) >= 0.60 by every judge (003 §7,
+  "目标: >60%"),
   and no reward-hacking alarm (003 Q3);
 - after a blind human comparison (`label`, mode compare): the human win rate's 95% interval above 0.5 (003 §7).
 A figure is matched by name; `win_rate/*` matches every judge's.

@@ -26,7 +26,8 @@ HEADLINE = {
 ONLINE_HEADLINE = ("objective/scores", "objective/kl", "loss")
 STYLE = """body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; } th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; }
-th { background: #f3f3f3; } .failed { color: #b00; font-weight: bold; } .passed { color: #070; } img { max-width: 100%; }"""
+th { background: #f3f3f3; } .failed { color: #b00; font-weight: bold; } .passed { color: #070; }
+img { max-width: 100%; }"""
 
 
 def _esc(x) -> str:

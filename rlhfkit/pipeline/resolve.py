@@ -31,7 +31,7 @@ POLICY_STAGES = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "dpo", "or
 REWARDED = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "rft", "eval")  # stages whose reward.model is wired
 PIPELINE_OWNED = ("overwrite", "resume")  # the pipeline decides these from the stage folder's state
 LABEL_KEYS = ("mode", "prompts", "candidates", "num_samples", "seed", "batch_size", "max_prompts", "overlap", "host",
-              "port", "token", "lease", "generation", "model", "compare", "poll_s")
+              "port", "token", "lease", "generation", "model", "compare", "poll_s", "allow_host", "annotators")
 JUDGE_KEYS = ("model", "prompts", "num_samples", "seed", "batch_size", "max_prompts", "reward", "generation", "data")
 
 

@@ -239,7 +239,8 @@ class Runner:
         """The capability check after a round: the round's policy against the policy it started from, on the
         capability data (`rlhfkit eval`'s alignment-tax block); a loss over the bound rolls the round back."""
         cap = self.spec.capability
-        info = {"round": round_, "policy": up.policy and up.policy[1], "rolled_back": False, "capability_loss_nats": None}
+        info = {"round": round_, "policy": up.policy and up.policy[1], "rolled_back": False,
+                "capability_loss_nats": None}
         if cap is None or up.policy is None:
             self.rounds.append(info)
             return dataclasses.replace(up, start=up.policy or up.start)
@@ -274,7 +275,8 @@ class Runner:
         from rlhfkit.pipeline.report import write_pipeline_report
 
         self.write_state()
-        result = PipelineResult(self.root, self.records, self.failed, self.rounds, os.path.join(self.root, "report.html"))
+        result = PipelineResult(self.root, self.records, self.failed, self.rounds,
+                                os.path.join(self.root, "report.html"))
         write_pipeline_report(result)
         return result
 

@@ -18,8 +18,9 @@ The file (docs/pipeline.md has the reference):
         launch: [--num_processes, "2"]   # run under `accelerate launch` with these arguments
         gate: {"eval/loss": "<= 2.0"}    # replaces the default gate's figures; `gate: false` removes it
 
-Command-line overrides: `variant=NAME`, `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`, `vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's
-overrides) and `NAME.gate.FIGURE=CONDITION`. A problem is one `ConfigError` naming the file, the stage and the key.
+Command-line overrides: `variant=NAME`, `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`,
+`vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's overrides) and `NAME.gate.FIGURE=CONDITION`. A problem is
+one `ConfigError` naming the file, the stage and the key.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def read_spec(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict
     """The pipeline in the YAML file `path` (or the mapping `data`, named `path` in messages) with the command line's
     `overrides` applied; every stage's own keys are checked later, against its stage (`plan_pipeline`)."""
     raw = dict(data) if data is not None else read_yaml(path)
-    raw = _apply_overrides(_with_variant(raw, list(overrides), path), [o for o in overrides if not o.startswith("variant=")],
-                           path)
+    rest = [o for o in overrides if not o.startswith("variant=")]
+    raw = _apply_overrides(_with_variant(raw, list(overrides), path), rest, path)
     unknown = [k for k in raw if k not in TOP_KEYS and not str(k).startswith("x-")]  # x-*: YAML anchors' holders
     if unknown:
         raise ConfigError(f"{path}: unknown key '{unknown[0]}' (known: {', '.join(TOP_KEYS)})")
@@ -137,7 +138,8 @@ def _with_variant(raw: dict, overrides: list[str], path: str) -> dict:
     if not chosen:
         return raw
     if chosen[-1] not in variants:
-        raise ConfigError(f"variant={chosen[-1]}: {path} has no such variant (variants: {', '.join(variants) or 'none'})")
+        raise ConfigError(f"variant={chosen[-1]}: {path} has no such variant (variants: "
+                          f"{', '.join(variants) or 'none'})")
     return {**raw, "vars": merge(raw.get("vars") or {}, variants[chosen[-1]])}
 
 
@@ -233,13 +235,16 @@ def _stage(path: str, index: int, entry: Any, variables: dict) -> StageSpec | No
         raise ConfigError(f"{where}: 'config' must be a YAML file's path or a mapping of keys")
     launch = entry.get("launch")
     if launch is not None and not (isinstance(launch, list) and all(isinstance(a, (str, int)) for a in launch)):
-        raise ConfigError(f"{where}: 'launch' must be a list of `accelerate launch` arguments, e.g. [--num_processes, 2]")
+        raise ConfigError(f"{where}: 'launch' must be a list of `accelerate launch` arguments, e.g. "
+                          "[--num_processes, 2]")
     if launch is not None and stage in (LABEL, JUDGE, PYTHON):
-        raise ConfigError(f"{where}: 'launch' runs an `rlhfkit` training or eval stage under accelerate; {stage} runs here")
+        raise ConfigError(f"{where}: 'launch' runs an `rlhfkit` training or eval stage under accelerate; {stage} "
+                          "runs here")
     gate = entry.get("gate")
     if gate is not None and gate is not False and not (isinstance(gate, dict) and all(
             v is None or isinstance(v, str) for v in gate.values())):
-        raise ConfigError(f"{where}: 'gate' must be false or a mapping of figure -> condition ('>= 0.7'; null drops it)")
+        raise ConfigError(f"{where}: 'gate' must be false or a mapping of figure -> condition ('>= 0.7'; null "
+                          "drops it)")
     if gate is True:
         gate = None
     run, args = entry.get("run"), entry.get("args") or {}

@@ -57,7 +57,8 @@ def run(r: Resolved, mode: str, root: str, dirs: dict, variables: dict) -> dict[
     return its figures."""
     if r.stage == PYTHON:
         os.makedirs(r.dir, exist_ok=True)
-        figures = r.cfg["function"](StepContext(r.dir, root, dict(dirs), mode == "resume", dict(variables)), **r.cfg["args"]) or {}
+        ctx = StepContext(r.dir, root, dict(dirs), mode == "resume", dict(variables))
+        figures = r.cfg["function"](ctx, **r.cfg["args"]) or {}
         if not isinstance(figures, dict):
             raise UserError(f"stage '{r.name}': {r.cfg['run']} returned {type(figures).__name__}, expected a dict of "
                             "figures or None")
@@ -116,42 +117,50 @@ def label_options(r: Resolved):
     from rlhfkit.label.command import LabelOptions
 
     keys = {f.name for f in dataclasses.fields(LabelOptions)}
-    given = {k: v for k, v in r.cfg.items() if k in keys and k not in ("compare",)}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in r.cfg.items() if k in keys and k != "compare"}
     compare = r.cfg.get("compare") if r.cfg.get("mode") == "compare" else None
     overrides = tuple(f"generation.{k}={json.dumps(v)}" for k, v in (r.cfg.get("generation") or {}).items())
     return LabelOptions(db=os.path.join(r.dir, "labels.db"), compare=compare, overrides=overrides, **given)
 
 
 def run_label(r: Resolved) -> dict[str, float]:
-    """Make the items (once), serve the page until every item is judged, then write the labels' outputs."""
-    from rlhfkit.label.command import access_token, check_port_free, prepare
+    """Make the items (once), serve the page until every item is judged, then write the labels' outputs. The checks
+    and the server are `rlhfkit label`'s own: its Host allow-list, access token or per-person links, port check."""
+    from rlhfkit.label.command import (access_token, check_annotators, check_port_free, host_allow_list, person_links,
+                                       prepare)
     from rlhfkit.label.store import Store
 
     opts = label_options(r)
+    hosts = host_allow_list(opts)
+    check_annotators(opts)
     os.makedirs(r.dir, exist_ok=True)
     store = Store(opts.db, lease_s=60 * opts.lease)
     prepare(store, opts)
     progress = store.progress()
     if progress.done < progress.total:
-        token = access_token(opts.host, opts.token)
+        token = None if opts.annotators else access_token(opts.host, opts.token)
         check_port_free(opts.host, opts.port)
-        _serve_until_done(store, opts.host, opts.port, token, float(r.cfg.get("poll_s", 2.0)))
+        people = person_links(store, opts.annotators)
+        _serve_until_done(store, opts, hosts, token, people, float(r.cfg.get("poll_s", 2.0)))
     return label_outputs(r, store)
 
 
-def _serve_until_done(store, host: str, port: int, token: str | None, poll_s: float) -> None:
+def _serve_until_done(store, opts, hosts, token: str | None, people: dict, poll_s: float) -> None:
     """The labelling page, served in a thread while this one waits for the last judgement."""
     import uvicorn
 
     from rlhfkit.label.app import make_app
 
-    server = uvicorn.Server(uvicorn.Config(make_app(store, token), host=host, port=port, log_level="warning"))
+    app = make_app(store, token, people=people, hosts=hosts)
+    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    shown = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
+    address = f"http://{opts.host}:{opts.port}/"
+    links = [f"{name}: {address}?token={tok}" for name, tok in people.items()] or [
+        address + (f"?token={token}" if token else "")]
     p = store.progress()
-    print(f"  waiting for labels: {p.done}/{p.total} judgements made; open {shown} (the pipeline continues when "
-          "every item is judged; Ctrl-C stops it, and the same command picks up where the labels are)", flush=True)
+    print(f"  waiting for labels: {p.done}/{p.total} judgements made; open {'; '.join(links)} (the pipeline continues "
+          "when every item is judged; Ctrl-C stops it, and the same command picks up where the labels are)", flush=True)
     try:
         last = p.done
         while (p := store.progress()).done < p.total:

@@ -3,6 +3,7 @@ gated, the whole file validated before the first stage, finished stages skipped,
 `--continue-past-gates` running on), a kill -9 in the third stage resumed by the same command, a `label` stage fed by
 a scripted annotator over HTTP, and iterated rounds rolled back when they lose capability."""
 
+import _thread
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -171,36 +173,46 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _annotate(port, stop):
-    """A scripted annotator over the labelling page's API: prefers the response with more vowels."""
-    base = f"http://127.0.0.1:{port}"
-    while not stop.is_set():
-        try:
-            with urllib.request.urlopen(f"{base}/api/item?annotator=script", timeout=5) as r:
-                item = json.load(r)
-        except OSError:
-            time.sleep(0.1)  # the server is not up yet
-            continue
-        if item.get("done"):
-            return
-        vowels = [sum(ch in "aeiou" for ch in item[side]) for side in ("a", "b")]
-        body = json.dumps({"annotator": "script", "item": item["item"], "token": item["token"],
-                           "choice": "a" if vowels[0] >= vowels[1] else "b"}).encode()
-        req = urllib.request.Request(f"{base}/api/judge", body, {"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=5).read()
+def _annotate(port, stop, failures):
+    """A scripted annotator over the labelling page's API: prefers the response with more vowels. Any refusal by the
+    server, or no end within 4 minutes, interrupts the waiting pipeline (a failure, never a hang)."""
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + 240
+    try:
+        while not stop.is_set():
+            assert time.time() < deadline, "the labels were not all taken within 4 minutes"
+            try:
+                with urllib.request.urlopen(f"{base}/api/item?annotator=script", timeout=5) as r:
+                    item = json.load(r)
+            except urllib.error.HTTPError:
+                raise
+            except urllib.error.URLError:
+                time.sleep(0.1)  # the server is not up yet
+                continue
+            if item.get("done"):
+                return
+            vowels = [sum(ch in "aeiou" for ch in item[side]) for side in ("a", "b")]
+            body = json.dumps({"annotator": "script", "item": item["item"], "token": item["token"],
+                               "choice": "a" if vowels[0] >= vowels[1] else "b"}).encode()
+            req = urllib.request.Request(f"{base}/api/judge", body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=5).read()
+    except BaseException as exc:  # noqa: BLE001  reported by the test
+        failures.append(exc)
+        _thread.interrupt_main()
 
 
 def test_a_label_stage_waits_for_people_then_feeds_the_reward_model(tmp_path):
-    port, out, stop = _free_port(), str(tmp_path / "run"), threading.Event()
+    port, out, stop, failures = _free_port(), str(tmp_path / "run"), threading.Event(), []
     pipeline = {"output_dir": out, "stages": [
         {"stage": "sft", "config": "configs/sft_tiny.yaml", "overrides": {"max_steps": 2, "logging.eval_steps": 2}},
         {"stage": "label", "config": {"prompts": "data/tiny/prompts_eval.jsonl", "num_samples": 2, "max_prompts": 6,
                                       "port": port, "poll_s": 0.1, "generation": {"max_new_tokens": 6}}},
         {"stage": "rm", "config": "configs/rm_tiny.yaml", "overrides": {"max_steps": 2}, "gate": False}]}
-    annotator = threading.Thread(target=_annotate, args=(port, stop), daemon=True)
+    annotator = threading.Thread(target=_annotate, args=(port, stop, failures), daemon=True)
     annotator.start()
     try:
         result = rlhfkit.pipeline(pipeline)
+    except KeyboardInterrupt:
+        pytest.fail(f"the scripted annotator failed: {failures!r}")
     finally:
         stop.set()
     assert [s.status for s in result.stages] == ["ran", "ran", "ran"]
