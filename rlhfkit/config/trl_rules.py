@@ -184,7 +184,15 @@ def rloo_objective(args) -> Keys:
     """RLOO: the leave-one-out baseline with the KL in the reward (β = beta); reward_clip_range. TRL's RLOO clips one
     ratio per sequence, exp(Σ_t log r_t), and averages over sequences; rlhfkit's clips per token, summed over each
     sequence's tokens and averaged over sequences (seq-mean-token-sum): the same gradient wherever the ratio is 1
-    (every update of a rollout read once, TRL's default num_iterations=1), clipped differently off-policy."""
+    (every update of a rollout read once, TRL's default num_iterations=1), clipped differently off-policy, which is
+    therefore refused."""
+    # Off-policy (a generation read by more than one optimizer step) the two objectives differ: refused, not approximated.
+    why = "TRL's RLOO clips one ratio per sequence off-policy, rlhfkit's one per token: keep every update on-policy"
+    if args.num_iterations > 1:
+        _refuse("num_iterations", args.num_iterations, f"{why} (num_iterations=1)")
+    if args.steps_per_generation > args.gradient_accumulation_steps:
+        _refuse("steps_per_generation", args.steps_per_generation,
+                f"{why} (steps_per_generation = gradient_accumulation_steps, one optimizer step a generation)")
     keys: Keys = {"algo.algorithm": "rloo", "kl.coef": args.beta, "algo.clip_eps_high": args.epsilon_high,
                   "algo.loss_agg": "seq-mean-token-sum"}
     if args.reward_clip_range is not None:

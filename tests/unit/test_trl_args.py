@@ -66,6 +66,9 @@ def test_trl_defaults_are_trls():
     ("DPOConfig", "dpo", {"f_divergence_type": "js_divergence"}, "args.f_divergence_type='js_divergence': not supported"),
     ("SFTConfig", "sft", {"neftune_noise_alpha": 5.0}, "args.neftune_noise_alpha=5.0: not supported by rlhfkit"),
     ("RLOOConfig", "rloo", {"normalize_advantages": True}, "args.normalize_advantages=True: TRL whitens"),
+    # Off-policy, TRL's RLOO clips one ratio per sequence and rlhfkit one per token: a different objective.
+    ("RLOOConfig", "rloo", {"num_iterations": 2}, "args.num_iterations=2: TRL's RLOO clips one ratio per sequence"),
+    ("RLOOConfig", "rloo", {"steps_per_generation": 2}, "args.steps_per_generation=2: TRL's RLOO clips one ratio per"),
     ("RewardConfig", "rm", {"save_strategy": "epoch"}, "args.save_strategy='epoch': rlhfkit saves every"),
     ("SFTConfig", "dpo", {}, "args: `rlhfkit dpo` takes a DPOConfig, got a SFTConfig"),
 ])
