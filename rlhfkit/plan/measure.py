@@ -37,9 +37,13 @@ class LiveTensors(TorchDispatchMode):
                 continue
             try:
                 storage = t.untyped_storage()
+                # A fake tensor (torch.compile, export) reports a CPU device over a meta storage: it holds no memory,
+                # and its data pointer raises.
+                if storage.device.type != "cpu":
+                    continue
+                key, size = storage.data_ptr(), storage.nbytes()
             except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, some subclasses)
                 continue
-            key, size = storage.data_ptr(), storage.nbytes()
             if size == 0 or key in self.live:
                 continue
             self.live[key] = size

@@ -128,3 +128,16 @@ def test_static_cache_is_the_allocated_one():
     with torch.no_grad():
         model(input_ids=torch.randint(0, 50, (4, 32)), past_key_values=cache, use_cache=True)
     assert nbytes([t for layer in cache.layers for t in (layer.keys, layer.values)]) == gen.parts["kv cache"]
+
+
+def test_the_tracker_counts_real_storage_only():
+    """A run's tracker adds every tensor alive in the process at its start; a fake tensor left by torch.compile or
+    export (a meta storage behind a CPU device) is counted as nothing, not a crash."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(4, dtype=torch.int64)
+    real = torch.zeros(8, dtype=torch.int64)
+    tracker = LiveTensors()
+    tracker.add(fake, real)
+    assert tracker.current == real.untyped_storage().nbytes() == 64
