@@ -17,6 +17,8 @@ import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
@@ -74,17 +76,49 @@ def run_label(opts: LabelOptions) -> None:
             raise UserError(f"--export, --export-flags, --figures and --result read an existing --db: "
                             f"{', '.join(making) or opts.overrides[0]} does not apply")
         return read_outputs(opts)
+    serve_labels(opts)
+
+
+def check_serving(opts: LabelOptions) -> tuple[HostAllowList, str | None]:
+    """The serving options, checked before anything loads (the pipeline checks a label stage's with the whole file):
+    overlap, lease, the Host allow-list, the annotators' names and the token. Returns the allow-list and the token every
+    request must carry (none with --annotators: each link carries its own)."""
     if not 0.0 <= opts.overlap <= 1.0:
         raise UserError(f"--overlap must be a share in [0, 1], got {opts.overlap}")
     if opts.lease <= 0:
         raise UserError(f"--lease must be a positive number of minutes, got {opts.lease}")
     hosts = host_allow_list(opts)
     check_annotators(opts)
-    token = None if opts.annotators else access_token(opts.host, opts.token)
-    check_port_free(opts.host, opts.port)
+    return hosts, None if opts.annotators else access_token(opts.host, opts.token)
+
+
+def serve_labels(opts: LabelOptions, until_done_poll_s: float | None = None) -> Store:
+    """`rlhfkit label` and the pipeline's `label` stage: the options and the port checked before any model loads, the
+    items made once (`prepare`; a restart resumes them), the page served until Ctrl-C; with `until_done_poll_s`, served
+    only while an item is left, in a thread, this one returning (with the store) once every item is judged, looking
+    every so many seconds. A waiting run whose items are all judged already needs no free port."""
+    hosts, token = check_serving(opts)
+    waiting = until_done_poll_s is not None
+    if not (waiting and _all_judged(opts.db)):
+        check_port_free(opts.host, opts.port)
     store = Store(opts.db, lease_s=60 * opts.lease)
     prepare(store, opts)
-    serve(store, opts, hosts, token, person_links(store, opts.annotators))
+    if not (waiting and _all_judged(opts.db, store)):  # an interrupted wait may have ended with the last judgement
+        serve(store, opts, hosts, token, person_links(store, opts.annotators), until_done_poll_s)
+    return store
+
+
+def _all_judged(db: str, store: Store | None = None) -> bool:
+    """Every item of the database `db` (or of the open `store`) judged as often as it needs."""
+    if store is None:
+        if not os.path.isfile(db):
+            return False
+        store = Store(db)
+        p = store.progress()
+        store.close()
+    else:
+        p = store.progress()
+    return 0 < p.total <= p.done
 
 
 # 1. Candidates ---------------------------------------------------------------------------------------------------
@@ -212,7 +246,10 @@ def host_allow_list(opts: LabelOptions) -> HostAllowList:
         raise UserError(str(exc)) from None
 
 
-def serve(store: Store, opts: LabelOptions, hosts: HostAllowList, token: str | None, people: dict[str, str]) -> None:
+def serve(store: Store, opts: LabelOptions, hosts: HostAllowList, token: str | None, people: dict[str, str],
+          until_done_poll_s: float | None = None) -> None:
+    """The banner (the links to open, the Host names answered) and the page: until Ctrl-C, or, with
+    `until_done_poll_s`, until every item is judged (`_serve_until_done`)."""
     try:
         import uvicorn
 
@@ -234,7 +271,33 @@ def serve(store: Store, opts: LabelOptions, hosts: HostAllowList, token: str | N
               flush=True)
     print(f"rlhfkit label: answers to Host {', '.join(hosts.hosts)} (others with --allow-host)", flush=True)
     app = make_app(store, token, people=people, hosts=hosts)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    if until_done_poll_s is None:
+        server.run()
+    else:
+        _serve_until_done(server, store, until_done_poll_s)
+
+
+def _serve_until_done(server, store: Store, poll_s: float) -> None:
+    """The server in a thread while this one waits for the last judgement, printing the count as it moves; a server
+    that stops (its port taken since it was checked) ends the wait with one line instead of leaving it forever."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    print("rlhfkit label: waiting until every item is judged (Ctrl-C stops; the same command picks up where the labels "
+          "are)", flush=True)
+    try:
+        last = store.progress().done
+        while (p := store.progress()).done < p.total:
+            if not thread.is_alive():
+                raise UserError(f"the labelling server on {server.config.host}:{server.config.port} stopped with "
+                                f"{p.done}/{p.total} judgements made (its output is above); the same command resumes")
+            if p.done != last:
+                print(f"rlhfkit label: {p.done}/{p.total}", flush=True)
+                last = p.done
+            time.sleep(poll_s)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 # 3. Reading the database -----------------------------------------------------------------------------------------

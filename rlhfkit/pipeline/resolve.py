@@ -9,7 +9,9 @@ The wiring (InstructGPT's three steps, Ouyang et al. 2022, arXiv 2203.02155, §3
 - the newest policy and its starting point (the reference) go to `eval` (`model.name_or_path`, `reference`, `run_dir`)
   and to a blind comparison (`label` with `mode: compare`: `model`, `compare`);
 - the preference pairs of a `label` (collect) or `judge` stage become the next reward model's `data.train`; in a
-  later round the reward model starts from the last round's and is extended on the round's new comparisons;
+  later round the reward model starts from the last round's and is extended on the round's new comparisons, or, with
+  `retrain: true`, starts again from the SFT model (the init its config names when there is no SFT stage) and trains
+  on every comparison so far, the pairs files joined in order into one (`output_dir/.pipeline/`);
 - every stage writes to `output_dir/<name>` (later rounds: `output_dir/round_<r>/<name>`).
 Precedence, later wins: the stage's config file, the wiring, its inline config keys, its overrides. An explicit key
 (inline or an override) always beats the wiring; a config file is a template the wiring fills in.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +36,7 @@ PIPELINE_OWNED = ("overwrite", "resume")  # the pipeline decides these from the 
 LABEL_KEYS = ("mode", "prompts", "candidates", "num_samples", "seed", "batch_size", "max_prompts", "overlap", "host",
               "port", "token", "lease", "generation", "model", "compare", "poll_s", "allow_host", "annotators")
 JUDGE_KEYS = ("model", "prompts", "num_samples", "seed", "batch_size", "max_prompts", "reward", "generation", "data")
+PRIVATE = ".pipeline"  # the pipeline's own files under its output_dir (launched configs, joined comparisons)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Wire:
     key: str
     value: Any
     source: str
+    parts: tuple[str, ...] = ()  # the files `value` joins, written when the stage runs (a retrained RM's comparisons)
 
     def __str__(self) -> str:
         return f"{self.key} <- {self.source} ({self.value})"
@@ -56,7 +61,8 @@ class Upstream:
     policy: tuple[str, str] | None = None  # the newest policy (what eval and a blind comparison judge)
     reference: tuple[str, str] | None = None  # the policy's starting point
     start: tuple[str, str] | None = None  # the policy a round starts from: the last kept round's (None: SFT)
-    pairs: tuple[str, str] | None = None  # preference pairs (label collect, judge)
+    pairs: tuple[str, str] | None = None  # preference pairs (label collect, judge): the newest
+    comparisons: tuple[tuple[str, str], ...] = ()  # every stage's pairs so far, in order (a retrained RM's data)
     fingerprint: str = ""  # the chain of every earlier stage's fingerprint
 
     def copy(self) -> "Upstream":
@@ -85,14 +91,16 @@ def stage_dir(root: str, name: str, round_: int) -> str:
     return os.path.join(root, name) if round_ <= 1 else os.path.join(root, f"round_{round_}", name)
 
 
-def wires_for(spec: StageSpec, up: Upstream, out: str) -> list[Wire]:
+def private_file(root: str, out: str, suffix: str) -> str:
+    """A file of the pipeline's own for the stage writing to `out`: `root/.pipeline/<its folder, flattened><suffix>`."""
+    return os.path.join(root, PRIVATE, os.path.relpath(out, root).replace(os.sep, "_") + suffix)
+
+
+def wires_for(spec: StageSpec, up: Upstream, root: str, out: str) -> list[Wire]:
     """The keys the pipeline sets for stage `spec` given what came before it (see the module's docstring)."""
     kind, w = spec.stage, [Wire("output_dir", out, "pipeline")] if spec.stage not in (LABEL, JUDGE, PYTHON) else []
-    if kind == "rm" and (up.sft or up.rm and spec.round):
-        src = up.rm if spec.round and up.rm else up.sft  # a later round extends the last round's reward model
-        w.append(Wire("model.name_or_path", src[1], src[0]))
-    if kind == "rm" and up.pairs:
-        w.append(Wire("data.train", up.pairs[1], up.pairs[0]))
+    if kind == "rm":
+        w += _rm_wires(spec, up, root, out)
     if kind in POLICY_STAGES and (up.start or up.sft):
         src = up.start or up.sft  # side-by-side policies all start from SFT; a later round's from the last kept one
         w.append(Wire("model.name_or_path", src[1], src[0]))
@@ -105,6 +113,20 @@ def wires_for(spec: StageSpec, up: Upstream, out: str) -> list[Wire]:
     if kind == JUDGE and (up.start or up.sft):
         src = up.start or up.sft
         w.append(Wire("model", src[1], src[0]))
+    return w
+
+
+def _rm_wires(spec: StageSpec, up: Upstream, root: str, out: str) -> list[Wire]:
+    """Extend (default): a round's reward model starts from the last round's, on the newest pairs. Retrain: every
+    round's starts from the SFT model, on every comparison so far (one file joining them when there are several)."""
+    src = up.sft if spec.retrain or not (spec.round and up.rm) else up.rm
+    w = [Wire("model.name_or_path", src[1], src[0])] if src else []
+    if spec.retrain and len(up.comparisons) > 1:
+        joined = private_file(root, out, "_comparisons.jsonl")
+        w.append(Wire("data.train", joined, " + ".join(name for name, _ in up.comparisons),
+                      tuple(path for _, path in up.comparisons)))
+    elif up.pairs:
+        w.append(Wire("data.train", up.pairs[1], up.pairs[0]))
     return w
 
 
@@ -163,7 +185,7 @@ def resolve(spec: StageSpec, up: Upstream, root: str, round_: int, where: str) -
     if owned:
         raise ConfigError(f"{where}: config key '{owned[0]}': the pipeline sets it (a finished stage is skipped, an "
                           f"interrupted one resumed); use --from {spec.name} to rerun it")
-    wires = [w for w in wires_for(spec, up, out) if not _explicit(explicit, w.key)]
+    wires = [w for w in wires_for(spec, up, root, out) if not _explicit(explicit, w.key)]
     try:
         base = read_yaml(spec.config) if isinstance(spec.config, str) else {}
         data = merge(merge(base, _tree(wires)), explicit)
@@ -189,12 +211,27 @@ def _validate(spec: StageSpec, data: dict, out: str) -> Any:
         if spec.stage == LABEL and data.get("mode", "collect") not in ("collect", "compare"):
             raise ConfigError(f"config key 'mode': collect (preference pairs) or compare (a blind comparison), got "
                               f"{data.get('mode')!r}")
+        if spec.stage == LABEL:
+            from rlhfkit.label.command import check_serving
+
+            check_serving(label_options(data, out))  # as `rlhfkit label` checks them, before anything runs
         needed = ("model", "prompts", "reward") if spec.stage == JUDGE else ()
         missing = [k for k in needed if not data.get(k)]
         if missing:
             raise ConfigError(f"config key '{missing[0]}' is required by a judge stage")
         return dict(data)
     return build_stage_config(spec.stage, data)
+
+
+def label_options(cfg: dict, folder: str):
+    """A label stage's keys as `rlhfkit label`'s options, its database in the stage's folder."""
+    from rlhfkit.label.command import LabelOptions
+
+    keys = {f.name for f in dataclasses.fields(LabelOptions)}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in keys and k != "compare"}
+    compare = cfg.get("compare") if cfg.get("mode") == "compare" else None
+    overrides = tuple(f"generation.{k}={json.dumps(v)}" for k, v in (cfg.get("generation") or {}).items())
+    return LabelOptions(db=os.path.join(folder, "labels.db"), compare=compare, overrides=overrides, **given)
 
 
 def import_function(ref: str):
@@ -221,6 +258,7 @@ def produced(r: Resolved, up: Upstream) -> Upstream:
         nxt.reference = (_source_of(start, up, r.name), start)
     elif r.stage == JUDGE or r.stage == LABEL and r.cfg.get("mode", "collect") == "collect":
         nxt.pairs = (r.name, os.path.join(r.dir, "pairs.jsonl"))
+        nxt.comparisons = (*up.comparisons, nxt.pairs)
     return nxt
 
 

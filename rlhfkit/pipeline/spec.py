@@ -17,10 +17,12 @@ The file (docs/pipeline.md has the reference):
         overrides: {max_steps: 100}  # applied last: an explicit key here beats the automatic wiring
         launch: [--num_processes, "2"]   # run under `accelerate launch` with these arguments
         gate: {"eval/loss": "<= 2.0"}    # replaces the default gate's figures; `gate: false` removes it
+        round: true                # repeated by `iterations`; an `rm` here with `retrain: true` starts each round
+                                   # from SFT on every comparison so far (default: extends the last round's)
 
 Command-line overrides: `variant=NAME`, `output_dir=DIR`, `iterations=N`, `device=NAME`, `memory_gb=GB`,
-`vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's overrides) and `NAME.gate.FIGURE=CONDITION`. A problem is
-one `ConfigError` naming the file, the stage and the key.
+`vars.NAME=VALUE`, `NAME.key.sub=VALUE` (into stage NAME's overrides), `NAME.gate.FIGURE=CONDITION` and
+`NAME.retrain=true`. A problem is one `ConfigError` naming the file, the stage and the key.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from rlhfkit.errors import ConfigError
 # The stages a pipeline runs besides the `rlhfkit` training and evaluation stages (`rlhfkit.stages.STAGES`).
 LABEL, JUDGE, PYTHON = "label", "judge", "python"
 TOP_KEYS = ("output_dir", "vars", "variants", "iterations", "capability", "device", "memory_gb", "stages")
-STAGE_KEYS = ("stage", "name", "config", "overrides", "launch", "gate", "round", "enabled", "run", "args")
+STAGE_KEYS = ("stage", "name", "config", "overrides", "launch", "gate", "round", "retrain", "enabled", "run", "args")
 CAPABILITY_KEYS = ("data", "max_loss_nats", "config")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -53,6 +55,9 @@ class StageSpec:
     launch: tuple[str, ...] | None = None  # `accelerate launch` arguments; None: in this process
     gate: dict[str, str] | bool | None = None  # None: the default gate; False: none; a mapping: figure -> condition
     round: bool = False  # repeated by `iterations`
+    # A reward model in the round block: False extends the last round's on the round's new comparisons; True trains
+    # each round from the SFT model (or the init its config names) on every comparison so far.
+    retrain: bool = False
     run: str | None = None  # `python` stages: "module:function"
     args: dict = field(default_factory=dict)  # `python` stages: the function's keyword arguments
 
@@ -157,6 +162,8 @@ def _apply_overrides(raw: dict, overrides: list[str], path: str) -> dict:
             if "gate" in value:
                 gate = value.pop("gate")
                 entry["gate"] = merge(entry.get("gate") or {}, gate) if isinstance(gate, dict) else gate
+            if "retrain" in value:
+                entry["retrain"] = value.pop("retrain")
             if value:
                 entry["overrides"] = merge(_as_tree(entry.get("overrides"), path, key), value)
         else:
@@ -258,9 +265,15 @@ def _stage(path: str, index: int, entry: Any, variables: dict) -> StageSpec | No
     round_ = entry.get("round", False)
     if not isinstance(round_, bool):
         raise ConfigError(f"{where}: 'round' must be true or false")
+    retrain = entry.get("retrain", False)
+    if not isinstance(retrain, bool):
+        raise ConfigError(f"{where}: 'retrain' must be true or false, got {retrain!r}")
+    if retrain and not (stage == "rm" and round_):
+        raise ConfigError(f"{where}: 'retrain' applies to an `rm` stage marked `round: true` (how its reward model "
+                          "starts each round), not to this one")
     config = _nested(config) if isinstance(config, dict) else config  # inline keys may be dotted, as overrides
     return StageSpec(index, name, stage, config, _as_tree(entry.get("overrides"), path, f"stage {index} ({name})"),
-                     tuple(str(a) for a in launch) if launch is not None else None, gate, round_, run, args)
+                     tuple(str(a) for a in launch) if launch is not None else None, gate, round_, retrain, run, args)
 
 
 def _capability(path: str, raw: Any, variables: dict) -> Capability | None:

@@ -20,17 +20,14 @@ import logging
 import os
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 from rlhfkit.errors import UserError
 from rlhfkit.io import atomic_write_text, read_jsonl_rows
-from rlhfkit.pipeline.resolve import Resolved
+from rlhfkit.pipeline.resolve import Resolved, label_options, private_file
 from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON
 
 logger = logging.getLogger("rlhfkit")
-PRIVATE = ".pipeline"  # the pipeline's own files under its output_dir
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,9 @@ def run(r: Resolved, mode: str, root: str, dirs: dict, variables: dict) -> dict[
         return run_judge(r)
     cfg = dataclasses.replace(r.cfg, overwrite=mode == "replace",
                               **({"resume": mode == "resume"} if hasattr(r.cfg, "resume") else {}))
+    for wire in r.wires:
+        if wire.parts:
+            join_files(wire.parts, wire.value)
     if r.spec.launch is not None:
         launched(r, cfg, root)
     else:
@@ -82,7 +82,7 @@ def launched(r: Resolved, cfg, root: str) -> None:
     """`accelerate launch <launch args> -m rlhfkit.cli <stage> --config <the effective config>`."""
     from rlhfkit.config import config_to_yaml
 
-    path = os.path.join(root, PRIVATE, f"{os.path.relpath(r.dir, root).replace(os.sep, '_')}.yaml")
+    path = private_file(root, r.dir, ".yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write_text(path, config_to_yaml(cfg))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *r.spec.launch, "-m", "rlhfkit.cli", r.stage,
@@ -92,6 +92,17 @@ def launched(r: Resolved, cfg, root: str) -> None:
     if rc != 0:
         raise UserError(f"stage '{r.name}' under accelerate launch exited with status {rc} (its output is above); "
                         "the same command resumes it")
+
+
+def join_files(parts: tuple[str, ...], path: str) -> None:
+    """The JSON-lines files `parts`, in order, as one file at `path` (a retrained reward model's comparisons so far)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    text = ""
+    for part in parts:
+        with open(part, encoding="utf-8") as f:
+            body = f.read()
+        text += body if not body or body.endswith("\n") else body + "\n"
+    atomic_write_text(path, text)
 
 
 def figures_of(stage: str, folder: str) -> dict[str, float]:
@@ -113,64 +124,13 @@ def figures_of(stage: str, folder: str) -> dict[str, float]:
 # `label`: the pipeline waits for people ----------------------------------------------------------------------------
 
 
-def label_options(r: Resolved):
-    from rlhfkit.label.command import LabelOptions
-
-    keys = {f.name for f in dataclasses.fields(LabelOptions)}
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in r.cfg.items() if k in keys and k != "compare"}
-    compare = r.cfg.get("compare") if r.cfg.get("mode") == "compare" else None
-    overrides = tuple(f"generation.{k}={json.dumps(v)}" for k, v in (r.cfg.get("generation") or {}).items())
-    return LabelOptions(db=os.path.join(r.dir, "labels.db"), compare=compare, overrides=overrides, **given)
-
-
 def run_label(r: Resolved) -> dict[str, float]:
-    """Make the items (once), serve the page until every item is judged, then write the labels' outputs. The checks
-    and the server are `rlhfkit label`'s own: its Host allow-list, access token or per-person links, port check."""
-    from rlhfkit.label.command import (access_token, check_annotators, check_port_free, host_allow_list, person_links,
-                                       prepare)
-    from rlhfkit.label.store import Store
+    """`rlhfkit label`'s own checks, items and server (`serve_labels`), waiting until every item is judged, then the
+    labels' outputs."""
+    from rlhfkit.label.command import serve_labels
 
-    opts = label_options(r)
-    hosts = host_allow_list(opts)
-    check_annotators(opts)
-    os.makedirs(r.dir, exist_ok=True)
-    store = Store(opts.db, lease_s=60 * opts.lease)
-    prepare(store, opts)
-    progress = store.progress()
-    if progress.done < progress.total:
-        token = None if opts.annotators else access_token(opts.host, opts.token)
-        check_port_free(opts.host, opts.port)
-        people = person_links(store, opts.annotators)
-        _serve_until_done(store, opts, hosts, token, people, float(r.cfg.get("poll_s", 2.0)))
+    store = serve_labels(label_options(r.cfg, r.dir), until_done_poll_s=float(r.cfg.get("poll_s", 2.0)))
     return label_outputs(r, store)
-
-
-def _serve_until_done(store, opts, hosts, token: str | None, people: dict, poll_s: float) -> None:
-    """The labelling page, served in a thread while this one waits for the last judgement."""
-    import uvicorn
-
-    from rlhfkit.label.app import make_app
-
-    app = make_app(store, token, people=people, hosts=hosts)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    address = f"http://{opts.host}:{opts.port}/"
-    links = [f"{name}: {address}?token={tok}" for name, tok in people.items()] or [
-        address + (f"?token={token}" if token else "")]
-    p = store.progress()
-    print(f"  waiting for labels: {p.done}/{p.total} judgements made; open {'; '.join(links)} (the pipeline continues "
-          "when every item is judged; Ctrl-C stops it, and the same command picks up where the labels are)", flush=True)
-    try:
-        last = p.done
-        while (p := store.progress()).done < p.total:
-            if p.done != last:
-                print(f"  labels: {p.done}/{p.total}", flush=True)
-                last = p.done
-            time.sleep(poll_s)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def label_outputs(r: Resolved, store) -> dict[str, float]:

@@ -5,6 +5,7 @@ a scripted annotator over HTTP, and iterated rounds rolled back when they lose c
 
 import _thread
 import json
+import logging
 import os
 import signal
 import socket
@@ -262,6 +263,38 @@ def test_iterated_rounds_that_lose_capability_are_rolled_back(tmp_path):
     assert [(r["round"], r["rolled_back"]) for r in result.rounds] == [(1, False), (2, False)]
     assert [s.status for s in result.stages][:4] == ["skipped", "skipped", "skipped", "ran"]  # sft, judge, rm, ppo
     assert _config(os.path.join(out, "round_2", "ppo"))["model"]["name_or_path"] == ppo1
+
+
+def _lines(path):
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def test_a_retrained_reward_model_starts_each_round_from_sft_on_every_comparison_so_far(tmp_path, caplog):
+    """`retrain: true`: each round's reward model starts from SFT and trains on every round's pairs so far, joined in
+    order; round 1 is the same either way, and switching back to extending reruns round 2's reward model only from
+    where it differs (the policy after it too)."""
+    out = str(tmp_path / "run")
+    stages = [dict(s) for s in ITERATED["stages"]]
+    stages[2] = {**stages[2], "retrain": True}
+    stages[3] = {**stages[3], "overrides": {"max_steps": 1, "optim.lr": 0.005}}  # round 2 samples a changed policy
+    with caplog.at_level(logging.INFO, logger="rlhfkit"):
+        result = rlhfkit.pipeline({"iterations": 2, "output_dir": out, "stages": stages})  # no capability check
+    sft, pairs1, pairs2 = (os.path.join(out, *p) for p in (["sft"], ["judge", "pairs.jsonl"],
+                                                            ["round_2", "judge", "pairs.jsonl"]))
+    rm1, rm2 = _config(os.path.join(out, "rm")), _config(os.path.join(out, "round_2", "rm"))
+    assert (rm1["model"]["name_or_path"], rm1["data"]["train"]) == (sft, pairs1)
+    joined = os.path.join(out, ".pipeline", "round_2_rm_comparisons.jsonl")
+    assert (rm2["model"]["name_or_path"], rm2["data"]["train"]) == (sft, joined)
+    assert _lines(joined) == _lines(pairs1) + _lines(pairs2) and _lines(pairs1) != _lines(pairs2)
+    # what the round-2 reward model read: every comparison of both rounds
+    assert f"{joined}: {len(_lines(joined))} records -> " in caplog.text
+    assert "data.train <- judge + judge (round 2)" in " ".join(result.stages[5].wires)
+    # Extending instead: round 1 is the same (skipped), round 2's reward model starts from round 1's on its new pairs.
+    result = rlhfkit.pipeline({"iterations": 2, "output_dir": out, "stages": stages}, ["rm.retrain=false"])
+    assert [s.status for s in result.stages] == ["skipped"] * 5 + ["ran", "ran"]
+    rm2 = _config(os.path.join(out, "round_2", "rm"))
+    assert (rm2["model"]["name_or_path"], rm2["data"]["train"]) == (os.path.join(out, "rm"), pairs2)
 
 
 def test_a_stage_that_will_not_fit_stops_the_pipeline_before_it_starts(tmp_path, capsys):

@@ -31,6 +31,9 @@ def test_vars_overrides_and_names():
     ([{"stage": "sft", "overrides": {"x": "${nope}"}}], {}, "'${nope}' is not in vars"),
     ([{"stage": "sft"}], {"iterations": 2}, "iterations: 2 repeats the stages marked `round: true`, and none is"),
     ([{"stage": "sft", "gate": {"eval/loss": "about 2"}}], {}, None),
+    ([{"stage": "sft", "round": True, "retrain": True}], {}, "stage 1 (sft): 'retrain' applies to an `rm` stage marked"),
+    ([{"stage": "rm", "retrain": True}], {}, "stage 1 (rm): 'retrain' applies to an `rm` stage marked `round: true`"),
+    ([{"stage": "rm", "round": True, "retrain": "yes"}], {}, "stage 1 (rm): 'retrain' must be true or false"),
 ])
 def test_a_bad_file_is_one_line_naming_the_stage(stages, top, message):
     if message is None:  # a bad gate condition is caught when the gate is built
@@ -53,6 +56,17 @@ def test_wiring_fills_a_template_and_an_explicit_key_wins():
     assert r.cfg.model.name_or_path == "tiny" and [w.key for w in r.wires] == ["output_dir", "reward.model"]
     with pytest.raises(ConfigError, match="config key 'resume': the pipeline sets it"):
         resolve(spec([{"stage": "sft", "overrides": {"resume": True}}]).stages[0], up, "out", 1, "w")
+
+
+def test_a_label_stages_serving_options_are_checked_with_the_file():
+    """As `rlhfkit label` checks them, but before the first stage runs rather than when the label stage starts."""
+    up = Upstream(sft=("sft", "out/sft"))
+    for keys, message in [({"overlap": 2}, r"--overlap must be a share in \[0, 1\], got 2"),
+                          ({"annotators": ["al", "al"]}, "--annotators: 'al' is named twice"),
+                          ({"token": "short"}, "--token must be at least 16 characters")]:
+        label = spec([{"stage": "label", "config": {"prompts": "p.jsonl", **keys}}]).stages[0]
+        with pytest.raises(ConfigError, match=r"^p.yaml: stage 1 \(label\): " + message):
+            resolve(label, up, "out", 1, "p.yaml: stage 1 (label)")
 
 
 def _verdicts(gate, figures):
