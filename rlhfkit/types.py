@@ -230,7 +230,7 @@ class Rollout(_TensorBatch):
     response_ids: torch.Tensor  # (B, R) right-padded with pad_token_id after the completion's last token
     response_mask: torch.Tensor  # (B, R) long: the completion's real tokens (single-turn: up to and including EOS)
     group_ids: torch.Tensor  # (B,) long: index of the prompt in the rollout batch
-    has_eos: torch.Tensor  # (B,) bool: the completion ended with EOS (not cut at a length limit)
+    has_eos: torch.Tensor  # (B,) bool: the completion ended by itself, at EOS or a stop string (not cut at a limit)
     # log-probs of the sampled tokens as the sampler saw them (for the sampler/trainer gap metric only)
     sampler_logprobs: torch.Tensor  # (B, R) fp32, 0 outside the action tokens
     action_mask: torch.Tensor  # (B, R) long: 1 on the tokens the policy chose (a subset of response_mask)

@@ -215,10 +215,18 @@ class GenerationConfig:
     # finished rows leave room (continuous refill); with tools, episodes are played this many rows at a time.
     # null: every row of a call at once.
     max_batch_rows: PosInt | None = None
+    # A row ends at the first token at which one of these occurs in its turn's text (`tokenizer.decode` of the turn's
+    # tokens, special tokens included; a string may span tokens): that token is the last kept, as EOS is, and the row
+    # counts as ended, not cut. transformers' / TRL's `stop_strings` (docs/stages/online-rl.md, "Stop strings").
+    stop_strings: list[str] = field(default_factory=list)
 
     def check(self):
         if self.compile and self.engine != "rlhfkit":
             yield "compile", "compiles rlhfkit's decode loop: needs generation.engine=rlhfkit"
+        if self.stop_strings and self.engine != "rlhfkit":
+            yield "stop_strings", "stop strings end rows in rlhfkit's decode loop: needs generation.engine=rlhfkit"
+        if "" in self.stop_strings:
+            yield "stop_strings", "an empty string would end every row at its first token"
         if self.max_batch_rows is not None:
             if self.engine != "rlhfkit" or self.compile:
                 yield "max_batch_rows", ("continuous refill is rlhfkit's dynamic-cache engine: needs "

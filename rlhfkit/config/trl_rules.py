@@ -5,6 +5,7 @@ rlhfkit counts prompts per process and rollouts), and GRPO's objective."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rlhfkit.errors import UserError
@@ -219,10 +220,22 @@ def sft_data(args) -> Keys:
     return keys
 
 
+def generation_kwargs(args) -> Keys:
+    """generation_kwargs: its stop strings only, under transformers' name (`stop_strings`) or vLLM's (`stop`)."""
+    kwargs = args.generation_kwargs or {}
+    kwargs = dict(json.loads(kwargs) if isinstance(kwargs, str) else kwargs)
+    stops = [kwargs.pop(name) for name in ("stop_strings", "stop") if name in kwargs]
+    if kwargs:
+        _refuse("generation_kwargs", sorted(kwargs), "rlhfkit samples with its own decode loop and maps stop_strings "
+                "(or vLLM's stop) only; see generation.* for the rest")
+    strings = [s for value in stops for s in ([value] if isinstance(value, str) else value or [])]
+    return {"generation.stop_strings": strings} if strings else {}
+
+
 COMMON = (precision, schedule, logging, model_loading)
 RULES = {
-    "grpo": (*COMMON, online_batch, grpo_objective),
-    "rloo": (*COMMON, online_batch, rloo_objective),
+    "grpo": (*COMMON, online_batch, grpo_objective, generation_kwargs),
+    "rloo": (*COMMON, online_batch, rloo_objective, generation_kwargs),
     "dpo": (*COMMON, max_length, offline_batch, dpo_loss),
     "kto": (*COMMON, max_length, offline_batch),
     "rm": (*COMMON, max_length, offline_batch),

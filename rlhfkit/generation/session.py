@@ -1,6 +1,6 @@
 """The decode engine: one KV cache over a batch of rows, which it prefills, extends by appended tokens, and samples
-until EOS or a budget. Every sampler in rlhfkit goes through it (`generation.generate` for one turn, the tool loop
-for multi-turn episodes); it is the only place a model is called one token at a time.
+until EOS, a stop string (`stops`) or a budget. Every sampler in rlhfkit goes through it (`generation.generate` for
+one turn, the tool loop for multi-turn episodes); it is the only place a model is called one token at a time.
 
 The cache is transformers' `DynamicCache` (with `generation.compile`, a `StaticCache` and a compiled one-token step),
 used through its public API only: the model's forward fills it, `batch_select_indices` keeps or copies rows, and a
@@ -38,6 +38,7 @@ import torch
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import UserError
 from rlhfkit.generation.sampling import sample_next
+from rlhfkit.generation.stops import StopStrings
 
 WINDOWED_LAYERS = ("full_attention", "sliding_attention")  # the layer types whose masks the engine can build
 
@@ -70,6 +71,20 @@ class Parked:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     mask: torch.Tensor
     next_position: torch.Tensor
+
+
+@dataclass
+class Turn:
+    """One row's turn as sampled: its tokens, their log-probs, and whether a stop string ended it (else EOS, the
+    budget, or the turn is not over)."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    def ended(self, eos: int) -> bool:
+        """Whether the turn ended by itself (its EOS or a stop string), not cut by its budget."""
+        return self.stopped or (bool(self.ids) and self.ids[-1] == eos)
 
 
 @dataclass
@@ -153,8 +168,10 @@ class Session:
     `mask` (n, W) marks the cache columns each row reads (1: one of its real tokens), `next_position` (n,) the position
     of each row's next real token, `logits` (n, V) each row's next-token logits after `start` / `extend`."""
 
-    def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device):
+    def __init__(self, model, params: GenerationConfig, eos_token_id: int, pad_token_id: int, device,
+                 stop: StopStrings | None = None):
         self.model, self.params, self.eos, self.pad, self.device = model, params, eos_token_id, pad_token_id, device
+        self.stop = stop
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.window = sliding_window_of(config)
         types = getattr(config, "layer_types", None)
@@ -360,8 +377,8 @@ class Session:
 
     def sample(self, budgets: list[int], keep_finished: bool = False, waiting: collections.deque | None = None,
                max_rows: int = 0) -> dict:
-        """Samples one turn per row, until its EOS or its budget (`budgets`: one per row; a waiting group's rows get
-        theirs); -> {row key: (tokens, log-probs)}.
+        """Samples one turn per row, until its EOS, a stop string or its budget (`budgets`: one per row; a waiting
+        group's rows get theirs); -> {row key: its `Turn`}.
 
         `keep_finished` (a multi-turn caller, which may extend a row after its turn): a row whose turn ended is parked
         out of the cache while the others go on (`park`; where the cache cannot be rebuilt, it stays, fed masked
@@ -369,7 +386,7 @@ class Session:
         once, and `waiting` groups join when there is room for them (`max_rows` rows in all: continuous refill)."""
         self.lay_out_streams(self.rows)
         budget = {row.key: b for row, b in zip(self.rows, budgets)}
-        turns = {row.key: ([], []) for row in self.rows}
+        turns = {row.key: Turn() for row in self.rows}
         live = [budget[row.key] > 0 for row in self.rows]
         order, parked = list(self.rows), []
         parking = keep_finished and self.rebuildable and any(live)
@@ -380,13 +397,8 @@ class Session:
             live = [True] * len(self.rows)
         while any(live):
             token, logprob = self.draw(self.logits, live)
-            tokens, values, fed = token.tolist(), logprob.tolist(), list(live)
-            for i, row in enumerate(self.rows):
-                if live[i]:
-                    ids, lps = turns[row.key]
-                    ids.append(tokens[i])
-                    lps.append(values[i])
-                    live[i] = tokens[i] != self.eos and len(ids) < budget[row.key]
+            fed = list(live)
+            tokens = self.record(token, logprob, live, turns, budget)
             if keep_finished and not any(live):
                 for i, row in enumerate(self.rows):
                     row.unfed = [tokens[i]] if fed[i] else []
@@ -408,13 +420,30 @@ class Session:
             joining = self.admit(waiting, max_rows) if waiting else []
             for group in joining:
                 budget.update((key, group.budget) for key in group.keys)
-                turns.update((key, ([], [])) for key in group.keys)
+                turns.update((key, Turn()) for key in group.keys)
             if joining:
                 self.join(joining)
             live = [True] * len(self.rows)
         if parked:
             self.unpark(parked, order)
         return turns
+
+    def record(self, token: torch.Tensor, logprob: torch.Tensor, live: list[bool], turns: dict, budget: dict) -> list[int]:
+        """Appends each live row's drawn token and log-prob to its turn; a row stays live (`live`, updated) unless the
+        token is its EOS, completes a stop string (`stops`) or spends its budget. -> the drawn tokens."""
+        tokens, values, fed = token.tolist(), logprob.tolist(), list(live)
+        for i, row in enumerate(self.rows):
+            if fed[i]:
+                turn = turns[row.key]
+                turn.ids.append(tokens[i])
+                turn.logprobs.append(values[i])
+                live[i] = tokens[i] != self.eos and len(turn.ids) < budget[row.key]
+        if self.stop is not None:
+            check = [i for i, on in enumerate(fed) if on and tokens[i] != self.eos]
+            for i, hit in zip(check, self.stop.ended([turns[self.rows[i].key].ids for i in check])):
+                if hit:
+                    live[i], turns[self.rows[i].key].stopped = False, True
+        return tokens
 
     def step(self, token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Feeds one token per row (`real`: which are real) -> the next logits (n, V)."""

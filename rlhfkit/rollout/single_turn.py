@@ -8,7 +8,7 @@ import torch
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.data.formats import is_conversational
-from rlhfkit.generation import generate
+from rlhfkit.generation import generate, stop_strings
 from rlhfkit.rollout import is_nonfinite_sampling, prompt_seeds
 from rlhfkit.types import PromptBatch, Rollout, Rows
 
@@ -18,13 +18,14 @@ class SingleTurn:
 
     def __init__(self, tokenizer, params: GenerationConfig, seed: int):
         self.tokenizer, self.params, self.seed = tokenizer, params, seed
+        self.stop = stop_strings(params, tokenizer)
 
     @torch.no_grad()
     def __call__(self, policy, prompts: PromptBatch, examples: list[dict], step: int) -> Rollout | None:
         tok, k = self.tokenizer, self.params.num_samples
         seeds = prompt_seeds(self.seed, step, prompts, self.params.seed_per_prompt)
         try:
-            ro = generate(policy, prompts, self.params, tok.eos_token_id, tok.pad_token_id, seeds)
+            ro = generate(policy, prompts, self.params, tok.eos_token_id, tok.pad_token_id, seeds, self.stop)
         except RuntimeError as exc:
             if is_nonfinite_sampling(exc):
                 return None

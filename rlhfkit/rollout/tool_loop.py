@@ -18,6 +18,8 @@ Limits, as TRL's:
 - `max_calls` (TRL's `max_tool_calling_iterations`) bounds the rounds of tool execution: the calls of the turn after
   the last round are not run, and the episode ends there.
 - A turn cut by the length limit (no EOS) runs none of its calls.
+- A turn a stop string ended (`generation.stop_strings`) ended as one with EOS does: its calls run, and the template's
+  end-of-turn token (EOS) is appended before their results, as a token the policy did not sample (action mask 0).
 
 Counted per episode (`ToolCounts`): calls run, failures (raised, timed out, unprintable), timeouts, malformed calls
 (a finished turn that does not parse counts one; a call naming no tool or with arguments that do not fit counts one,
@@ -34,7 +36,7 @@ import torch
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import TemplateError, UserError
-from rlhfkit.generation import Group, Session, Stream, sampling_mode, seeded_generator
+from rlhfkit.generation import Group, Session, Stream, Turn, sampling_mode, seeded_generator, stop_strings
 from rlhfkit.rollout import is_nonfinite_sampling, prompt_seeds
 from rlhfkit.templates import Support, support
 from rlhfkit.tools import Call, Toolbox, Tool, cap_result, resolve, run_calls
@@ -62,6 +64,7 @@ class Episode:
     turns: int = 0
     per_tool: dict[str, int] = field(default_factory=dict)
     well_formed: list[bool] = field(default_factory=list)  # per turn: it ended and all its calls parse and fit a tool
+    ended: bool = False  # its last turn ended by itself (EOS or a stop string), not cut by the length limit
 
     def budget(self, max_new_tokens: int) -> int:
         return max_new_tokens - len(self.ids)
@@ -134,13 +137,13 @@ class ToolLoop:
         """Plays `episodes` to their end in one session of the engine, each drawing from its stream (module
         docstring)."""
         tok, params = self.tokenizer, self.params
-        session = Session(policy, params, tok.eos_token_id, tok.pad_token_id, device)
+        session = Session(policy, params, tok.eos_token_id, tok.pad_token_id, device, stop_strings(params, tok))
         session.start([Group([i], e.prompt_ids, stream, 0) for i, (e, stream) in enumerate(zip(episodes, streams))])
         live = list(range(len(episodes)))  # the episodes of the session's rows, in order
         limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
         for round_ in itertools.count():
             turns = session.sample([episodes[i].budget(params.max_new_tokens) for i in live], keep_finished=True)
-            calls = [self.end_turn(episodes[i], *turns[i]) for i in live]
+            calls = [self.end_turn(episodes[i], turns[i]) for i in live]
             if round_ == self.max_calls:
                 break
             outcomes = run_calls([c or [] for c in calls], self.timeout_s)
@@ -157,16 +160,16 @@ class ToolLoop:
             session.extend(keep, chunks)
             live = [live[row] for row in keep]
 
-    def end_turn(self, ep: Episode, ids: list[int], logprobs: list[float]) -> list[Call] | None:
+    def end_turn(self, ep: Episode, turn: Turn) -> list[Call] | None:
         """Appends a sampled turn to `ep`, its parsed message to `ep.messages`; the turn's calls resolved against the
         episode's tools, or None when it calls nothing (or was cut by the length limit)."""
-        tok = self.tokenizer
+        tok, ids = self.tokenizer, turn.ids
         prefix = ep.prompt_ids + ep.ids
         ep.ids += ids
         ep.action += [1] * len(ids)
-        ep.logprobs += logprobs
+        ep.logprobs += turn.logprobs
         ep.turns += 1
-        finished = bool(ids) and ids[-1] == tok.eos_token_id
+        finished = ep.ended = turn.ended(tok.eos_token_id)
         try:
             message = tok.parse_response(ids, prefix=prefix, tools=ep.schemas)
         except (ValueError, TypeError):  # transformers raises on a region it cannot parse: a malformed call
@@ -200,7 +203,9 @@ class ToolLoop:
                     self.toolbox.environments.discard(ep.environment_name, ep.environment)  # its call may still run
             content = cap_result(outcome.content, self.tokenizer, self.max_result_tokens)
             messages.append({"role": "tool", "name": call.name, "content": content})
-        suffix = tool_suffix(self.tokenizer, messages)
+        # A turn a stop string ended has no end-of-turn token: the template's (EOS) goes first, not sampled.
+        eos = self.tokenizer.eos_token_id
+        suffix = ([] if ep.ids[-1] == eos else [eos]) + tool_suffix(self.tokenizer, messages)
         total = len(ep.prompt_ids) + len(ep.ids) + len(suffix)
         if len(ep.ids) + len(suffix) > self.params.max_new_tokens or (limit is not None and total >= limit):
             return None
@@ -232,7 +237,7 @@ class ToolLoop:
             response_ids=as_tensor([right(e.ids, pad) for e in episodes]),
             response_mask=response_mask,
             group_ids=torch.arange(len(episodes) // k, device=device).repeat_interleave(k),
-            has_eos=as_tensor([bool(e.ids) and e.ids[-1] == tok.eos_token_id for e in episodes], torch.bool),
+            has_eos=as_tensor([e.ended for e in episodes], torch.bool),
             sampler_logprobs=as_tensor([right(e.logprobs, 0.0) for e in episodes], torch.float32),
             action_mask=as_tensor([right(e.action, 0) for e in episodes]),
             texts=Rows(tok.batch_decode([e.ids for e in episodes], skip_special_tokens=True)),

@@ -175,7 +175,7 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny, params):
     torch.manual_seed(0)
     n = 8000
     cfg = GenerationConfig(max_new_tokens=1, num_samples=n, **params)
-    tokens, logprobs = decode(model, PromptBatch(ids, torch.ones_like(ids)), cfg, tok.eos_token_id, tok.pad_token_id)
+    tokens, logprobs, *_ = decode(model, PromptBatch(ids, torch.ones_like(ids)), cfg, tok.eos_token_id, tok.pad_token_id)
     counts = torch.bincount(tokens[:, 0], minlength=logits.shape[0]).float()
     assert counts[target == 0].sum() == 0
     stat, df = chi2(counts, target)

@@ -62,10 +62,12 @@ def tiny():
 
 
 def run(tiny, prompts, tools=(add, fail), env=None, max_new_tokens=200, max_calls=3, timeout_s=2.0,
-        max_result_tokens=100, num_samples=1, top_k=1, seed_per_prompt=False, step=0, box=None):
+        max_result_tokens=100, num_samples=1, top_k=1, seed_per_prompt=False, step=0, box=None, stop_strings=(),
+        max_batch_rows=None):
     model, tok = tiny
     params = GenerationConfig(max_new_tokens=max_new_tokens, num_samples=num_samples, top_k=top_k,
-                              seed_per_prompt=seed_per_prompt)
+                              seed_per_prompt=seed_per_prompt, stop_strings=list(stop_strings),
+                              max_batch_rows=max_batch_rows)
     box = box or Toolbox(list(tools), env)
     loop = ToolLoop(tok, params, 0, box, max_calls, timeout_s, max_result_tokens)
     examples = [{"prompt": p[0], "columns": p[1]} if isinstance(p, tuple) else {"prompt": p, "columns": {}}
