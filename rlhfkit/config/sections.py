@@ -212,8 +212,8 @@ class GenerationConfig:
     # time, so slower. False: one random stream per process, the whole batch at once.
     seed_per_prompt: bool = False
     # Rows the engine samples at once (prompts x num_samples). With more waiting, a prompt's rows join as soon as
-    # finished rows leave room (continuous refill); with tools, episodes are played this many rows at a time.
-    # null: every row of a call at once.
+    # finished rows leave room (continuous refill); with tools, a prompt's episodes join at the end of a round of
+    # turns that left room for them. null: every row of a call at once.
     max_batch_rows: PosInt | None = None
     # A row ends at the first token at which one of these occurs in its turn's text (`tokenizer.decode` of the turn's
     # tokens, special tokens included; a string may span tokens): that token is the last kept, as EOS is, and the row

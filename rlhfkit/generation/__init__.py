@@ -31,9 +31,9 @@ from rlhfkit.generation.session import Group, Session, Stream, Turn, cache_argum
 from rlhfkit.generation.stops import StopStrings, stop_strings
 from rlhfkit.types import PromptBatch, Rollout
 
-__all__ = ["Group", "SampledLogprobs", "Session", "StopStrings", "Stream", "Turn", "cache_argument", "decode", "generate",
-           "prompt_seed", "response_mask_from_eos", "sample_next", "sampling_mode", "seeded", "seeded_generator",
-           "sliding_window_of", "stop_strings", "truncate_logits"]
+__all__ = ["Group", "SampledLogprobs", "Session", "StopStrings", "Stream", "Turn", "cache_argument", "decode",
+           "generate", "prompt_seed", "response_mask_from_eos", "sample_next", "sampling_mode", "seeded",
+           "seeded_generator", "sliding_window_of", "stop_strings", "truncate_logits"]
 
 
 @contextlib.contextmanager

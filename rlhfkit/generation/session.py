@@ -11,7 +11,8 @@ What the rows share (the efficiencies of the tool loop's session, now every call
 - a row that has finished leaves the cache (one turn: at once; a multi-turn episode: when its next turn is not
   wanted), so no forward is spent on it; only appended tokens are fed (a tool result, never the conversation again);
 - continuous refill (`generation.max_batch_rows`): with more rows waiting than the batch holds, a group joins the
-  cache as soon as finished rows leave room for it, instead of the batch idling until its longest row ends.
+  cache as soon as finished rows leave room for it, instead of the batch idling until its longest row ends (one
+  turn: within `sample`; multi-turn episodes: the tool loop `join`s them between turns).
 
 Exactness. Each row reads exactly its own tokens: the columns it did not fill (left padding, another row's longer
 chunk, steps after its turn ended, columns from before it joined) are masked out, and positions count its real tokens

@@ -5,10 +5,12 @@ One step's episodes are batched in one session of rlhfkit's decode engine (`gene
 live episode samples an assistant turn; each finished turn is parsed by transformers' response parsing (the tokenizer's
 `response_template`, arguments cast to the tools' schemas); the calls run (`tools.run_calls`: episodes concurrently);
 their results and the next assistant header are appended as the chat template renders them (`tool_suffix`), and only
-the episodes that called a tool go on. The session keeps the KV cache across turns: a turn feeds only the tokens
-appended since the last (the tool results and the header), never the conversation again, and the model's own tokens
-are never re-tokenised; a finished episode leaves the cache, and each row reads exactly its own conversation (sliding
-windows included: the engine counts them in the row's own positions). This module only orchestrates turns and tools.
+the episodes that called a tool go on; with `generation.max_batch_rows`, waiting prompts' episodes join the session
+between rounds as ended episodes leave room (continuous refill). The session keeps the KV cache across turns: a turn
+feeds only the tokens appended since the last (the tool results and the header), never the conversation again, and
+the model's own tokens are never re-tokenised; a finished episode leaves the cache, and each row reads exactly its
+own conversation (sliding windows included: the engine counts them in the row's own positions). This module only
+orchestrates turns and tools.
 
 Limits, as TRL's:
 - `generation.max_new_tokens` bounds the whole completion, the policy's turns and the tool results and headers
@@ -29,7 +31,7 @@ it is well formed (it ended with EOS, and every call in it parsed and fits a too
 
 from __future__ import annotations
 
-import itertools
+import collections
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +100,13 @@ class ToolLoop:
         device = prompts.input_ids.device
         shared = Stream()
         streams = [Stream(seeded_generator(s, device)) for s in seeds] if seeds else [shared] * len(examples)
-        # Episodes this many at a time (generation.max_batch_rows), a prompt's samples together.
-        per_play = max(1, (self.params.max_batch_rows or len(episodes)) // k) * k
+        # A prompt's samples wait, and join the session, together: its stream's draws are then those of every row
+        # at once (`play`).
+        waiting = collections.deque([Group([i], episodes[i].prompt_ids, streams[p], 0)
+                                     for i in range(p * k, (p + 1) * k)] for p in range(len(examples)))
         try:
             with sampling_mode(policy):
-                for first in range(0, len(episodes), per_play):
-                    rows = range(first, min(first + per_play, len(episodes)))
-                    self.play(policy, [episodes[i] for i in rows], [streams[i // k] for i in rows], device)
+                self.play(policy, episodes, waiting, device)
         except RuntimeError as exc:
             if is_nonfinite_sampling(exc):
                 return None
@@ -133,32 +135,40 @@ class ToolLoop:
             episodes.append(Episode(list(ids), tools, schemas, env, name, prompt=played))
         return episodes
 
-    def play(self, policy, episodes: list[Episode], streams: list[Stream], device) -> None:
-        """Plays `episodes` to their end in one session of the engine, each drawing from its stream (module
-        docstring)."""
+    def play(self, policy, episodes: list[Episode], waiting: collections.deque, device) -> None:
+        """Plays the episodes to their end in one session of the engine, `generation.max_batch_rows` rows at most (all:
+        null). A round samples a turn of every episode in the session, runs their calls and appends the results; at
+        its end the episodes that ended leave, and waiting prompts' episodes (`waiting`: one `Group` per episode, a
+        deque of prompts) join while there is room for all of a prompt's: continuous refill, a round at a time."""
         tok, params = self.tokenizer, self.params
+        room = params.max_batch_rows or len(episodes)
         session = Session(policy, params, tok.eos_token_id, tok.pad_token_id, device, stop_strings(params, tok))
-        session.start([Group([i], e.prompt_ids, stream, 0) for i, (e, stream) in enumerate(zip(episodes, streams))])
-        live = list(range(len(episodes)))  # the episodes of the session's rows, in order
+        live = admit(waiting, room)
+        session.start(live)
+        live = [g.keys[0] for g in live]  # the episodes of the session's rows, in order
         limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        for round_ in itertools.count():
+        while live:
             turns = session.sample([episodes[i].budget(params.max_new_tokens) for i in live], keep_finished=True)
             calls = [self.end_turn(episodes[i], turns[i]) for i in live]
-            if round_ == self.max_calls:
-                break
-            outcomes = run_calls([c or [] for c in calls], self.timeout_s)
+            # The calls of the turn after the last round of tool execution (tools.max_calls) are not run.
+            calls = [c if self.max_calls is None or episodes[i].turns <= self.max_calls else None
+                     for i, c in zip(live, calls)]
             keep, chunks = [], []
-            for row, (i, called, results) in enumerate(zip(live, calls, outcomes)):
-                if not called:
-                    continue
-                suffix = self.record_calls(episodes[i], called, results, limit)
+            for row, (i, called, results) in enumerate(zip(live, calls, run_calls([c or [] for c in calls],
+                                                                                   self.timeout_s))):
+                suffix = self.record_calls(episodes[i], called, results, limit) if called else None
                 if suffix and episodes[i].budget(params.max_new_tokens) > 0:
                     keep.append(row)
                     chunks.append(suffix)
-            if not keep:
-                break
-            session.extend(keep, chunks)
+            if keep:
+                session.extend(keep, chunks)
             live = [live[row] for row in keep]
+            joining = admit(waiting, room - len(live))
+            if joining and live:
+                session.join(joining)
+            elif joining:
+                session.start(joining)
+            live += [g.keys[0] for g in joining]
 
     def end_turn(self, ep: Episode, turn: Turn) -> list[Call] | None:
         """Appends a sampled turn to `ep`, its parsed message to `ep.messages`; the turn's calls resolved against the
@@ -247,6 +257,15 @@ class ToolLoop:
             tools=counts,
             schemas=Rows(e.schemas for e in episodes),
         )
+
+
+def admit(waiting: collections.deque, room: int) -> list[Group]:
+    """The episodes of the waiting prompts that fit in `room` rows, whole prompts in order."""
+    joining = []
+    while waiting and len(waiting[0]) <= room:
+        room -= len(waiting[0])
+        joining += waiting.popleft()
+    return joining
 
 
 def _name_and_arguments(call) -> tuple:

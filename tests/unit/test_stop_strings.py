@@ -15,7 +15,7 @@ from rlhfkit.models import rollout_logprobs
 from rlhfkit.rollout.single_turn import SingleTurn
 from tests.scripted import Scripted
 from tests.unit.test_engine import Recording, batch_of
-from tests.unit.test_tool_loop import BIAS, END, call, ids, run, script, tool_turn, tiny  # noqa: F401 - tiny is a fixture
+from tests.unit.test_tool_loop import BIAS, END, call, ids, run, tool_turn, tiny  # noqa: F401 - tiny is a fixture
 
 TURNS = {"say a": "hello world. bye" + END, "say b": "no stop here" + END, "say c": "stop at the end.",
          "say d": "a" * 30, "say e": "a" * 19 + ".", "say f": "hello" + END}

@@ -37,7 +37,7 @@ def script(text: str) -> str:
     """The turn the policy writes after reading `text` (its prompt, or the last tool results and header)."""
     if results := re.findall(r"<tool_response name=\"(\w+)\">\n(.*?)\n</tool_response>", text, re.S):
         name, last = results[-1]
-        if name == "inc":  # a policy that never stops calling
+        if name == "inc" and last.isdigit():  # a policy that never stops calling (while its calls work)
             return call("inc", n=int(last))
         return f"got {last}{END}"
     ask = re.search(r"user\n(.*?)<\|im_end\|>", text, re.S).group(1)
@@ -63,7 +63,7 @@ def tiny():
 
 def run(tiny, prompts, tools=(add, fail), env=None, max_new_tokens=200, max_calls=3, timeout_s=2.0,
         max_result_tokens=100, num_samples=1, top_k=1, seed_per_prompt=False, step=0, box=None, stop_strings=(),
-        max_batch_rows=None):
+        max_batch_rows=None, bias=BIAS):
     model, tok = tiny
     params = GenerationConfig(max_new_tokens=max_new_tokens, num_samples=num_samples, top_k=top_k,
                               seed_per_prompt=seed_per_prompt, stop_strings=list(stop_strings),
@@ -76,7 +76,7 @@ def run(tiny, prompts, tools=(add, fail), env=None, max_new_tokens=200, max_call
     width = max(map(len, ids))
     batch = PromptBatch(torch.tensor([[0] * (width - len(x)) + x for x in ids]),
                         torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]))
-    return loop(Scripted(model, tok, script, BIAS), batch, examples, step), examples
+    return loop(Scripted(model, tok, script, bias), batch, examples, step), examples
 
 
 def tool_turn(name, content):
