@@ -37,6 +37,22 @@ def rows(results: list[dict]) -> list[list[str]]:
             for m in results[0]["methods"]]
 
 
+def stage_seconds(run: str) -> dict[str, float | None]:
+    """Each stage's wall seconds in this run, from the pipeline's record (`pipeline.json`, written by
+    `rlhfkit.pipeline`); None for a stage skipped because an earlier command had done it."""
+    with open(os.path.join(run, "pipeline.json"), encoding="utf-8") as f:
+        records = json.load(f)["records"]
+    return {r["name"]: (None if r["status"] == "skipped" else r["seconds"]) for r in records}
+
+
+def wall_minutes(seconds: dict[str, float | None]) -> str:
+    """"prompts 0.0, sft 21.0, ..., total 37.2" in minutes; the stages an earlier command ran are named apart."""
+    ran = {k: v for k, v in seconds.items() if v is not None}
+    text = ", ".join(f"{k} {v / 60:.1f}" for k, v in ran.items()) + f", total {sum(ran.values()) / 60:.1f}"
+    skipped = [k for k, v in seconds.items() if v is None]
+    return text + (f" ({', '.join(skipped)} done by an earlier command)" if skipped else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="agent demo --output-dirs, each holding eval/eval.json")
@@ -50,9 +66,7 @@ def main() -> int:
     seeds = [r["seed"] for r in results]
     gain = [r["methods"]["grpo"]["task_completion"] - r["methods"]["sft"]["task_completion"] for r in results]
     passed = {k: sum(r["acceptance"][k] for r in results) for k in results[0]["acceptance"]}
-    times = "; ".join(f"seed {r['seed']}: " + ", ".join(f"{k} {v / 60:.1f}" for k, v in r["timings_s"].items())
-                      + (f" (from stage {r['from_stage']}: the earlier stages ran before)" if r.get("from_stage") else "")
-                      for r in results)
+    times = "; ".join(f"seed {r['seed']}: " + wall_minutes(stage_seconds(run)) for r, run in zip(results, args.runs))
     record("agent_demo", "`rlhfkit demo --agent`: held-out episodes, SFT against GRPO with and without the tool",
            ["model", *(name for name, _, _ in FIGURES)], rows(results),
            command=" && ".join(f"rlhfkit demo --agent --seed {s} --output-dir runs/agent{s}" for s in seeds)
