@@ -15,6 +15,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from rlhfkit.config.fields import lookup
 from rlhfkit.errors import UserError, first_line
 
 # The method each stage (and each online algorithm) trains with, as the card names it.
@@ -95,15 +96,6 @@ def _base_model(model_cfg: dict) -> str | None:
     return None
 
 
-def _value(cfg: dict, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _table(rows: list[tuple[str, Any]], header: tuple[str, str]) -> str:
     def cell(v: Any) -> str:
         text = f"{v:.4g}" if isinstance(v, float) else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
@@ -130,9 +122,9 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
             adapter = json.load(f)
     reward_model = (any(a.endswith("ForSequenceClassification") for a in model_config.get("architectures") or [])
                     or adapter.get("task_type") == "SEQ_CLS")
-    algorithm = _value(cfg, "algo.algorithm") if stage in ONLINE_STAGES else None
+    algorithm = lookup(cfg, "algo.algorithm", None) if stage in ONLINE_STAGES else None
     method = algorithm or stage
-    pooling = model_config.get("rlhfkit_pooling") or _value(cfg, "algo.pooling") or "last"
+    pooling = model_config.get("rlhfkit_pooling") or lookup(cfg, "algo.pooling", None) or "last"
     pad_is_eos = model_config.get("pad_token_id") == model_config.get("eos_token_id") if model_config else False
     reading = score_reading(pooling, pad_is_eos)
     lora_adapter = bool(adapter)
@@ -143,7 +135,8 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
     # forward reads elsewhere (mean pooling; or pad = eos, when its texts end with the eos it was trained on).
     if not reward_model or (pooling == "last" and model_config and not pad_is_eos):
         tags.append("trl-compatible")
-    datasets = [d for d in (_value(cfg, "data.train"), _value(cfg, "data.eval")) if _is_hub_name(d, owner_optional=True)]
+    datasets = [d for d in (lookup(cfg, "data.train", None), lookup(cfg, "data.eval", None))
+                if _is_hub_name(d, owner_optional=True)]
     data = ModelCardData(base_model=_base_model(cfg.get("model", {})), library_name="rlhfkit", tags=tags,
                          datasets=list(dict.fromkeys(datasets)) or None,
                          pipeline_tag="text-classification" if reward_model else "text-generation")
@@ -156,8 +149,8 @@ def write_model_card(model_dir: str, stage: str, cfg: dict, metrics: dict[str, f
     if reward_model:
         lines += ["", "## Reading the score", "", reading + "."]
     config_rows = [(k, v) for k, v in sorted(_flat(cfg).items()) if k.startswith(("algo.", "kl.")) and v is not None]
-    lora = bool(_value(cfg, "model.lora.enabled"))
-    config_rows += [(k, _value(cfg, k)) for k in KEY_CONFIG if _value(cfg, k) not in (None, [], "")
+    lora = bool(lookup(cfg, "model.lora.enabled", None))
+    config_rows += [(k, lookup(cfg, k, None)) for k in KEY_CONFIG if lookup(cfg, k, None) not in (None, [], "")
                     and (lora or k not in ("model.lora.r", "model.lora.alpha"))]
     lines += ["", "## Key configuration", "", _table(config_rows, ("key", "value"))]
     train = [(k, v) for k, v in metrics.items() if not k.startswith("eval/")]

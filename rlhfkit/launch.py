@@ -8,9 +8,11 @@ Two launches go wrong silently without these checks (accelerate 1.x, torch 2.x, 
   several processes or machines were asked for) and `ACCELERATE_USE_CPU`, but no `WORLD_SIZE`.
 - `accelerate launch --multi_gpu --num_processes 2` on a machine without GPUs starts two processes through torchrun
   (`WORLD_SIZE=2`, `RANK`, `LOCAL_WORLD_SIZE=2`, ...), but accelerate finds no backend to join them with, so each
-  trains alone (world size 1) and both write the same output_dir.
+  trains alone (world size 1) and both write the same output_dir; with `ACCELERATE_USE_CPU=1` in the launcher's
+  environment, which it passes on, the two join over gloo (a pipeline stage's `launch` on CPU).
 
-What works on CPU is `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m rlhfkit.cli <stage> ...` (gloo).
+What works on CPU is `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m rlhfkit.cli <stage> ...` (gloo), or the
+same variable before `accelerate launch --multi_gpu`.
 """
 
 from __future__ import annotations

@@ -176,6 +176,20 @@ def merge(base: dict, update: dict) -> dict:
                        for k, v in update.items()}}
 
 
+MISSING: Any = object()  # `lookup`'s answer for a key that is absent (where a present key may hold None)
+
+
+def lookup(tree: dict, dotted: str, default: Any = MISSING) -> Any:
+    """The value at `dotted` ("model.lora.r") in nested mappings (a config read from YAML, a stage's overrides), or
+    `default` where any part of it is absent."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 class _DuplicateKeyError(yaml.MarkedYAMLError):
     pass
 

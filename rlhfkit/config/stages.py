@@ -287,15 +287,29 @@ def agent_check(agent: AgentEvalConfig, tools: ToolsConfig, data: DataConfig):
 
 
 @dataclass(frozen=True)
-class OnlineConfig(TrainConfig):
-    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts. With `data.eval` and/or
-    `data.capability` the policy is evaluated every `logging.eval_steps` and after the last step (`trainers.held_out`)."""
+class OnlineStageConfig(TrainConfig):
+    """What the two online loops' configs (`OnlineConfig`, `OnlineDPOConfig`) share beyond a training stage's: they
+    sample, mix in PPO-ptx and log online steps, and check their tools, agent figures and ptx term alike. Each declares
+    its `algo` (with `ptx_coef`), `alarms`, `tools` and `agent` sections after these two, in its own order."""
 
     samples_supported = True
     ptx_supported = True
     online_log = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def check(self):
+        yield from super().check()
+        yield from tools_check(self.tools, self.reward, self.generation, self.data)
+        yield from agent_check(self.agent, self.tools, self.data)
+        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
+
+
+@dataclass(frozen=True)
+class OnlineConfig(OnlineStageConfig):
+    """PPO, RLOO, GRPO (Dr.GRPO, DAPO) and REINFORCE++: one loop. `max_steps` counts rollouts. With `data.eval` and/or
+    `data.capability` the policy is evaluated every `logging.eval_steps` and after the last step (`trainers.held_out`)."""
+
     kl: KLConfig = field(default_factory=KLConfig)
     algo: OnlineOptions = field(default_factory=OnlineOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
@@ -306,9 +320,6 @@ class OnlineConfig(TrainConfig):
         from rlhfkit.algorithms import ALGORITHMS
 
         yield from super().check()
-        yield from tools_check(self.tools, self.reward, self.generation, self.data)
-        yield from agent_check(self.agent, self.tools, self.data)
-        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         k, name = self.generation.num_samples, self.algo.algorithm
         if name not in ALGORITHMS:
             yield "algo.algorithm", f"must be one of {sorted(ALGORITHMS)}, got {name!r}"
@@ -354,15 +365,10 @@ class OnlineDPOOptions:
 
 
 @dataclass(frozen=True)
-class OnlineDPOConfig(TrainConfig):
+class OnlineDPOConfig(OnlineStageConfig):
     """`rlhfkit online_dpo`. `max_steps` counts rollouts, each one optimizer step; `optim.per_device_batch_size`
     counts pairs per micro-batch."""
 
-    samples_supported = True
-    ptx_supported = True
-    online_log = True
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: OnlineDPOOptions = field(default_factory=OnlineDPOOptions)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
@@ -370,9 +376,6 @@ class OnlineDPOConfig(TrainConfig):
 
     def check(self):
         yield from super().check()
-        yield from tools_check(self.tools, self.reward, self.generation, self.data)
-        yield from agent_check(self.agent, self.tools, self.data)
-        yield from ptx_check(self.algo.ptx_coef, self.data.ptx)
         if self.generation.num_samples != 2:
             yield "generation.num_samples", f"must be 2 for online_dpo (a pair per prompt), got {self.generation.num_samples}"
         # The pair is ranked on the raw scores (plus reward.missing_eos_penalty): normalising cannot change a ranking

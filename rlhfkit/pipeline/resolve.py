@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhfkit.config.fields import merge, read_yaml
+from rlhfkit.config.fields import MISSING, lookup, merge, read_yaml
 from rlhfkit.errors import ConfigError, UserError
-from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON, StageSpec
+from rlhfkit.pipeline.spec import JUDGE, LABEL, PYTHON, StageSpec, nested
 
 POLICY_STAGES = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "dpo", "orpo", "kto", "rft")
 REWARDED = ("ppo", "rloo", "grpo", "reinforce_pp", "online_dpo", "rft", "eval")  # stages whose reward.model is wired
@@ -155,26 +155,6 @@ def _inline(spec: StageSpec) -> dict:
     return spec.config if isinstance(spec.config, dict) else {}
 
 
-def _tree(wires: list[Wire]) -> dict:
-    out: dict = {}
-    for wire in wires:
-        *parents, last = wire.key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = wire.value
-    return out
-
-
-def _explicit(data: dict, key: str) -> bool:
-    node: Any = data
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
 def resolve(spec: StageSpec, up: Upstream, root: str, round_: int, where: str) -> Resolved:
     """Stage `spec`'s effective, validated config given `up`; a problem is one `ConfigError` naming `where` (the
     file and the stage) and the key."""
@@ -185,10 +165,10 @@ def resolve(spec: StageSpec, up: Upstream, root: str, round_: int, where: str) -
     if owned:
         raise ConfigError(f"{where}: config key '{owned[0]}': the pipeline sets it (a finished stage is skipped, an "
                           f"interrupted one resumed); use --from {spec.name} to rerun it")
-    wires = [w for w in wires_for(spec, up, root, out) if not _explicit(explicit, w.key)]
+    wires = [w for w in wires_for(spec, up, root, out) if lookup(explicit, w.key) is MISSING]
     try:
         base = read_yaml(spec.config) if isinstance(spec.config, str) else {}
-        data = merge(merge(base, _tree(wires)), explicit)
+        data = merge(merge(base, nested({w.key: w.value for w in wires})), explicit)
         cfg = _validate(spec, data, out)
     except UserError as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -176,17 +176,18 @@ def _as_tree(overrides: Any, path: str, where: str) -> dict:
     if overrides is None:
         return {}
     if isinstance(overrides, dict):
-        return _nested(overrides)
+        return nested(overrides)
     if isinstance(overrides, list) and all(isinstance(o, str) for o in overrides):
         return parse_overrides(overrides)
     raise ConfigError(f"{path}: {where}: 'overrides' must be a mapping of keys or a list of 'key.sub=value' strings")
 
 
-def _nested(mapping: dict) -> dict:
-    """`{"optim.lr": 1e-3, "model": {"lora.r": 8}}` -> `{"optim": {"lr": 1e-3}, "model": {"lora": {"r": 8}}}`."""
+def nested(mapping: dict) -> dict:
+    """Dotted keys as nested mappings (inline config keys, overrides, the wiring):
+    `{"optim.lr": 1e-3, "model": {"lora.r": 8}}` -> `{"optim": {"lr": 1e-3}, "model": {"lora": {"r": 8}}}`."""
     out: dict = {}
     for key, value in mapping.items():
-        value = _nested(value) if isinstance(value, dict) else value
+        value = nested(value) if isinstance(value, dict) else value
         *parents, last = str(key).split(".")
         node = out
         for part in parents:
@@ -271,7 +272,7 @@ def _stage(path: str, index: int, entry: Any, variables: dict) -> StageSpec | No
     if retrain and not (stage == "rm" and round_):
         raise ConfigError(f"{where}: 'retrain' applies to an `rm` stage marked `round: true` (how its reward model "
                           "starts each round), not to this one")
-    config = _nested(config) if isinstance(config, dict) else config  # inline keys may be dotted, as overrides
+    config = nested(config) if isinstance(config, dict) else config  # inline keys may be dotted, as overrides
     return StageSpec(index, name, stage, config, _as_tree(entry.get("overrides"), path, f"stage {index} ({name})"),
                      tuple(str(a) for a in launch) if launch is not None else None, gate, round_, retrain, run, args)
 
@@ -291,4 +292,4 @@ def _capability(path: str, raw: Any, variables: dict) -> Capability | None:
     config = raw.get("config") or {}
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: capability.config must be a mapping of `rlhfkit eval` keys")
-    return Capability(raw["data"], float(bound), _nested(config))
+    return Capability(raw["data"], float(bound), nested(config))

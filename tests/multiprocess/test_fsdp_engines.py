@@ -9,7 +9,6 @@ references run in this process (one process, the same global batch) or, for GRPO
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from driver import run_job  # noqa: E402
-from test_offline_world_size import assert_same_rows, assert_same_weights, rows, weights  # noqa: E402
+from common import assert_same_rows, assert_same_weights, free_port, rows, weights  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +57,6 @@ def argv(name: str, out: str, world: int, *extra: str) -> list[str]:
     args = [f"data.eval={os.path.dirname(out)}/odd_{a[len('data.eval=ODD:'):]}.jsonl" if a.startswith("data.eval=ODD:")
             else a for a in args]
     return [*args, f"output_dir={out}", f"optim.per_device_batch_size={per_process * 2 // world}", *COMMON, *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script_args: list[str], jobs: list[dict], root, tag: str, codes: list[int] | None = None) -> subprocess.CompletedProcess:

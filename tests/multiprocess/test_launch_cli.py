@@ -3,7 +3,6 @@ in one line (exit 2) before any model loads; a second run on a locked output_dir
 simulated 2-machine run (two torchrun agents, `--nnodes 2`, c10d rendezvous on localhost, gloo) equals one process on
 the same global batch, with metrics.jsonl written once."""
 
-import json
 import os
 import re
 import socket
@@ -12,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rlhfkit.cli import main
 from rlhfkit.launch import RunLock, lock_path
@@ -20,6 +18,8 @@ from rlhfkit.launch import RunLock, lock_path
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, rows, weights  # noqa: E402
 TIMEOUT_S = 180  # per process: a hang fails the test instead of blocking the suite
 SFT = ["sft", "--config", "configs/sft_tiny.yaml", "data.eval=null", "logging.logging_steps=1", "logging.progress_bar=false"]
 
@@ -36,12 +36,6 @@ def errors(stderr: str) -> list[str]:
     in a RuntimeError it raises after it (then its traceback): only what comes before is the child's."""
     written = re.split(r"^(?:Traceback \(most recent call last\):|RuntimeError: )", stderr, maxsplit=1, flags=re.M)[0]
     return [line for line in written.splitlines() if line.startswith("rlhfkit: error:")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # 1. Refusals ---------------------------------------------------------------------------------------------------
@@ -92,15 +86,6 @@ def test_second_run_on_a_locked_output_dir_is_refused(tmp_path, capsys):
 
 
 # 2. Two machines, simulated on one -----------------------------------------------------------------------------
-
-
-def weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(run_dir, "model.safetensors"))
-
-
-def rows(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_simulated_two_machine_run_equals_one_process(tmp_path):

@@ -11,20 +11,17 @@ process group starts once); the 1-process runs go through `rlhfkit.cli.main` in 
 """
 
 import json
-import math
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from common import assert_same_rows, assert_same_weights, free_port, rows  # noqa: E402
 from driver import run_job  # noqa: E402
 
 B = 4  # per-process batch of the 2-process runs; the 1-process runs use 2B
@@ -61,56 +58,6 @@ def stage_argv(name: str, out, world: int, *extra: str) -> list[str]:
     stage, config, overrides = STAGES[name]
     return [stage, "--config", config, f"output_dir={out}", f"optim.per_device_batch_size={B * 2 // world}", *COMMON,
             *overrides, *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rows(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def weights(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    assert out, f"no weights in {directory}"
-    return out
-
-
-def assert_same_weights(a, b, atol=1e-5):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    worst = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
-    assert worst <= atol, f"max |Δweight| = {worst:.3g} between {a} and {b}"
-
-
-def assert_same_rows(a: list[dict], b: list[dict], rel=1e-5, abs_=1e-6):
-    """The same logged rows (steps, keys, values), `elapsed_s` and the memory figures aside (measured per process, and
-    planned per process, so they differ with the number of processes).
-
-    An accuracy counts comparisons (chosen above rejected): where the two are equal but for float noise (the step-1
-    policy is its reference, so every implicit reward is 0 ± 1e-7 when the reference log-probs were precomputed in
-    batches padded otherwise) it is noise, and it is compared only where the logged margin is above that noise.
-    """
-    strip = [[{k: v for k, v in r.items() if k != "elapsed_s" and not k.startswith("memory/")} for r in rs]
-             for rs in (a, b)]
-    assert [sorted(r) for r in strip[0]] == [sorted(r) for r in strip[1]]
-    for ra, rb in zip(*strip):
-        for k in ra:
-            va, vb = ra[k], rb[k]
-            margin = ra.get(k.replace("accuracies", "margins").replace("accuracy", "margin"))
-            if "accura" in k and margin is not None and abs(margin) < 1e-5:
-                continue
-            if va is None or vb is None:
-                assert va is vb, (ra["step"], k, va, vb)
-            else:
-                assert math.isclose(va, vb, rel_tol=rel, abs_tol=abs_), (ra["step"], k, va, vb)
 
 
 @pytest.fixture(scope="module")

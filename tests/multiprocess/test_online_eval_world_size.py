@@ -4,7 +4,6 @@ out between the processes (5 batches: 3 and 2) and the capability set too, and t
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,17 +14,8 @@ from rlhfkit.cli import main
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT = 300  # a hang fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+sys.path.insert(0, HERE)
+from common import free_port, read_jsonl  # noqa: E402
 
 
 @pytest.mark.slow

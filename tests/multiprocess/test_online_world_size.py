@@ -7,25 +7,18 @@ The faults and resumes of 2-process online runs are in test_online_world_size_re
 that the two test workers run both files at once).
 """
 
-import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT = 300  # a hang fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, HERE)
+from common import free_port, rows, weights  # noqa: E402  (test_online_world_size_resume takes them from here)
 
 
 def env(extra_path=None):
@@ -44,15 +37,6 @@ def run(args, processes, extra_path=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), "-m", "rlhfkit.cli", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(extra_path), capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def rows(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def weights(out):
-    return load_file(os.path.join(out, next(f for f in os.listdir(out) if f.endswith(".safetensors"))))
 
 
 COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "response/length_avg", "loss/policy_avg",

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import shutil
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,13 +16,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "sharded_worker.py")
 TIMEOUT = 240  # a collective left in the decode loop hangs: the timeout turns that into a failure
+sys.path.insert(0, HERE)
+from common import free_port  # noqa: E402
+
 ENGINES = ["fsdp1", "fsdp2"] + (["zero3"] if importlib.util.find_spec("deepspeed") else [])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,17 @@ class RaiseAtStep(TrainerCallback):
         raise RuntimeError("stop here")
 
 
+def train_once(stage: str, raises: bool, tmp_path, **kwargs):
+    """`rlhfkit.train(stage, ...)` to its end (its result), or with `raises` stopped by `RaiseAtStep` (None), the
+    UserError it ends with checked."""
+    kwargs.update(callbacks=[RaiseAtStep()] if raises else None, output_dir=str(tmp_path / stage))
+    if not raises:
+        return rlhfkit.train(stage, **kwargs)
+    with pytest.raises(UserError, match="RaiseAtStep.on_step_end raised"):
+        rlhfkit.train(stage, **kwargs)
+    return None
+
+
 def a_callers_policy():
     """The tiny policy as a caller may hold it: in eval mode, its embeddings frozen, left padding, no chat template
     of rlhfkit's."""
@@ -59,16 +70,12 @@ def a_callers_policy():
 def test_sft_leaves_the_callers_model_and_tokenizer_as_found(tmp_path, raises):
     model, tokenizer = a_callers_policy()
     model_before, tokenizer_before, weights_before = model_state(model), tokenizer_state(tokenizer), weights(model)
-    run = lambda: rlhfkit.train(  # noqa: E731
-        "sft", model=model, tokenizer=tokenizer, train_dataset="data/tiny/sft_train.jsonl", config="configs/sft_tiny.yaml",
-        callbacks=[RaiseAtStep()] if raises else None, output_dir=str(tmp_path / "sft"),
+    result = train_once(
+        "sft", raises, tmp_path, model=model, tokenizer=tokenizer, train_dataset="data/tiny/sft_train.jsonl",
+        config="configs/sft_tiny.yaml",
         overrides={"max_steps": 2, "data.eval": None, "logging.progress_bar": False, "optim.per_device_batch_size": 4,
                    "model.chat_template": "chatml_tools", "model.gradient_checkpointing": True})
-    if raises:
-        with pytest.raises(UserError, match="RaiseAtStep.on_step_end raised"):
-            run()
-    else:
-        assert run().model is model
+    assert raises or result.model is model
     assert tokenizer_state(tokenizer) == tokenizer_before
     assert model_state(model) == model_before
     after = weights(model)
@@ -86,15 +93,8 @@ def test_grpo_leaves_the_callers_reward_model_as_found(tmp_path, raises):
     rm.train()
     rm_tokenizer.padding_side = "left"
     rm_before, tok_before, rm_weights = model_state(rm), tokenizer_state(rm_tokenizer), weights(rm)
-    run = lambda: rlhfkit.train(  # noqa: E731
-        "grpo", model="tiny", reward_funcs=[(rm, rm_tokenizer)], config="configs/grpo_tiny.yaml",
-        callbacks=[RaiseAtStep()] if raises else None, output_dir=str(tmp_path / "grpo"),
-        overrides={"max_steps": 1, "logging.progress_bar": False, "reward.function": None})
-    if raises:
-        with pytest.raises(UserError, match="RaiseAtStep.on_step_end raised"):
-            run()
-    else:
-        run()
+    train_once("grpo", raises, tmp_path, model="tiny", reward_funcs=[(rm, rm_tokenizer)], config="configs/grpo_tiny.yaml",
+               overrides={"max_steps": 1, "logging.progress_bar": False, "reward.function": None})
     assert model_state(rm) == rm_before
     assert tokenizer_state(rm_tokenizer) == tok_before
     assert all(torch.equal(v, rm_weights[k]) for k, v in weights(rm).items())
@@ -110,13 +110,6 @@ def test_grpo_gives_back_the_callers_dropout(tmp_path, raises):
     before = model_state(model)
     rates = dict(before["dropout"])
     assert (rates["model.layers.0.self_attn"], rates["model.layers.1.mlp.drop"]) == (0.1, 0.25)
-    run = lambda: rlhfkit.train(  # noqa: E731
-        "grpo", model=model, tokenizer=tokenizer, config="configs/grpo_tiny.yaml",
-        callbacks=[RaiseAtStep()] if raises else None, output_dir=str(tmp_path / "grpo"),
-        overrides={"max_steps": 1, "logging.progress_bar": False})
-    if raises:
-        with pytest.raises(UserError, match="RaiseAtStep.on_step_end raised"):
-            run()
-    else:
-        run()
+    train_once("grpo", raises, tmp_path, model=model, tokenizer=tokenizer, config="configs/grpo_tiny.yaml",
+               overrides={"max_steps": 1, "logging.progress_bar": False})
     assert model_state(model) == before

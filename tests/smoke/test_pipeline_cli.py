@@ -88,6 +88,22 @@ def test_the_same_command_skips_finished_stages_and_a_changed_one_reruns_with_th
     assert _statuses(out) == {"sft": "skipped", "rm": "skipped", "ppo": "skipped", "eval": "ran"}
 
 
+def test_the_policy_gate_stops_the_pipeline_and_python_gets_every_stage(tiny_run, capsys):
+    """The evaluation's gate, failing on the figures the finished stages recorded (every stage skipped): exit 3 with
+    the figure, the threshold and the seeds' suggestion; then the same file from Python, every stage and figure back."""
+    args = ["pipeline", "--config", TINY, f"output_dir={tiny_run}", "ppo.generation.temperature=0.9"]  # as last run
+    capsys.readouterr()
+    assert main(args + ["eval.gate.win_rate/*=>= 1.01"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gate after 'eval' FAILED: win_rate/" in err[0] and "needs >= 1.01" in err[0], err
+    assert "a larger KL coefficient (kl.coef" in err[0]
+    result = rlhfkit.pipeline(TINY, ["ppo.generation.temperature=0.9"], output_dir=tiny_run)
+    assert [(s.name, s.status) for s in result.stages] == [(n, "skipped") for n in ("sft", "rm", "ppo", "eval")]
+    recorded = {r["name"]: r["figures"] for r in _state(tiny_run)["records"]}
+    assert {s.name: s.figures for s in result.stages} == recorded and "win_rate/reward_model" in recorded["eval"]
+    assert result.failed_gates == [] and result.report == os.path.join(tiny_run, "report.html")
+
+
 def test_a_wrong_key_in_the_fourth_stage_stops_before_the_first(tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["pipeline", "--config", TINY, f"output_dir={out}", "eval.generation.temprature=1"]) == 2

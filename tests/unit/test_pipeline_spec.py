@@ -69,6 +69,27 @@ def test_a_label_stages_serving_options_are_checked_with_the_file():
             resolve(label, up, "out", 1, "p.yaml: stage 1 (label)")
 
 
+def test_the_docs_pipeline_files_resolve_whole(tmp_path):
+    """docs/pipeline.md's copy-and-edit file and its iterated example: every stage's config built and validated as the
+    pipeline does before the first stage (the data files are the user's to point at)."""
+    import os
+    import re
+
+    import yaml
+
+    from rlhfkit.pipeline.runner import Runner
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "pipeline.md"), encoding="utf-8") as f:
+        files = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", f.read(), re.S)]
+    files = [f for f in files if isinstance(f, dict) and "stages" in f]
+    resolved = [Runner(read_spec("docs", data={**f, "output_dir": str(tmp_path / "run")}), plan=False).check_all()
+                for f in files]
+    assert [[r.name for r in first] for first in resolved] == [["sft", "rm", "ppo", "eval"],
+                                                               ["sft", "judge", "rm", "ppo", "eval"]]
+    assert resolved[0][2].spec.launch == ("--num_processes", "2")
+
+
 def _verdicts(gate, figures):
     return [(v.figure, v.passed) for v in check("s", gate, figures)]
 
