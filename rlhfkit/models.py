@@ -353,9 +353,9 @@ def merged_full_precision(model: PeftModel) -> PreTrainedModel:
 def token_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0, with_entropy: bool = False):
     """Per-token log-probs of `labels` under `model`, in fp32, shifted so position t scores token t+1.
 
-    The one place a forward turns into log-probs for training (preference methods, online RL): position ids follow
-    the attention mask, so left and right padding give the same values, and `temperature` must equal the sampling
-    temperature where the tokens were sampled.
+    The one place a forward turns into log-probs for training (preference methods, online RL): the mask and position
+    ids are `attention_inputs`' (left and right padding give the same values), and `temperature` must equal the
+    sampling temperature where the tokens were sampled.
 
     Args:
         input_ids, attention_mask: (B, T).
@@ -369,8 +369,7 @@ def token_logprobs(model, input_ids, attention_mask, labels, temperature: float 
     """
     from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
 
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits, first = scored_logits(model, input_ids, attention_mask, labels, position_ids)
+    logits, first = scored_logits(model, input_ids, attention_mask, labels)
     targets = labels[:, first + 1 :]  # (B, T-1-first)
     mask = targets != -100
     logprobs = logprobs_from_logits(logits[:, :-1], targets.masked_fill(~mask, 0), temperature)  # (B, T-1-first)
@@ -386,18 +385,38 @@ def scored_logits(model, input_ids, attention_mask, labels, position_ids=None) -
 
     The prompt's logits are wasted work (the LM head and its (T, V) log-softmax are a large share of a small model's
     step), so they are not computed where the model takes transformers' `logits_to_keep` (most causal LMs do);
-    otherwise the full logits are computed and sliced. `logits[:, i]` predicts the token at `first + i + 1`.
+    otherwise the full logits are computed and sliced. `logits[:, i]` predicts the token at `first + i + 1`. A padded
+    batch runs with `attention_inputs(attention_mask)`; a padding-free row (`types.PaddingFreeBatch`) comes with no
+    mask and its own `position_ids`.
     """
     scored = (labels[:, 1:] != -100).any(0)
     first = int(scored.float().argmax()) if bool(scored.any()) else labels.shape[1] - 1
     keep = labels.shape[1] - first  # >= 1 (0 would mean "all" to transformers)
     kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(unwrap_model(model))) else {}
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if attention_mask is None:  # a padding-free row (`types.PaddingFreeBatch`): transformers reads its position ids as
-        kwargs["use_cache"] = False  # sequence boundaries only without a KV cache (else attention crosses them)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    inputs = attention_inputs(attention_mask) if attention_mask is not None else {"attention_mask": None}
+    if attention_mask is None and position_ids is not None:
+        inputs["position_ids"] = position_ids
+    if inputs["attention_mask"] is None:  # transformers reads position ids as a padding-free row's sequence
+        kwargs["use_cache"] = False  # boundaries only without a KV cache (else attention crosses them); none is wanted
+    logits = model(input_ids=input_ids, **inputs, **kwargs).logits
     return logits[:, logits.shape[1] - keep :], first
+
+
+def attention_inputs(attention_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The `attention_mask` and `position_ids` a padded batch (B, T) is run with.
+
+    A batch with a pad before some real token (left-padded prompts) keeps its mask, with position ids that follow it
+    (cumsum - 1), so left and right padding give the same values. A right-padded batch (each row its real tokens,
+    then pads, or none: what every offline collator makes) needs neither: under causal attention no real token reads
+    a later pad, and its positions 0..L-1 are the default ones. Without a mask, SDPA and flash attention run their
+    causal kernels (no (B, 1, T, T) mask built or read, the blocks above the diagonal skipped) and the rotary
+    embedding is computed for one row, not B: the same values on every real token (bit for bit with CPU SDPA:
+    tests/unit/test_models.py), the pads' own outputs, which nothing reads, aside.
+    """
+    mask = attention_mask.long()
+    if not bool((mask[:, 1:] > mask[:, :-1]).any()):  # no pad followed by a real token
+        return {"attention_mask": None, "position_ids": None}
+    return {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from torch import Tensor
 from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.data.formats import is_conversational
 from rlhfkit.errors import TemplateError, UserError
-from rlhfkit.models import load_reward_model, load_tokenizer, unwrap_model
+from rlhfkit.models import attention_inputs, load_reward_model, load_tokenizer, unwrap_model
 from rlhfkit.ops import segment_sum
 from rlhfkit.reward_functions import (
     RewardFunction, RewardInputs, RewardLogs, load_reward_function, unique_names, warn_unscored_once,
@@ -61,9 +61,9 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor | None, positi
 
     The model is called through its own forward (so peft, DDP and FSDP wrappers see an ordinary call) and the
     per-token scores (B, T, 1) are read from the `score` head with a forward hook; under a peft SEQ_CLS wrapper
-    that head routes to the trained copy (modules_to_save), so LoRA + head training works. Position ids follow the
-    mask (cumsum - 1), so left and right padding give the same values. A PPO critic reads its values here. A
-    padding-free row (`types.PaddingFreeBatch`) comes with no mask and its own `position_ids`.
+    that head routes to the trained copy (modules_to_save), so LoRA + head training works. A padded batch runs with
+    `models.attention_inputs(attention_mask)` (left and right padding give the same values). A PPO critic reads its
+    values here. A padding-free row (`types.PaddingFreeBatch`) comes with no mask and its own `position_ids`.
     """
     base = unwrap_model(model)
     head = getattr(base, "score", None)
@@ -75,10 +75,8 @@ def token_scores(model, input_ids: Tensor, attention_mask: Tensor | None, positi
     captured: list[Tensor] = []
     handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        mask = attention_mask.long() if attention_mask is not None else None
-        if mask is not None:
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # clamp: left-pad positions get 0, and are never read
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        inputs = attention_inputs(attention_mask) if attention_mask is not None else {"position_ids": position_ids}
+        out = model(input_ids=input_ids, **inputs, use_cache=False)
     finally:
         handle.remove()
     scores = captured[-1][..., 0].float()  # (B, T, 1) -> (B, T)

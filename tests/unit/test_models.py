@@ -381,3 +381,93 @@ def test_sft_loss_is_unchanged_by_skipping_prompt_logits(tiny_dir):
         nll, _ = token_nll(logits, labels[:, first:])
     assert first == 3
     torch.testing.assert_close(nll.sum(), full_nll.sum(), atol=1e-5, rtol=1e-6)
+
+
+# 5. Right-padded batches run without a padding mask ---------------------------------------------------------------
+
+
+class _Recording(torch.nn.Module):
+    """A model that records the attention inputs of every forward it is given, then runs `inner` with them."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.calls = inner, inner.config, []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, **kwargs):
+        self.calls.append((attention_mask, position_ids))
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache, **kwargs)
+
+
+def _padded(left: bool):
+    """Three rows of 3, 5 and 6 real tokens in a width of 6, padded on the right (or the left), labels on the last
+    two real tokens of each row."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 5, 6]
+    ids = torch.full((3, 6), 2)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    labels = torch.full((3, 6), -100)
+    for r, n in enumerate(lengths):
+        cols = slice(6 - n, 6) if left else slice(0, n)
+        ids[r, cols] = torch.randint(3, 60, (n,), generator=g)
+        mask[r, cols] = 1
+        labels[r, cols] = ids[r, cols]
+        labels[r, cols.start : cols.stop - 2] = -100
+    return ids, mask, labels
+
+
+def test_attention_inputs_drop_the_mask_of_a_right_padded_batch_only():
+    from rlhfkit.models import attention_inputs
+
+    _, right, _ = _padded(left=False)
+    assert attention_inputs(right) == {"attention_mask": None, "position_ids": None}
+    assert attention_inputs(torch.ones(2, 4, dtype=torch.long)) == {"attention_mask": None, "position_ids": None}
+    _, left, _ = _padded(left=True)
+    got = attention_inputs(left)
+    assert torch.equal(got["attention_mask"], left)
+    assert got["position_ids"].tolist() == [[0, 0, 0, 0, 1, 2], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]
+    gap = torch.tensor([[1, 1, 0, 1]])  # a masked column between real tokens (the tool loop's): the mask stays
+    assert torch.equal(attention_inputs(gap)["attention_mask"], gap)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "peft"])
+def test_right_padded_logprobs_and_scores_are_those_of_the_masked_forward(tiny_dir, lora):
+    """A right-padded batch runs without its mask (causal attention alone reads no pad) and gets, bit for bit, the
+    log-probs and scores the masked forward with mask-following position ids gives; a left-padded batch keeps its
+    mask, and its values equal the right-padded ones."""
+    from rlhfkit.models import scored_logits, token_logprobs
+    from rlhfkit.rewards import token_scores
+
+    if lora:
+        policy, _ = _trained_lora(tiny_dir, lambda c, t: load_causal_lm(c, t))
+        scorer, _ = _trained_lora(tiny_dir, lambda c, t: load_reward_model(c, t))
+    else:
+        torch.manual_seed(0)
+        policy = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        scorer = AutoModelForSequenceClassification.from_pretrained(tiny_dir, num_labels=1)
+    ids, mask, labels = _padded(left=False)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+    with torch.no_grad():
+        full = policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        expected = torch.log_softmax(full[:, :-1].float(), -1).gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1))[..., 0]
+        expected = expected * (labels[:, 1:] != -100)
+        recording = _Recording(policy)
+        logits, first = scored_logits(recording, ids, mask, labels)
+        got, _ = token_logprobs(recording, ids, mask, labels)
+        assert recording.calls == [(None, None)] * 2
+        assert torch.equal(logits[real[:, first:]], full[:, first:][real[:, first:]])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+        captured = []
+        handle = unwrap_peft(scorer).score.register_forward_hook(lambda m, a, out: captured.append(out[..., 0]))
+        scorer(input_ids=ids, attention_mask=mask, position_ids=positions)
+        handle.remove()
+        scores = token_scores(scorer, ids, mask)
+        assert torch.equal(scores[real], captured[0][real].float())
+
+        left_ids, left_mask, left_labels = _padded(left=True)
+        recording = _Recording(policy)
+        left, _ = token_logprobs(recording, left_ids, left_mask, left_labels)
+        assert torch.equal(recording.calls[0][0], left_mask)
+        torch.testing.assert_close(left.sum(-1), got.sum(-1), rtol=0, atol=1e-5)
