@@ -190,9 +190,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _annotate(port, stop, failures):
-    """A scripted annotator over the labelling page's API: prefers the response with more vowels. Any refusal by the
-    server, or no end within 4 minutes, interrupts the waiting pipeline (a failure, never a hang)."""
+def _more_vowels(item):
+    vowels = [sum(ch in "aeiou" for ch in item[side]) for side in ("a", "b")]
+    return "a" if vowels[0] >= vowels[1] else "b"
+
+
+def _annotate(port, stop, failures, choose=_more_vowels):
+    """A scripted annotator over the labelling page's API: `choose(item)` judges (by default, the response with more
+    vowels). Any refusal by the server, or no end within 4 minutes, interrupts the waiting pipeline (a failure, never
+    a hang)."""
     base, deadline = f"http://127.0.0.1:{port}", time.time() + 240
     try:
         while not stop.is_set():
@@ -207,9 +213,8 @@ def _annotate(port, stop, failures):
                 continue
             if item.get("done"):
                 return
-            vowels = [sum(ch in "aeiou" for ch in item[side]) for side in ("a", "b")]
             body = json.dumps({"annotator": "script", "item": item["item"], "token": item["token"],
-                               "choice": "a" if vowels[0] >= vowels[1] else "b"}).encode()
+                               "choice": choose(item)}).encode()
             req = urllib.request.Request(f"{base}/api/judge", body, {"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=5).read()
     except BaseException as exc:  # noqa: BLE001  reported by the test
@@ -239,6 +244,55 @@ def test_a_label_stage_waits_for_people_then_feeds_the_reward_model(tmp_path):
         assert sum(ch in "aeiou" for ch in p["chosen"]) >= sum(ch in "aeiou" for ch in p["rejected"])
     rm = _config(os.path.join(out, "rm"))
     assert rm["data"]["train"] == os.path.join(out, "label", "pairs.jsonl") and rm["model"]["name_or_path"] == os.path.join(out, "sft")
+
+
+def test_a_blind_human_comparison_gates_the_policy(tmp_path):
+    """A `label` stage in compare mode after the policy: the policy against SFT, blind, judged by a scripted person
+    who calls every pair a tie, so the human win rate is 1/2 and its interval's low end under 0.5: the gate stops."""
+    port, out, stop, failures = _free_port(), str(tmp_path / "run"), threading.Event(), []
+    pipeline = {"output_dir": out, "stages": [
+        {"stage": "sft", "config": "configs/sft_tiny.yaml", "overrides": {"max_steps": 2, "logging.eval_steps": 2}},
+        {"stage": "ppo", "config": "configs/ppo_tiny.yaml", "overrides": {"max_steps": 1}},
+        {"stage": "label", "config": {"mode": "compare", "prompts": "data/tiny/prompts_eval.jsonl", "max_prompts": 6,
+                                      "port": port, "poll_s": 0.1, "generation": {"max_new_tokens": 6}}}]}
+    annotator = threading.Thread(target=_annotate, args=(port, stop, failures, lambda item: "tie"), daemon=True)
+    annotator.start()
+    try:
+        with pytest.raises(GateFailed) as err:
+            rlhfkit.pipeline(pipeline)
+    except KeyboardInterrupt:
+        pytest.fail(f"the scripted annotator failed: {failures!r}")
+    finally:
+        stop.set()
+    assert "gate after 'label' FAILED: human/win_rate_low = 0." in str(err.value) and "needs > 0.5" in str(err.value)
+    assert "people do not prefer the policy" in str(err.value)
+    human = json.loads(open(os.path.join(out, "label", "human_win_rate.json")).read())
+    assert (human["model"], human["reference"]) == (os.path.join(out, "ppo"), os.path.join(out, "sft"))  # wired
+    assert (human["n"], human["ties"], human["win_rate"]) == (6, 6, 0.5) and human["interval"][0] < 0.5
+
+
+def test_the_agent_gate_stops_before_the_reward_model(tmp_path):
+    """An `eval` of the SFT model with tools: its format accuracy (0 under a format rule that accepts no turn) is under
+    the seeds' 0.95, so the pipeline stops there and the reward model after it never starts."""
+    tools, prompts = "tests.smoke.agent_eval_tools", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                           "answer": str(a + b)}) + "\n" for a, b in ((12, 30), (7, 8))))
+    out = str(tmp_path / "run")
+    pipeline = {"output_dir": out, "stages": [
+        {"stage": "sft", "config": "configs/sft_tiny.yaml",
+         "overrides": {"max_steps": 2, "logging.eval_steps": 2, "model.chat_template": "chatml_tools"}},
+        {"stage": "eval", "config": "configs/eval_tiny.yaml", "overrides": {
+            "data.eval": str(prompts), "data.max_length": 2048, "data.max_prompt_length": 1024,
+            "reward.function": f"{tools}:exact_answer", "judges": [f"done={tools}:always"],
+            "tools.functions": [f"{tools}:calculator"], "tools.max_calls": 2, "agent.task_judge": "done",
+            "agent.format_check": f"{tools}:reject"}},
+        {"stage": "rm", "config": "configs/rm_tiny.yaml", "overrides": {"max_steps": 2}}]}
+    with pytest.raises(GateFailed) as err:
+        rlhfkit.pipeline(pipeline)
+    message = str(err.value)
+    assert "gate after 'eval' FAILED: agent/format_accuracy = 0" in message and "needs >= 0.95" in message, message
+    assert "more or cleaner tool-using demonstrations" in message
+    assert _statuses(out) == {"sft": "ran", "eval": "ran"} and not os.path.exists(os.path.join(out, "rm"))
 
 
 ITERATED = {"iterations": 2, "capability": {"data": "data/tiny/sft_eval.jsonl", "max_loss_nats": 0.0,
