@@ -1,5 +1,10 @@
-"""bench/device.sh's `plan` hook: planned against measured peak memory and step time on the lent GPU.
+"""bench/device.sh's `plan` hook: the GPU's rates, then planned against measured peak memory and step time.
 
+First bench/plan_calibrate.py measures this GPU's rates (FLOP/s of training and no-grad forwards, decode bytes/s,
+the fixed costs per layer, call and decode step, the optimizer's) into $HOOK_OUT/rates.json under the GPU's name in
+the devices table: merged into rlhfkit/plan/rates.json, they turn the GPU's planned times from unmeasured into
+measured. The cells below are then planned with them (RLHFKIT_PLAN_RATES), so their "planned s" is the calibrated
+figure, beside the measured one.
 A few cells of bench/plan_grid.py's grid (SFT, DPO, GRPO, PPO on the tiny model, and on SmolLM2-135M when the
 converted GGUF is in RLHFKIT_CACHE), each run by `rlhfkit.train` for a few steps: the run's own plan.json (planned
 on this GPU's free memory, bf16 mixed precision) beside torch.cuda.max_memory_allocated and the median step time.
@@ -24,11 +29,30 @@ CELLS = [("sft", "full", False, 4, 128), ("sft", "lora", True, 4, 128), ("dpo", 
          ("dpo", "lora", False, 2, 128), ("grpo", "full", False, 2, 128), ("ppo", "lora", True, 2, 128)]
 
 
+def calibrate(out: str, budget: float) -> str | None:
+    """bench/plan_calibrate.py on this GPU (on the CPU in a dry run), no stage runs: the rates file, or None."""
+    import subprocess
+
+    path = os.path.join(out, "rates.json")
+    device = "cpu" if os.environ.get("DEVICE_DRY_RUN") == "1" else "cuda"
+    command = [sys.executable, os.path.join(ROOT, "bench", "plan_calibrate.py"), "--device", device, "--out", path,
+               "--no-stages", "--results", out] + (["--name", "cpu-dry-run"] if device == "cpu" else [])
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=budget)
+        print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
+    except subprocess.TimeoutExpired:
+        print(f"plan_calibrate: over its {budget:.0f} s", flush=True)
+    return path if os.path.isfile(path) else None
+
+
 def main() -> None:
     out = os.environ.get("HOOK_OUT", os.path.join(ROOT, ".device", "plan"))
     budget = float(os.environ.get("HOOK_BUDGET_S", "90"))
     os.makedirs(out, exist_ok=True)
     t0, rows = time.time(), []
+    rates = calibrate(out, budget / 2)
+    if rates:
+        os.environ["RLHFKIT_PLAN_RATES"] = rates
     data = write_data(tempfile.mkdtemp(prefix="plan-gpu-"))
     models = ["tiny"] + ([] if os.environ.get("DEVICE_DRY_RUN") == "1" or smollm2_dir() is None else ["smollm2"])
     for model_name in models:

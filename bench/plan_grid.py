@@ -96,8 +96,10 @@ def cell_config(stage: str, model: str, mode: str, ckpt: bool, mb: int, length: 
     return o
 
 
-def step_timer():
-    """A TrainerCallback timing each optimizer step (online: each rollout and its update)."""
+def step_timer(clock=time.perf_counter):
+    """A TrainerCallback timing each optimizer step (online: each rollout and its update) by `clock`: wall seconds,
+    or with `time.process_time` the process's CPU seconds (with OMP_NUM_THREADS=1, the work itself, little changed
+    by other jobs on the machine)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -105,10 +107,10 @@ def step_timer():
             self.times, self.last = [], None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.last = time.perf_counter()
+            self.last = clock()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
+            now = clock()
             self.times.append(now - self.last)
             self.last = now
 
@@ -137,6 +139,33 @@ def run_cell(stage: str, overrides: dict) -> dict:
             "phases": {k: v["peak_gb"] for k, v in plan["phases"].items()}, "wall_s": wall}
 
 
+TIME_STEPS = 5  # steps per timed cell: the first warms up (allocations, AdamW's states), the median of the rest
+
+
+def time_overrides(stage: str, overrides: dict, steps: int = TIME_STEPS) -> dict:
+    """A cell as timed: no memory tracker (a Python call per op: it doubles a small model's step), `steps` steps;
+    RFT two iterations of `steps` SFT steps each, its second iteration timed whole (its sampling included)."""
+    timed = {**overrides, "plan.measure": False, "max_steps": steps, "logging.save_steps": 0}
+    if stage == "rft":
+        timed["algo.iterations"] = 2
+    return timed
+
+
+def run_time_cell(stage: str, overrides: dict, steps: int = TIME_STEPS) -> dict:
+    """One cell timed in this process: CPU seconds per step (the median of the steps after the first; RFT the mean
+    over its second iteration, whose first step samples) beside the run's own planned seconds."""
+    import rlhfkit
+
+    timer = step_timer(time.process_time)
+    timed = time_overrides(stage, overrides, steps)
+    rlhfkit.train("grpo" if stage == "grpo_tools" else stage, overrides=timed, callbacks=[timer])
+    plan = json.load(open(os.path.join(timed["output_dir"], "plan.json")))
+    gc.collect()
+    measured = statistics.mean(timer.times[steps:]) if stage == "rft" else statistics.median(timer.times[1:])
+    return {"planned_s": plan["seconds_per_step"], "measured_cpu_s": measured,
+            "steps_cpu_s": [round(t, 5) for t in timer.times], "threads": __import__("torch").get_num_threads()}
+
+
 def run_cell_subprocess(stage: str, overrides: dict) -> dict:
     """The same cell in a fresh process (peak RSS meaningful)."""
     code = ("import json,sys;sys.path.insert(0,%r);from bench.plan_grid import run_cell;"
@@ -150,8 +179,9 @@ def run_cell_subprocess(stage: str, overrides: dict) -> dict:
     return json.loads(line[len("RESULT"):])
 
 
-def replan(rows: list[dict]) -> None:
-    """Each measured cell's plan again, from its config, as the run itself plans (on cpu)."""
+def replan(rows: list[dict], timed: bool = False) -> None:
+    """Each measured cell's plan again, from its config, as the run itself plans (on cpu); `timed`: as the time pass
+    ran it (`time_overrides`)."""
     import rlhfkit
 
     data = write_data(tempfile.mkdtemp(prefix="plan-grid-"))
@@ -160,6 +190,8 @@ def replan(rows: list[dict]) -> None:
             continue
         model = "tiny" if r["model"] == "tiny" else smollm2_dir()
         overrides = cell_config(r["stage"], model, r["mode"], r["ckpt"], r["mb"], r["length"], data, "/tmp/unused")
+        overrides = time_overrides(r["stage"], overrides, len(r["steps_cpu_s"]) // (2 if r["stage"] == "rft" else 1)) \
+            if timed else overrides
         plan = rlhfkit.plan("grpo" if r["stage"] == "grpo_tools" else r["stage"], overrides=overrides, device="cpu")
         r.update(planned_gb=plan.peak_gb, planned_s=plan.seconds_per_step,
                  phases={ph.name: ph.total / 2**30 for ph in plan.phases})
@@ -178,10 +210,31 @@ def summarise(rows: list[dict]) -> dict:
             "time_cells": len(timed)}
 
 
+TIMES = os.path.join(ROOT, "bench", "data", "plan_grid_times.json")
+
+
+def cell_key(r: dict) -> tuple:
+    return r["model"], r["stage"], r["mode"], r["ckpt"], r["mb"], r["length"]
+
+
+def join_times(rows: list[dict], path: str = TIMES) -> tuple[list[dict], dict]:
+    """The memory cells with their step time from the time pass (`--time`: CPU seconds per step, no tracker)
+    in place of the wall seconds measured beside the tracker; the time pass's meta."""
+    timed = json.load(open(path)) if os.path.isfile(path) else {"rows": [], "meta": {}}
+    by_key = {cell_key(t): t for t in timed["rows"] if "error" not in t}
+    joined = []
+    for r in rows:
+        t = by_key.get(cell_key(r))
+        joined.append({**r, "measured_s": t["measured_cpu_s"] if t else None,
+                       "planned_s": t["planned_s"] if t else r.get("planned_s")})
+    return joined, timed.get("meta", {})
+
+
 def publish(rows: list[dict], meta: dict) -> None:
     """The table of the measured cells, with its summary, through bench/results.py (date, machine and commit)."""
     from results import record
 
+    rows, time_meta = join_times(rows)
     s = summarise(rows)
     table = []
     for r in rows:
@@ -194,12 +247,48 @@ def publish(rows: list[dict], meta: dict) -> None:
              f"{s['memory_under_by_more_than_15pct']} planned more than 15% under. Time: {s['time_within_25pct']} of "
              f"{s['time_cells']} within ±25%.",
              f"The cells were run in pieces ({meta['command']}), the last on {meta['when']} at load average "
-             f"{meta['load']:.1f} on {meta['cores']} cores shared with other jobs: the times are noisy, and the "
-             "planned times use nominal CPU rates (no measured efficiency yet)."]
+             f"{meta['load']:.1f} on {meta['cores']} cores shared with other jobs.",
+             time_note(time_meta)]
     record("plan_grid", "rlhfkit plan against the measured peak, CPU grid",
            ["model", "stage", "mode", "ckpt", "micro-batch", "length", "planned GB", "measured GB", "ratio",
             "planned s", "measured s"], table, command="nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py",
            notes=notes)
+
+
+def time_note(meta: dict) -> str:
+    """How the time column was measured."""
+    if not meta:
+        return "Time: no cell timed yet (`--time`)."
+    return (f"Time: CPU seconds per step of the process (time.process_time, {meta.get('threads')} thread), the "
+            f"median of the steps after the first (RFT: its second iteration, sampling included), without the memory "
+            f"tracker, by `{meta['command']}`, the last on {meta['when']} at load average {meta['load']:.1f}; planned "
+            "at the rates of rlhfkit/plan/rates.json (bench/plan_calibrate.py, on other shapes).")
+
+
+def run_times(args, cells: list[tuple]) -> None:
+    """The time pass: each cell of `cells` timed (`run_time_cell`) into args.times, rows already there kept."""
+    done = json.load(open(args.times)) if os.path.isfile(args.times) else {"rows": []}
+    done["rows"] = [r for r in done["rows"] if "error" not in r]
+    seen = {cell_key(r) for r in done["rows"]}
+    work = tempfile.mkdtemp(prefix="plan-grid-time-")
+    data = write_data(work)
+    for model_name, stage, mode, ckpt, mb, length in cells:
+        row = {"model": model_name, "stage": stage, "mode": mode, "ckpt": ckpt == "on", "mb": mb, "length": length}
+        if cell_key(row) in seen:
+            continue
+        model = "tiny" if model_name == "tiny" else smollm2_dir()
+        overrides = cell_config(stage, model, mode, ckpt == "on", mb, length, data, os.path.join(work, "run"))
+        try:
+            row.update(run_time_cell(stage, overrides, args.steps))
+        except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the pass goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
+        print(json.dumps(row), flush=True)
+        done["rows"].append(row)
+        done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
+                        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
+                        "threads": row.get("threads")}
+        with open(args.times, "w") as f:
+            json.dump(done, f, indent=1)
 
 
 def main() -> None:
@@ -214,13 +303,26 @@ def main() -> None:
     parser.add_argument("--subprocess", action="store_true", help="each cell in a fresh process (peak RSS too)")
     parser.add_argument("--cells", default=os.path.join(ROOT, "bench", "data", "plan_grid_cells.json"),
                         help="where each cell's measurement is kept")
+    parser.add_argument("--time", action="store_true", help="the time pass: CPU seconds per step without the tracker, "
+                                                            "into --times (the memory cells file untouched)")
+    parser.add_argument("--time-steps", type=int, default=TIME_STEPS, help="steps per timed cell")
+    parser.add_argument("--times", default=TIMES, help="where each cell's timing is kept")
     parser.add_argument("--replan", action="store_true", help="plan every recorded cell again (no run): the planner "
                                                               "changed, the measurements stand")
     args = parser.parse_args()
     globals()["STEPS"] = args.steps
+    cells = list(itertools.product(args.models, args.stages, args.modes, args.ckpt, args.micro, args.lengths))
+    if args.time:
+        args.steps = args.time_steps
+        return run_times(args, cells)
     path = args.cells
     done = json.load(open(path)) if os.path.isfile(path) else {"rows": []}
     if args.replan:
+        if os.path.isfile(args.times):  # the time pass's planned seconds too
+            timed = json.load(open(args.times))
+            replan(timed["rows"], timed=True)
+            with open(args.times, "w") as f:
+                json.dump(timed, f, indent=1)
         replan(done["rows"])
         done["summary"] = summarise(done["rows"])
         with open(path, "w") as f:

@@ -45,7 +45,8 @@ class Plan:
     suggestions: tuple[Suggestion, ...]  # changes that lower the peak, largest saving first
     seconds_per_step: float | None  # an optimizer step (online: a rollout and its update); None without rates
     time_phases: dict[str, float]
-    time_measured: bool  # the efficiencies behind seconds_per_step were measured on this device
+    time_measured: bool  # the rates behind seconds_per_step were measured on this device (bench/plan_calibrate.py)
+    time_basis: str  # where those rates come from: date, machine, commit and the thread count they assume
     steps: int | None  # max_steps, when the config sets it
     smallest_device: str | None  # the smallest device of the table it fits on (None: none)
 
@@ -105,7 +106,7 @@ def plan_for(stage: str, cfg: Any, *, device: str | Device | None = None, memory
     return Plan(stage=stage, model=cfg.model.name_or_path, device=dev.name if dev else None,
                 memory_gb=dev.memory_gb if dev else None, processes=processes, sharding=shard.strategy,
                 phases=planned, peak_gb=peak, fits=fits, suggestions=tuple(found), seconds_per_step=timing.seconds,
-                time_phases=timing.phases, time_measured=timing.measured,
+                time_phases=timing.phases, time_measured=timing.measured, time_basis=timing.basis,
                 steps=cfg.max_steps if cfg.max_steps > 0 else None, smallest_device=smallest)
 
 

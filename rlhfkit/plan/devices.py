@@ -1,5 +1,5 @@
 """The devices a plan can be made for: memory, bf16 FLOP/s and memory bandwidth from the vendors' data sheets, plus
-`cpu` (this machine's RAM), and the efficiencies measured in bench/ that turn peak rates into step times.
+`cpu` (this machine's RAM). What each achieves of them, where measured, is in rates.json (`rlhfkit.plan.timing`).
 
 GB in plans means 2**30 bytes, the unit `torch.cuda.mem_get_info` and nvidia-smi report; a GPU's `memory_gb` is the
 total torch reports for it (slightly under the sheet's figure: the driver keeps the rest).
@@ -36,17 +36,9 @@ DEVICES = {
 ALIASES = {"h100": "H100-80GB", "h200": "H200-141GB", "a100": "A100-80GB", "a100-40": "A100-40GB",
            "a100-80": "A100-80GB", "l4": "L4", "4090": "RTX-4090", "rtx4090": "RTX-4090"}
 
-# Efficiency = achieved / sheet rate, per device and phase, measured by bench/plan_grid.py (CPU) and
-# bench/device.sh (GPU rows). "forward_backward": training forwards and backwards against FLOP/s; "decode": a
-# generation step against bandwidth; "prefill": no-grad forwards (prefill, scoring) against FLOP/s. A device missing
-# here is planned with DEFAULT_EFFICIENCY and its time marked unmeasured.
-MEASURED_EFFICIENCY: dict[str, dict[str, float]] = {}
-DEFAULT_EFFICIENCY = {"forward_backward": 0.4, "prefill": 0.4, "decode": 0.3}
-
-
 def cpu_device() -> Device:
     """This machine: its RAM, and a nominal fp32 rate of 32 FLOP per cycle per core at 2.5 GHz (AVX-512 FMA) and
-    20 GB/s per core up to 100 GB/s; what it achieves of them is the measured efficiency."""
+    20 GB/s per core up to 100 GB/s: the fallback when rates.json holds no measurement for `cpu`."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -79,9 +71,3 @@ def memory_device(memory_gb: float) -> Device:
     if not memory_gb > 0:
         raise UserError(f"memory_gb: expected a positive number of GB, got {memory_gb}")
     return Device(f"{memory_gb:g} GB", float(memory_gb), 0.0, 0.0, "memory given")
-
-
-def efficiency(device: Device, phase: str) -> tuple[float, bool]:
-    """(efficiency, measured?) of `phase` on `device`."""
-    measured = MEASURED_EFFICIENCY.get(device.name, {})
-    return (measured[phase], True) if phase in measured else (DEFAULT_EFFICIENCY[phase], False)

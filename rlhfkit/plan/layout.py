@@ -9,6 +9,7 @@ run can meet. A batch of shorter rows needs less.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -67,6 +68,15 @@ class Layout:
     optimizer_steps: int  # optimizer steps per planned step (online: ppo_epochs × num_minibatches)
     micro_batches: int  # micro-batches per planned step
     release_reference: bool  # dpo's precompute_ref_logprobs: the reference is freed before training
+    # Time only: how many times per planned step the `frozen` forwards and the `generation` run (online: the frozen
+    # forwards once per rollout, not per epoch; RFT: an iteration's sampling spread over its SFT steps).
+    frozen_batches: float = 1.0
+    generations_per_step: float = 1.0
+    # Time only, online stages but online DPO: where π_old comes from (`trainers.experience.old_logprob_source`):
+    # "recompute" (the first of `frozen` runs), "free" (the update's or the sampler's log-probs), "free_in_fp32"
+    # (the sampler's where the run computes in fp32: on the CPU, not under a GPU's bf16); "" elsewhere.
+    pi_old: str = ""
+    value_adapter: bool = False  # time only: PPO's critic is a second adapter on the policy's base (a pass of its own)
 
 
 Loader = Callable[..., ModelShape]
@@ -93,7 +103,8 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     mb, length = cfg.optim.per_device_batch_size, cfg.data.max_length
     if stage in ("sft", "rm", "orpo"):
         rows = mb * (2 if stage in ("rm", "orpo") else 1)
-        return Layout(**{**base, "trained": Forward(rows, length, 0 if stage == "rm" else length, True)})
+        return Layout(**{**base, "trained": Forward(rows, length, 0 if stage == "rm" else length, True),
+                         "frozen_batches": 0})
     if stage in ("dpo", "kto"):
         return _offline_reference(stage, cfg, base, policy, load)
     if stage == "rft":
@@ -119,7 +130,8 @@ def _offline_reference(stage: str, cfg: Any, base: dict, policy: ModelShape, loa
         frozen = frozen + [Forward(mb, length, length, False, True)] * 2
     precompute = stage == "dpo" and a.precompute_ref_logprobs
     return Layout(**{**base, "reference": reference, "trained": Forward(rows, length, length, True),
-                     "frozen": () if precompute else tuple(frozen), "release_reference": precompute})
+                     "frozen": () if precompute else tuple(frozen), "release_reference": precompute,
+                     "frozen_batches": base["micro_batches"]})
 
 
 def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader) -> Layout:
@@ -129,9 +141,16 @@ def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader)
     gen = Generation(cfg.algo.sampling_batch_size * g.num_samples, cfg.data.max_prompt_length, g.max_new_tokens,
                      g.compile, g.top_p < 1)
     score = Forward(mb, cfg.data.max_prompt_length + g.max_new_tokens, 0, False)
+    # An iteration samples its prompts in batches, then trains max_steps SFT steps (else num_epochs over the kept
+    # best samples, at most one a prompt); without prompts_per_iteration (every prompt) one batch is assumed.
+    per_iteration = cfg.algo.prompts_per_iteration or cfg.algo.sampling_batch_size
+    sft_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(
+        cfg.num_epochs * math.ceil(per_iteration / (mb * cfg.optim.grad_accum_steps)))
+    share = math.ceil(per_iteration / cfg.algo.sampling_batch_size) / max(1, sft_steps)
     return Layout(**{**base, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
                      "trained": Forward(mb, cfg.data.max_length, cfg.data.max_length, True), "generation": gen,
-                     "frozen": (score,) * len(rewards)})
+                     "frozen": (score,) * len(rewards), "generations_per_step": share,
+                     "frozen_batches": share * math.ceil(gen.rows / mb)})
 
 
 def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader) -> Layout:
@@ -150,6 +169,7 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
         trained = Forward(2 * mb, length, logit_len, True)
         return Layout(**{**base, "reference": reference, "rewards": rewards, "generation": gen, "trained": trained,
                          "rewards_4bit": cfg.reward.quantization.load_in_4bit, "micro_batches": max(1, rows // (2 * mb)),
+                         "frozen_batches": max(1, rows // (2 * mb)),
                          "frozen": (Forward(2 * mb, length, logit_len, False, True),) + (score,) * len(rewards)})
     algo = ALGORITHMS[a.algorithm]
     monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
@@ -163,11 +183,24 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
     frozen = [Forward(mb, length, logit_len, False)] * (1 + (reference is not None or monitor))  # π_old, π_ref
     frozen += [score] * (len(rewards) + (critic is not None or algo.needs_value))
     steps = a.ppo_epochs * a.num_minibatches
-    return Layout(**{**base, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
+    value_adapter = algo.needs_value and cfg.model.lora.enabled and not a.value_model
+    return Layout(**{**base, "pi_old": _pi_old(cfg, algo), "value_adapter": value_adapter, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
                      "critic": critic, "adapters": adapters, "generation": gen, "entropy": a.entropy_coef > 0,
                      "trained": Forward(mb, length, logit_len, True), "frozen": tuple(frozen),
                      "optimizer_steps": steps, "accum": max(1, rows // a.num_minibatches // mb),
-                     "micro_batches": a.ppo_epochs * max(1, rows // mb)})
+                     "micro_batches": a.ppo_epochs * max(1, rows // mb), "frozen_batches": max(1, rows // mb)})
+
+
+def _pi_old(cfg: Any, algo: Any) -> str:
+    """`trainers.experience.old_logprob_source` resolved from the config alone (the precision is the device's)."""
+    a = cfg.algo
+    if a.old_logprob_source == "recompute":
+        return "recompute"
+    if a.ppo_epochs * a.num_minibatches == 1 and not algo.kl_in_reward or a.old_logprob_source == "sampler":
+        return "free"
+    exact = (cfg.generation.engine == "rlhfkit" and not cfg.model.quantization.load_in_4bit
+             and not cfg.tools.functions and cfg.tools.environment is None)
+    return "free_in_fp32" if exact and getattr(a, "rollout_correction", "none") == "none" else "recompute"
 
 
 def with_changes(cfg: Any, changes: dict[str, Any]) -> Any:

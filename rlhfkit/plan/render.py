@@ -21,7 +21,7 @@ def render(plan) -> str:
                      f"with a 5% margin)")
     lines.append(f"  smallest device it fits on: {plan.smallest_device or 'none of the table (see suggestions)'}")
     if plan.seconds_per_step is not None:
-        note = "" if plan.time_measured else " (efficiency not measured on this device: a rough figure)"
+        note = f" ({plan.time_basis})" if plan.time_measured else " (rates not measured on this device: a rough figure)"
         hours = f", {plan.hours:.2f} h for {plan.steps} steps" if plan.hours is not None else ""
         lines.append(f"  time: {plan.seconds_per_step:.3g} s/step{hours}{note}")
     if plan.suggestions:

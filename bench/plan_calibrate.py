@@ -1,0 +1,386 @@
+"""The rates `rlhfkit plan` turns FLOPs, bytes and counts into seconds with, measured on this machine.
+
+    nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_calibrate.py [--device cpu|cuda] [--out FILE] [--no-stages]
+
+Every figure is the process's own CPU seconds (`time.process_time`, the median of several repeats after a warm-up)
+on one thread, so a loaded machine changes it little; on a GPU, wall seconds after `torch.cuda.synchronize`. The
+models are random Llama-style decoders built here, on shapes that are NOT those of bench/plan_grid.py's cells (the
+grid checks the planner; this bench feeds it), loaded through `rlhfkit.models` as a stage loads them (LoRA, 4-bit
+QLoRA, gradient checkpointing):
+
+- the achieved FLOP/s of a training forward+backward and of a no-grad forward (a wide model, where the matmuls
+  dominate), and the bytes per second a decode step reads (a 60M-parameter model, which no cache holds);
+- the fixed cost of one decoder layer (the operators' dispatch, which dominates small models) in a training
+  forward+backward, a no-grad forward and a decode step, per mode (full, LoRA, QLoRA, each with and without gradient
+  checkpointing for training), and its cost per token; one model call's fixed cost and its cost per token with
+  logits; fitted by least squares on the same narrow model at 1, 3 and 5 layers and three lengths;
+- AdamW's step (with clipping and zeroing) per parameter and per parameter tensor;
+- each stage's own per-step work beyond all of the above (batching, rewards, advantages, logging), as the median
+  CPU seconds of a real `rlhfkit.train` step on a calibration model minus what the planner counts for that step.
+
+The figures go to rlhfkit/plan/rates.json under the device's name (`cpu`, or the GPU's name in the devices table),
+with the date, machine, commit, thread count and load average; `rlhfkit.plan.timing` reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import torch  # noqa: E402
+
+RATES = os.path.join(ROOT, "rlhfkit", "plan", "rates.json")
+MODES = {"full": (False, False), "lora": (True, False), "qlora": (True, True)}  # (LoRA, 4-bit base)
+# Calibration shapes (hidden, intermediate, heads, kv heads, layers, vocab): none is a grid model's (tiny: 64/2
+# layers; SmolLM2-135M: 576/30 layers).
+NARROW = dict(hidden=48, intermediate=96, heads=4, kv_heads=2, vocab=160)
+WIDE = dict(hidden=512, intermediate=1376, heads=8, kv_heads=4, layers=2, vocab=4096)
+BIG = dict(hidden=768, intermediate=2048, heads=12, kv_heads=4, layers=8, vocab=8192)
+# A GPU reaches its rates only on larger matmuls: 0.2B and 0.5B-parameter decoders, in bf16.
+GPU_WIDE = dict(hidden=2048, intermediate=5632, heads=16, kv_heads=8, layers=4, vocab=32000)
+GPU_BIG = dict(hidden=2048, intermediate=5632, heads=16, kv_heads=8, layers=8, vocab=32000)
+REPEATS = 9
+
+
+class Clock:
+    """CPU seconds of this process (one thread), or wall seconds after a CUDA synchronize on a GPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def now(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def median(self, fn, repeats: int = REPEATS) -> float:
+        fn()  # warm-up: allocations, optimizer states, kernels
+        times = []
+        for _ in range(repeats):
+            t0 = self.now()
+            fn()
+            times.append(self.now() - t0)
+        return statistics.median(times)
+
+
+def build(directory: str, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int, vocab: int) -> str:
+    """A random Llama decoder saved to `directory`, with the tiny model's tokenizer files (so it loads as a stage's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.model_sources import resolve_model_path
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=vocab,
+                         max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
+                         bos_token_id=1)
+    model = LlamaForCausalLM(config)
+    (model.to(torch.bfloat16) if hidden >= 2048 else model).save_pretrained(directory)  # the GPU's shapes: bf16
+    tiny = resolve_model_path(ModelConfig(name_or_path="tiny"))
+    for name in os.listdir(tiny):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            shutil.copy(os.path.join(tiny, name), directory)
+    return directory
+
+
+def load(directory: str, mode: str, ckpt: bool, device: str, trainable: bool = True):
+    """The model as a stage loads it (`rlhfkit.models.load_causal_lm`); on a GPU in bf16 (its tensor cores' rate)."""
+    from rlhfkit.config import LoraConfig, ModelConfig, QuantizationConfig
+    from rlhfkit.models import load_causal_lm
+
+    lora, four_bit = MODES[mode]
+    cfg = ModelConfig(name_or_path=directory, lora=LoraConfig(enabled=lora, r=8), gradient_checkpointing=ckpt,
+                      quantization=QuantizationConfig(load_in_4bit=four_bit),
+                      dtype="bfloat16" if device == "cuda" else "float32")
+    model = load_causal_lm(cfg, trainable=trainable)
+    return model if four_bit else model.to(device)
+
+
+def shape_of(directory: str):
+    from rlhfkit.plan.shape import load_shape
+
+    return load_shape(directory, "calibration model")
+
+
+def tokens(rows: int, length: int, vocab: int, device: str) -> torch.Tensor:
+    return torch.randint(3, min(vocab, 100), (rows, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def train_pass(model, ids):
+    def run():
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return run
+
+
+def forward_pass(model, ids):
+    def run():
+        with torch.no_grad():
+            model.eval()
+            model(input_ids=ids)
+    return run
+
+
+def decode_run(model, rows: int, prompt: int, new: int, device: str):
+    """rlhfkit's decode engine, `new` tokens for each of `rows` rows (no row stops early: no EOS id is ever drawn)."""
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.generation import generate
+    from rlhfkit.types import PromptBatch
+
+    ids = tokens(rows, prompt, 100, device)
+    batch = PromptBatch(ids, torch.ones_like(ids))
+    params = GenerationConfig(max_new_tokens=new)
+    return lambda: generate(model, batch, params, eos_token_id=-1, pad_token_id=0)
+
+
+LAYERS, LENGTHS = (1, 3, 5), (32, 96, 192)  # the narrow model's depths and lengths the fixed costs are fitted on
+
+
+def split_costs(t: dict) -> tuple[float, float, float, float]:
+    """(per layer, per call, per layer-token, per call-token) seconds, least squares over t[layers, tokens] (FLOPs
+    already taken off): t = layers·(a + c·tokens) + b + d·tokens."""
+    import numpy as np
+
+    keys = [k for k in t if isinstance(k[1], int)]
+    x = np.array([[n, 1.0, n * tok, tok] for n, tok in keys])
+    a, b, c, d = np.linalg.lstsq(x, np.array([t[k] for k in keys]), rcond=None)[0]
+    return float(a), float(b), float(c), float(d)
+
+
+def layer_costs(clock: Clock, work: str, device: str, rates: dict) -> dict:
+    """Per mode: one layer's fixed cost and its cost per token in a training forward+backward (with and without
+    checkpointing) and a no-grad forward, its fixed cost in a decode step; one call's fixed cost and cost per token;
+    from the narrow model at 1, 3 and 5 layers and three lengths (the FLOPs' share taken off at the rates measured on
+    the wide model). Per-token costs are stored per element of the widths they run over: a layer's hidden +
+    intermediate (its norms, activations, rotary, residuals; small matmuls' shortfall), a call's vocabulary (the
+    log-softmax and the loss over the logits)."""
+    from rlhfkit.plan.layout import Forward
+    from rlhfkit.plan.timing import forward_flops
+
+    dirs = {n: build(os.path.join(work, f"narrow{n}"), layers=n, **NARROW) for n in LAYERS}
+    shapes = {n: shape_of(d) for n, d in dirs.items()}
+    rows, lengths, dec_rows, prompt, new = 3, LENGTHS, 6, 12, 24
+    width, vocab = NARROW["hidden"] + NARROW["intermediate"], NARROW["vocab"]
+    out = {k: {} for k in ("layer_train", "token_train", "layer_forward", "token_forward", "layer_decode", "calls")}
+    for mode in MODES:
+        for ckpt in (False, True):
+            t, f = {}, {}
+            for n, d in dirs.items():
+                model = load(d, mode, ckpt, device)
+                backward = 2 if mode == "full" else 1
+                for length in lengths:
+                    ids, tok = tokens(rows, length, vocab, device), rows * length
+                    flops = forward_flops(shapes[n], "lm", Forward(rows, length, length, True)) * (1 + backward + ckpt)
+                    t[n, tok] = clock.median(train_pass(model, ids)) - flops / rates["train_flops"]
+                    if not ckpt:
+                        flops = forward_flops(shapes[n], "lm", Forward(rows, length, length, False))
+                        f[n, tok] = clock.median(forward_pass(model, ids)) - flops / rates["forward_flops"]
+                if not ckpt:
+                    f[n, "dec"] = clock.median(decode_run(model, dec_rows, prompt, new, device), 3)
+            key = mode + ("+ckpt" if ckpt else "")
+            a, b, c, d = split_costs(t)
+            out["layer_train"][key], out["token_train"][key] = a, c / width
+            out["calls"][f"train {key}"], out["calls"][f"train token {key}"] = b, d / vocab
+            if not ckpt:
+                a, b, c, d = split_costs(f)
+                out["layer_forward"][mode], out["token_forward"][mode] = a, c / width
+                out["calls"][f"forward {mode}"], out["calls"][f"forward token {mode}"] = b, d / vocab
+                # a decode run: the prefill (a no-grad forward of dec_rows x prompt tokens) and `new` steps
+                per_step = {n: (f[n, "dec"] - (n * (a + c * dec_rows * prompt) + b + d * dec_rows * prompt)) / new
+                            for n in dirs}
+                slope = (per_step[LAYERS[-1]] - per_step[LAYERS[0]]) / (LAYERS[-1] - LAYERS[0])
+                out["layer_decode"][mode] = slope
+                out["calls"][f"decode {mode}"] = statistics.mean(per_step[n] - slope * n for n in dirs)
+            print(json.dumps({"mode": key, **{str(k): round(v, 6) for k, v in {**t, **f}.items()}}), flush=True)
+    return out
+
+
+def compute_rates(clock: Clock, work: str, device: str, overhead: dict) -> dict:
+    """Achieved FLOP/s of training and no-grad forwards on the wide model, and decode bytes/s on the big one, each
+    after its fixed costs (`overhead`: per layer and per call, zero on the first pass)."""
+    from rlhfkit.plan.layout import Forward
+    from rlhfkit.plan.timing import forward_flops
+
+    wide_shape, big_shape = (GPU_WIDE, GPU_BIG) if device == "cuda" else (WIDE, BIG)
+    wide = build(os.path.join(work, "wide"), **wide_shape) if not os.path.isdir(os.path.join(work, "wide")) else \
+        os.path.join(work, "wide")
+    s = shape_of(wide)
+    rows, length = (8, 512) if device == "cuda" else (2, 160)
+    ids = tokens(rows, length, wide_shape["vocab"], device)
+    model = load(wide, "full", False, device)
+    n, width = rows * length, s.hidden + s.intermediate
+    fixed_train = s.layers * (overhead.get("layer_train", 0) + overhead.get("token_train", 0) * width * n) + \
+        overhead.get("call_train", 0) + overhead.get("logit_train", 0) * s.vocab * n
+    fixed_fwd = s.layers * (overhead.get("layer_forward", 0) + overhead.get("token_forward", 0) * width * n) + \
+        overhead.get("call_forward", 0) + overhead.get("logit_forward", 0) * s.vocab * n
+    t_train = clock.median(train_pass(model, ids), 3)
+    t_fwd = clock.median(forward_pass(model, ids), 3)
+    train_flops = 3 * forward_flops(s, "lm", Forward(rows, length, length, True)) / (t_train - fixed_train)
+    forward = forward_flops(s, "lm", Forward(rows, length, length, False)) / (t_fwd - fixed_fwd)
+    big = build(os.path.join(work, "big"), **big_shape) if not os.path.isdir(os.path.join(work, "big")) else \
+        os.path.join(work, "big")
+    b = shape_of(big)
+    del model
+    model = load(big, "full", False, device, trainable=False)
+    dec_rows, prompt, new = 4, 8, 12
+    t_dec = clock.median(decode_run(model, dec_rows, prompt, new, device), 3)
+    prefill = forward_flops(b, "lm", Forward(dec_rows, prompt, 1, False)) / forward + b.layers * overhead.get(
+        "layer_forward", 0) + overhead.get("call_forward", 0)
+    per_step = (t_dec - prefill) / new - b.layers * overhead.get("layer_decode", 0) - overhead.get("decode_token", 0)
+    each = 2 if device == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
+    weights = each * b.params("lm")
+    kv = 2 * b.layers * dec_rows * b.kv_heads * b.head_dim * each * (prompt + new / 2)
+    return {"train_flops": train_flops, "forward_flops": forward, "decode_bytes": (weights + kv) / per_step}
+
+
+def optimizer_costs(clock: Clock, work: str, device: str) -> dict:
+    """AdamW's step with clipping and zeroing (as `rlhfkit.trainers.optim` makes it: fused), per parameter and per
+    tensor, from two parameter sets: many small tensors and a few large ones."""
+    def step_cost(tensors: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(tensors)]
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+
+        def run():
+            for p in params:
+                p.grad = torch.ones_like(p)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return clock.median(run)
+
+    small, large = (400, 64), (4, 2_000_000)
+    t_small, t_large = step_cost(*small), step_cost(*large)
+    # t = tensors * a + params * b, two equations
+    (n1, p1), (n2, p2) = (small[0], small[0] * small[1]), (large[0], large[0] * large[1])
+    per_param = (t_large - t_small * n2 / n1) / (p2 - p1 * n2 / n1)
+    per_tensor = (t_small - p1 * per_param) / n1
+    return {"optimizer_param": max(per_param, 0.0), "optimizer_tensor": max(per_tensor, 0.0)}
+
+
+STAGE_CELLS = ["sft", "rm", "dpo", "kto", "ppo", "grpo", "online_dpo", "rft"]
+
+
+def stage_costs(work: str) -> tuple[dict, list]:
+    """Each stage's own work per step, by mode (full, LoRA, QLoRA: the adapters' own bookkeeping, the reference as
+    the base with its adapters off): a real `rlhfkit.train` run on the calibration model (3 narrow layers,
+    micro-batch 3, length 80, rollouts of 3 prompts x 2 samples: none a grid cell's shape), CPU seconds per step as
+    bench/plan_grid.py times them, minus the step the planner counts without it. RFT's from its SFT steps alone
+    (its sampling is counted apart). A negative remainder (the planner counts more than the stage spends) is kept:
+    it is what corrects the stage. Keys: the stage, "stage+lora", "stage+qlora"."""
+    import rlhfkit
+    from plan_grid import cell_config, run_time_cell, time_overrides, write_data
+
+    model = build(os.path.join(work, "calib"), layers=3, **NARROW)
+    data = write_data(work)
+    costs, rows = {}, []
+    for stage, mode in ((s, m) for s in STAGE_CELLS for m in MODES):
+        overrides = cell_config(stage, model, mode, False, 3, 80, data, os.path.join(work, "run"))
+        if stage in ("ppo", "grpo", "online_dpo"):
+            overrides["algo.rollout_batch_size"] = 3
+        timed = run_time_cell(stage, overrides)
+        planned = rlhfkit.plan(stage, overrides=time_overrides(stage, overrides), device="cpu")
+        measured, counted = timed["measured_cpu_s"], planned.seconds_per_step - planned.time_phases.get("stage", 0.0)
+        if stage == "rft":  # the first iteration's SFT steps after its first (which samples)
+            steps = timed["steps_cpu_s"]
+            measured, counted = statistics.median(steps[1:len(steps) // 2]), planned.time_phases["update"]
+        key = stage if mode == "full" else f"{stage}+{mode}"
+        costs[key] = measured - counted
+        rows.append([key, f"{measured:.4f}", f"{counted:.4f}", f"{costs[key]:+.4f}"])
+        print(json.dumps({"stage": key, "measured": measured, "counted": counted}), flush=True)
+    return costs, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--name", help="the device's name in the table (default: cpu, or the GPU's as matched)")
+    parser.add_argument("--out", default=RATES, help="the rates file to update (default: rlhfkit/plan/rates.json)")
+    parser.add_argument("--no-stages", action="store_true", help="skip the per-stage remainder (real runs)")
+    parser.add_argument("--results", default=None, help="where plan_rates.{json,md} go (default: docs/results)")
+    args = parser.parse_args()
+    device, name = args.device, args.name or "cpu"
+    if device == "cuda" and not args.name:
+        from rlhfkit.plan.devices import device_matching
+
+        found = device_matching(torch.cuda.get_device_name(0), torch.cuda.mem_get_info()[1] / 2**30)
+        name = found.name if found else torch.cuda.get_device_name(0)
+    clock = Clock(device)
+    work = tempfile.mkdtemp(prefix="plan-calibrate-")
+    load0 = os.getloadavg()[0]
+    rates = compute_rates(clock, work, device, {})
+    print(json.dumps(rates), flush=True)
+    fixed = layer_costs(clock, work, device, rates)
+    calls = fixed.pop("calls")
+    overhead = {"layer_train": fixed["layer_train"]["full"], "layer_forward": fixed["layer_forward"]["full"],
+                "layer_decode": fixed["layer_decode"]["full"], "call_train": calls["train full"],
+                "call_forward": calls["forward full"], "decode_token": calls["decode full"],
+                "token_train": fixed["token_train"]["full"], "token_forward": fixed["token_forward"]["full"],
+                "logit_train": calls["train token full"], "logit_forward": calls["forward token full"]}
+    rates = compute_rates(clock, work, device, overhead)  # again, its fixed costs now known
+    from results import commit
+
+    threads = torch.get_num_threads() if device == "cpu" else None
+    entry = {**rates, **fixed, "call_train": calls["train full"], "call_forward": calls["forward full"],
+             "decode_token": calls["decode full"], "logit_train": calls["train token full"],
+             "logit_forward": calls["forward token full"], **optimizer_costs(clock, work, device), "threads": threads,
+             "calls": calls}
+    stamp = (f"measured {time.strftime('%Y-%m-%d')} by bench/plan_calibrate.py on {os.cpu_count()} cores"
+             f"{', ' + str(threads) + ' thread' + ('s' if threads != 1 else '') if threads else ''} "
+             f"(load {load0:.1f}), rlhfkit {commit()}")
+    entry["source"] = stamp
+    table = json.load(open(args.out)) if os.path.isfile(args.out) else {}
+    table[name] = {**entry, "stage_step": {}}
+    write(args.out, table)
+    stage_rows = []
+    if not args.no_stages:
+        entry["stage_step"], stage_rows = stage_costs(work) if device == "cpu" else ({}, [])
+        table[name] = entry
+        write(args.out, table)
+    publish(name, entry, stage_rows, args.results)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def write(path: str, table: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def publish(name: str, e: dict, stage_rows: list, directory: str | None = None) -> None:
+    """The rates as a table in docs/results/plan_rates.md (bench/results.py: date, machine, commit)."""
+    from results import record
+
+    ms = lambda v: f"{v * 1e3:.3f} ms"  # noqa: E731
+    rows = [["training forward+backward", f"{e['train_flops'] / 1e9:.1f} GFLOP/s"],
+            ["no-grad forward (prefill, scoring)", f"{e['forward_flops'] / 1e9:.1f} GFLOP/s"],
+            ["decode step reads", f"{e['decode_bytes'] / 1e9:.2f} GB/s"]]
+    for kind in ("layer_train", "layer_forward", "layer_decode"):
+        rows += [[f"{kind.replace('_', ' ')} ({mode})", ms(v)] for mode, v in e[kind].items()]
+    rows += [["model call with gradient", ms(e["call_train"])], ["model call without gradient", ms(e["call_forward"])],
+             ["decode step beyond its layers", ms(e["decode_token"])],
+             ["optimizer per million parameters", ms(e["optimizer_param"] * 1e6)],
+             ["optimizer per tensor", ms(e["optimizer_tensor"])]]
+    rows += [[f"stage step remainder: {s}", f"{float(r) * 1e3:+.2f} ms (measured {float(m) * 1e3:.2f}, counted "
+              f"{float(c) * 1e3:.2f})"] for s, m, c, r in stage_rows]
+    record("plan_rates", f"rlhfkit plan's measured rates for `{name}`", ["quantity", "value"], rows,
+           command="nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_calibrate.py",
+           notes=[f"{e['source']}. CPU seconds of the process (time.process_time; on a GPU wall seconds after a "
+                  "synchronize), median of repeats after a warm-up."],
+           **({"directory": directory} if directory else {}))
+
+
+if __name__ == "__main__":
+    main()
