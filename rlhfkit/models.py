@@ -561,3 +561,12 @@ def disable_dropout(model: torch.nn.Module) -> int:
         if isinstance(rate, float) and rate:
             module.attention_dropout, changed = 0.0, changed + 1
     return changed
+
+
+def set_training(module: torch.nn.Module, training: bool) -> None:
+    """`module.train(training)`, unless `module` is in that mode already. A real switch walks every submodule and,
+    for a transformers model, chooses its hub kernels again for the mode (`PreTrainedModel.train` kernelizes), so an
+    online step switches the policy once per phase (sampling and the no-grad forwards in eval mode, the update in
+    train mode), not around each part. It reads `module`'s own flag, which `train()` sets on every submodule alike."""
+    if module.training != training:
+        module.train(training)

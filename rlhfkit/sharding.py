@@ -342,10 +342,18 @@ def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor |
     """accelerate's `clip_grad_norm_` over the gradients of several prepared models at once (None entries skipped):
     one norm over all of them, every gradient scaled by the same factor. Under FSDP accelerate computes a global
     norm only when handed exactly one model's `parameters()` (otherwise a norm of this process's shards): each
-    model's norm is measured by its FSDP1 wrapper (PPO under FSDP2 is refused), and the total clipped here."""
+    model's norm is measured by its FSDP1 wrapper (PPO under FSDP2 is refused), and the total clipped here.
+    `max_norm` inf: measured only, nothing scaled."""
     import math
 
     models = [m for m in models if m is not None]
+    measure_only = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if math.isinf(max_norm) and measure_only is not None and accelerator.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        # Nothing to clip (a loop that measures the norm only, for its log and its non-finite check): the norm
+        # clip_grad_norm_ returns, without its multiply of every gradient by 1. Whole weights on every process,
+        # and DDP's gradients already all-reduced: this process's norm is the global one.
+        accelerator.unscale_gradients()
+        return measure_only([p.grad for m in models for p in m.parameters() if p.grad is not None])
     if len(models) == 1:
         return accelerator.clip_grad_norm_(models[0].parameters(), max_norm)
     if accelerator.distributed_type != "FSDP":

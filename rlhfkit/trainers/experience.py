@@ -27,7 +27,7 @@ from rlhfkit.critic import critic_values
 from rlhfkit.evaluation.alarms import diversity_figures
 from rlhfkit.evaluation.metrics import pearson
 from rlhfkit.kl import token_kl
-from rlhfkit.models import rollout_logprobs
+from rlhfkit.models import rollout_logprobs, set_training
 from rlhfkit.reward_functions import source_stats, trainer_state
 from rlhfkit.rewards import Rewards, RunningMoments, normalize_scores
 from rlhfkit.rollout import RolloutMaker
@@ -116,6 +116,9 @@ class ExperienceMaker:
         prepared `policy`: 1. the rollout; 2. scores, once for the whole batch; 3. no-grad forwards (π_old, reference,
         critic) without dropout; 4. shaped scores, per-token rewards with the KL penalty, advantages."""
         cfg, run = self.cfg, self.run
+        for module in (policy, self.critic):  # eval mode for the whole phase: one switch, not one around each part
+            if module is not None:
+                set_training(module, False)
         t0 = time.perf_counter()
         ro = self.parts.roll_out(policy, prompts, examples, step)  # 1. roll out
         stats: dict[str, float] = {"time/generate_s": time.perf_counter() - t0}
@@ -174,7 +177,7 @@ class ExperienceMaker:
         critic = self.run.unwrap(self.critic) if self.critic is not None else None
         for module in (policy, critic):
             if module is not None:
-                module.eval()
+                set_training(module, False)
         if self.old_source == "update":
             old = None  # the update forward's own, detached (`PolicyUpdate` returns them)
         elif self.old_source == "sampler":

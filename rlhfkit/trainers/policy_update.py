@@ -23,7 +23,7 @@ from rlhfkit.critic import critic_values
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.correction import off_policy_sequence_mask, rollout_correction, top_entropy_mask
 from rlhfkit.losses.policy import get_objective, policy_objective, value_loss
-from rlhfkit.models import rollout_logprobs
+from rlhfkit.models import rollout_logprobs, set_training
 from rlhfkit.ops import masked_mean
 from rlhfkit.trainers.experience import OldSource
 from rlhfkit.trainers.sampling import pad_to
@@ -36,19 +36,46 @@ from rlhfkit.types import Experience
 class Tally:
     """Weighted sums of an update's metrics on this process — each micro-batch's mean weighted by what it averaged
     over (its loss tokens, or its sequences for a sequence-level figure), so that the update's figure is the mean over
-    all of them however the minibatch was cut — and the sampler gap's sums."""
+    all of them however the minibatch was cut — and the sampler gap's sums. The micro-batches' figures are kept as
+    they come, 0-d tensors on the device, and read back together once the update ends (`read_back`): no device
+    sync per micro-batch and metric, and the same Python sums as reading each back on the spot."""
 
-    sums: dict[str, float] = field(default_factory=dict)  # metric -> Σ value · weight
-    weights: dict[str, float] = field(default_factory=dict)  # metric -> Σ weight
-    gap: float = 0.0  # Σ |log π − log π_sampler| over the first minibatch's action tokens
-    gap_tokens: float = 0.0
+    values: dict[str, list] = field(default_factory=dict)  # metric -> each micro-batch's value
+    weights: dict[str, list] = field(default_factory=dict)  # metric -> each micro-batch's weight
+    gap: list = field(default_factory=list)  # |log π − log π_sampler| summed over each micro-batch's action tokens
+    gap_tokens: list = field(default_factory=list)  # (first minibatch only)
 
-    def add(self, metrics: dict, weight: float) -> None:
-        """`metrics`: name -> a mean over `weight` tokens, or a (mean, its own weight) pair."""
+    def add(self, metrics: dict, weight) -> None:
+        """`metrics`: name -> a mean over `weight` tokens, or a (mean, its own weight) pair (0-d tensors or floats)."""
         for k, v in metrics.items():
             value, w = v if isinstance(v, tuple) else (v, weight)
-            self.sums[k] = self.sums.get(k, 0.0) + float(value) * w
-            self.weights[k] = self.weights.get(k, 0.0) + w
+            self.values.setdefault(k, []).append(value)
+            self.weights.setdefault(k, []).append(w)
+
+    def sums(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """({metric: Σ value · weight}, {metric: Σ weight}, the gap's {"gap", "gap_tokens"} sums) on this process."""
+        names = list(self.values)
+        read = read_back([self.values[k] for k in names] + [self.weights[k] for k in names] + [self.gap, self.gap_tokens])
+        values, weights = read[: len(names)], read[len(names) : 2 * len(names)]
+        sums = {k: sum(v * w for v, w in zip(vs, ws)) for k, vs, ws in zip(names, values, weights)}
+        return sums, {k: sum(ws) for k, ws in zip(names, weights)}, {"gap": sum(read[-2]), "gap_tokens": sum(read[-1])}
+
+
+def read_back(lists: list[list]) -> list[list[float]]:
+    """Lists of 0-d tensors and Python numbers as lists of Python floats, every tensor read back in one transfer: each
+    the value `float()` of it alone gives (the stack widens them to a common dtype that holds each exactly)."""
+    tensors = [x.detach().reshape(()) for xs in lists for x in xs if isinstance(x, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [[float(next(read)) if isinstance(x, torch.Tensor) else float(x) for x in xs] for xs in lists]
+
+
+def minibatch_sums(control: dict[str, list]) -> dict[str, float]:
+    """A minibatch's control sums on this process from its micro-batches' figures (`PolicyUpdate.minibatch`): the
+    non-finite losses, the approx-KL weighted by each micro-batch's loss tokens, and the entropy over the kept tokens."""
+    read = dict(zip(control, read_back(list(control.values()))))
+    return {"nonfinite": sum(read["nonfinite"]), "tokens": sum(read["tokens"]),
+            "approxkl": sum(k * w for k, w in zip(read["approxkl"], read["tokens"])),
+            "entropy": sum(read["entropy"]), "entropy_tokens": sum(read["entropy_tokens"])}
 
 
 @dataclass(frozen=True)
@@ -72,12 +99,13 @@ CORRECTION_LOGGED = {"mismatch_kl": "sampling/mismatch_kl", "logp_diff": "sampli
                      "corrected": "sampling/corrected_frac", "is_ratio": "sampling/importance_sampling_ratio/mean"}
 
 
-def figure(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """A metric's (mean, what it averaged over): over the masked tokens for a (B, R) one, over the sequences for a
-    (B, 1) one (as TRL logs them)."""
+def figure(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """A metric's (mean, what it averaged over), both left on the device (`Tally`): over the masked tokens for a
+    (B, R) one, over the sequences for a (B, 1) one (as TRL logs them)."""
+    x = x.detach()
     if x.shape[-1] == 1:
-        return float(x.float().mean()), float(x.shape[0])
-    return float(masked_mean(x, mask)), float(mask.sum())
+        return x.float().mean(), float(x.shape[0])
+    return masked_mean(x, mask), mask.sum()
 
 
 class PolicyUpdate:
@@ -105,7 +133,7 @@ class PolicyUpdate:
             self.ptx.start_step()
         for module in (self.model, self.critic):
             if module is not None:
-                module.train()
+                set_training(module, True)
         for epoch in range(a.ppo_epochs):
             perm = torch.randperm(n, device=exp.loss_mask.device)
             for m in range(a.num_minibatches):
@@ -128,8 +156,7 @@ class PolicyUpdate:
         return self.finish(tally, norms, kept, early_stopped=False)
 
     def finish(self, tally: Tally, norms: list[float], kept, early_stopped: bool) -> Update:
-        sums, weights, own = sums_by_name(self.run, tally.sums, tally.weights,
-                                          {"gap": tally.gap, "gap_tokens": tally.gap_tokens})
+        sums, weights, own = sums_by_name(self.run, *tally.sums())
         metrics = {k: v / max(weights[k], 1.0) for k, v in sums.items()}
         if own["gap_tokens"] > 0:
             metrics["policy/sampler_logprob_gap"] = own["gap"] / own["gap_tokens"]
@@ -153,7 +180,8 @@ class PolicyUpdate:
         share = global_share(self.run, {"tokens": exp.loss_mask[idx].sum(), "seqs": float(len(idx))})
         # clamp: a minibatch whose tokens are all masked out (every sample truncated) normalises by 1, not 0
         num_tokens, num_seqs = max(share["tokens"], 1.0), max(share["seqs"], 1.0)
-        nonfinite, kl_weighted, weight, entropy = 0.0, 0.0, 0.0, [0.0, 0.0]
+        # Each micro-batch's control figures, as they come (0-d tensors): read back together at the minibatch's end.
+        control = {"nonfinite": [], "approxkl": [], "tokens": [], "entropy": [], "entropy_tokens": []}
         apart = self.critic is not None and self.shares_base
         for i in range(0, len(idx), micro):
             rows = idx[i : i + micro]
@@ -161,36 +189,38 @@ class PolicyUpdate:
             last = i + micro >= len(idx) and self.ptx is None
             with self.no_sync(last or apart):
                 loss, parts, logprobs, approxkl, ent = self.policy_loss(batch, agg, num_tokens, num_seqs)
-                entropy = [entropy[0] + ent[0], entropy[1] + ent[1]]
+                if ent is not None:
+                    control["entropy"].append(ent[0])
+                    control["entropy_tokens"].append(ent[1])
                 if self.critic is not None and not apart:  # one backward of the sum
                     value_part, value_metrics = self.critic_loss(batch, num_tokens)
                     loss = loss + value_part
                     parts.update(value_metrics)
                 # Backward even when the loss is not finite: every process runs the same collectives.
-                nonfinite += float(not torch.isfinite(loss))
+                control["nonfinite"].append(~torch.isfinite(loss))
                 self.run.backward(loss, last=last and not apart)
             if apart:
                 # A shared-base critic's loss is backpropagated on its own, after the policy's: gradient
                 # checkpointing recomputes each forward under the adapter active at backward time.
                 value_part, value_metrics = self.critic_loss(batch, num_tokens)
                 parts.update(value_metrics)
-                nonfinite += float(not torch.isfinite(value_part))
+                control["nonfinite"].append(~torch.isfinite(value_part))
                 self.run.backward(value_part, last=last)
             if kept is not None:
                 kept[rows] = pad_to(logprobs, kept.shape[1])
             if gap:
                 on = batch.rollout.action_mask.float()
-                tally.gap += float(((logprobs - batch.old_logprobs).abs() * on).sum())
-                tally.gap_tokens += float(on.sum())
-            w = float(batch.loss_mask.sum())
+                tally.gap.append(((logprobs - batch.old_logprobs).abs() * on).sum())
+                tally.gap_tokens.append(on.sum())
+            w = batch.loss_mask.sum()
             tally.add(parts, w)
-            kl_weighted, weight = kl_weighted + approxkl * w, weight + w
+            control["approxkl"].append(approxkl)
+            control["tokens"].append(w)
         if self.ptx is not None:  # PPO-ptx: + ptx_coef · NLL of this optimizer step's ptx batch
-            nonfinite += self.ptx.backward(self.model, update, last=True)
-        (control,) = sums_by_name(self.run, {"nonfinite": nonfinite, "approxkl": kl_weighted, "tokens": weight,
-                                             "entropy": entropy[0], "entropy_tokens": entropy[1]})
-        return (control["nonfinite"] > 0, control["approxkl"] / max(control["tokens"], 1.0),
-                control["entropy"] / max(control["entropy_tokens"], 1.0))
+            control["nonfinite"].append(self.ptx.backward(self.model, update, last=True))
+        (total,) = sums_by_name(self.run, minibatch_sums(control))
+        return (total["nonfinite"] > 0, total["approxkl"] / max(total["tokens"], 1.0),
+                total["entropy"] / max(total["entropy_tokens"], 1.0))
 
     def no_sync(self, sync: bool):
         """DDP: no gradient all-reduce in a micro-batch's forward and backward unless `sync` (the minibatch's last, as
@@ -204,7 +234,8 @@ class PolicyUpdate:
 
     def policy_loss(self, batch: Experience, agg: str, num_tokens: float, num_seqs: float):
         """(loss, metrics as {name: (mean, what it averaged over)}, this forward's detached log-probs, approx-KL,
-        (Σ entropy, tokens) over the tokens the loss keeps) of a micro-batch, normalised by its minibatch's global
+        (Σ entropy, tokens) over the tokens the loss keeps or None without entropy) of a micro-batch — the figures 0-d
+        tensors, not read back (`Tally`) — normalised by its minibatch's global
         counts (see losses.aggregate); Dr. GRPO's constant is `generation.max_new_tokens`, whatever width this
         rollout was padded to."""
         a, mask, temperature = self.cfg.algo, batch.loss_mask, self.cfg.generation.temperature
@@ -223,11 +254,11 @@ class PolicyUpdate:
         loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
                          max_len=self.cfg.generation.max_new_tokens)
         metrics.update({LOGGED[k]: figure(v, mask) for k, v in m.items() if k in LOGGED})
-        ent = (0.0, 0.0)
+        ent = None
         if entropy is not None:
             metrics["policy/entropy_avg"] = figure(entropy.detach(), mask)
             kept = mask.float() if terms.get("token_keep") is None else mask.float() * terms["token_keep"].float()
-            ent = (float((entropy.detach() * kept).sum()), float(kept.sum()))
+            ent = ((entropy.detach() * kept).sum(), kept.sum())
         return loss, metrics, logprobs.detach(), metrics["policy/approxkl_avg"][0], ent
 
     def masks_and_weights(self, batch: Experience, logprobs, old, entropy) -> tuple[dict, dict[str, tuple]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhfkit.models import set_training
 from rlhfkit.reward_functions import source_stats
 from rlhfkit.rewards import Rewards, Scores
 from rlhfkit.rollout import RolloutMaker
@@ -52,5 +53,5 @@ class Sampling:
         LoRA reference is its base)."""
         if self.reference is None:
             return None
-        policy.eval()
+        set_training(policy, False)
         return self.micro(ro, lambda c: self.reference.rollout_logprobs(policy, c, self.temperature))
