@@ -340,20 +340,17 @@ def load_deepspeed_state(accelerator, checkpoint: str, recorded) -> None:
 
 def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor | None:
     """accelerate's `clip_grad_norm_` over the gradients of several prepared models at once (None entries skipped):
-    one norm over all of them, every gradient scaled by the same factor. Under FSDP accelerate computes a global
-    norm only when handed exactly one model's `parameters()` (otherwise a norm of this process's shards): each
-    model's norm is measured by its FSDP1 wrapper (PPO under FSDP2 is refused), and the total clipped here.
-    `max_norm` inf: measured only, nothing scaled."""
+    one norm over all of them, every gradient scaled by the same factor; whole gradients (one process, DDP) go
+    through `_clip_whole`. Under FSDP accelerate computes a global norm only when handed exactly one model's
+    `parameters()` (otherwise a norm of this process's shards): each model's norm is measured by its FSDP1 wrapper
+    (PPO under FSDP2 is refused), and the total clipped here. `max_norm` inf: measured only (whole gradients: nothing
+    scaled, not even by 1)."""
     import math
 
     models = [m for m in models if m is not None]
-    measure_only = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if math.isinf(max_norm) and measure_only is not None and accelerator.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
-        # Nothing to clip (a loop that measures the norm only, for its log and its non-finite check): the norm
-        # clip_grad_norm_ returns, without its multiply of every gradient by 1. Whole weights on every process,
-        # and DDP's gradients already all-reduced: this process's norm is the global one.
-        accelerator.unscale_gradients()
-        return measure_only([p.grad for m in models for p in m.parameters() if p.grad is not None])
+    whole = accelerator.distributed_type not in ("FSDP", "DEEPSPEED", "XLA")
+    if whole and hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        return _clip_whole(accelerator, [p for m in models for p in m.parameters()], max_norm)
     if len(models) == 1:
         return accelerator.clip_grad_norm_(models[0].parameters(), max_norm)
     if accelerator.distributed_type != "FSDP":
@@ -368,6 +365,20 @@ def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor |
         for p in m.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+def _clip_whole(accelerator, parameters: list, max_norm: float) -> torch.Tensor:
+    """accelerate's `clip_grad_norm_` where every process holds whole gradients (one process, DDP), without the probe
+    of optional packages it makes at every call: fp16 gradients unscaled, then the norm of the per-group norm and the
+    clip as accelerate computes them, so the values are its own bit for bit."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    accelerator.unscale_gradients()
+    with_grad = [p for p in parameters if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([get_total_norm([p.grad for p in with_grad])]), 2)
+    if max_norm != float("inf"):
+        clip_grads_with_norm_(with_grad, max_norm, total)
     return total
 
 

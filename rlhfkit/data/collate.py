@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from rlhfkit.data.tokenize import IGNORE_INDEX, PreferenceExample, PromptExample, SFTExample, UnpairedExample
 from rlhfkit.types import PaddingFreeBatch, PaddingFreePairs, PreferenceBatch, PromptBatch, SFTBatch, UnpairedBatch
 
 
+def _real(lengths: list[int], width: int | None = None, left: bool = False) -> torch.Tensor:
+    """(B, width) bool: where each row's `lengths[b]` real tokens go, on the right of its padding (`left`) or the left."""
+    n = torch.tensor(lengths, dtype=torch.long)[:, None]
+    cols = torch.arange(max(lengths, default=0) if width is None else width)
+    return cols >= cols.numel() - n if left else cols < n
+
+
 def _pad(rows: list[list[int]], value: int, width: int | None = None, left: bool = False) -> torch.Tensor:
-    width = max(map(len, rows)) if width is None else width
-    padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long)
+    """The rows padded with `value` to `width` (the longest row's length by default): (B, width) long. The tokens
+    are written in one masked copy of their concatenation (row-major order is the rows' order), read through a
+    C array (several times faster than `torch.tensor` on a list of Python ints)."""
+    real = _real([len(r) for r in rows], width, left)
+    out = torch.full(real.shape, value, dtype=torch.long)
+    flat = array.array("q", [t for r in rows for t in r])
+    if flat:
+        out[real] = torch.frombuffer(flat, dtype=torch.long)
+    return out
 
 
 def _labels(prompt: list[int], response: list[int], action_mask: list[int] | None) -> list[int]:
@@ -30,7 +45,7 @@ def _join(prompts: list[list[int]], responses: list[list[int]], pad_token_id: in
     (and off its action mask, when given)."""
     ids = [p + r for p, r in zip(prompts, responses)]
     labels = [_labels(p, r, m) for p, r, m in zip(prompts, responses, action_masks or [None] * len(prompts))]
-    return _pad(ids, pad_token_id, width), _pad([[1] * len(x) for x in ids], 0, width), _pad(labels, IGNORE_INDEX, width)
+    return _pad(ids, pad_token_id, width), _real([len(x) for x in ids], width).long(), _pad(labels, IGNORE_INDEX, width)
 
 
 def collate_sft(examples: list[SFTExample], pad_token_id: int) -> SFTBatch:
@@ -38,7 +53,7 @@ def collate_sft(examples: list[SFTExample], pad_token_id: int) -> SFTBatch:
     ids = [e["input_ids"] for e in examples]
     return SFTBatch(
         input_ids=_pad(ids, pad_token_id),  # (B, T)
-        attention_mask=_pad([[1] * len(x) for x in ids], 0),  # (B, T)
+        attention_mask=_real([len(x) for x in ids]).long(),  # (B, T)
         labels=_pad([e["labels"] for e in examples], IGNORE_INDEX),  # (B, T)
     )
 
@@ -145,5 +160,5 @@ def collate_prompts(examples: list[PromptExample], pad_token_id: int) -> PromptB
     ids = [e["prompt_ids"] for e in examples]
     return PromptBatch(
         input_ids=_pad(ids, pad_token_id, left=True),  # (B, P)
-        attention_mask=_pad([[1] * len(x) for x in ids], 0, left=True),  # (B, P)
+        attention_mask=_real([len(x) for x in ids], left=True).long(),  # (B, P)
     )

@@ -47,7 +47,10 @@ def train_step(run: Run, optim: Optim, model, micro: list, count: Callable, comp
     over the global batch (every micro-batch of every process), as one process holding it all would log them.
     A non-finite loss on any process, or gradient norm, skips the update (`optimizer_step`). `step` is 1-based."""
     acc = run.accelerator
-    model.train()
+    # Switched only when some module is not in training mode (a model loaded in eval mode, an evaluation, a callback's
+    # eval()): a real switch walks every module and makes transformers choose its kernels again.
+    if not all(m.training for m in model.modules()):
+        model.train()
     counts = [count(b) for b in micro]
     per_process = global_share(run, {"items": float(sum(counts))})["items"]  # this process's share of the global count
     total = per_process * run.world

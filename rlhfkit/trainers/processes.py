@@ -19,6 +19,8 @@ def sums_by_name(run, *groups: dict[str, torch.Tensor | float]) -> tuple[dict[st
     """Each group {name: Σ over every process of its value} (scalars, fp64 but on MPS), one dict per group.
     Collective: every process calls it with the same groups and names."""
     device = run.accelerator.device
+    if run.world == 1 and device.type != "mps":  # nothing to sum: each value in fp64, as the packed sum would hold it
+        return tuple({name: float(value) for name, value in sorted(group.items())} for group in groups)
     dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     return ops.sums_by_name(*groups, sum_over=run.sum_over_processes, device=device, dtype=dtype)
 

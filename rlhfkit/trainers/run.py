@@ -162,6 +162,10 @@ class Run:
         callbacks receive the first model (the policy), the optimizer and the schedule from here on."""
         acc, cfg = self.accelerator, self.cfg
         self.callbacks.objects.update(model=self.unwrap(trained[0]), optimizer=optimizer, lr_scheduler=scheduler)
+        # Without an fp16 scaler, on one process or under DDP, accelerate's wrapper only passes each call on (probing
+        # the installed packages at every step): the loop steps torch's optimizer itself.
+        if acc.scaler is None and acc.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            optimizer = getattr(optimizer, "optimizer", optimizer)
         return Optim(optimizer, scheduler, clip=lambda max_norm: clip_grad_norm(acc, trained, max_norm),
                      max_grad_norm=cfg.optim.max_grad_norm, scaler=acc.scaler, max_bad_steps=cfg.max_bad_steps,
                      output_dir=cfg.output_dir)
