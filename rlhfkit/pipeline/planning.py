@@ -4,13 +4,15 @@ the pipeline there, with the planner's suggestion, rather than hours later when 
 The device is the file's `device` (a name of the plan's devices table) or `memory_gb`; without either, this machine's
 first GPU by its memory; on a machine without one, the plans are printed with no verdict. A stage's processes come
 from its `launch` (`--num_processes N`). A stage wired to an earlier stage's output, which does not exist yet, is
-planned with the model that output will be made from (an SFT output has its base model's shape): the plan reads
-config.json, never weights.
+planned with the shape that output will have: the shape of the model the earlier stage trains, cut to its
+`model.num_layers` (an SFT output has its base model's shape, a reward model cut to 10 layers has 10). The plan reads
+config.json or a GGUF file's metadata, never weights.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from rlhfkit.errors import UserError
 from rlhfkit.pipeline.resolve import Resolved
@@ -36,39 +38,40 @@ def processes_of(launch: tuple[str, ...] | None) -> int:
     return 1
 
 
-def _source_models(stages: list[Resolved]) -> dict[str, str]:
-    """Each stage folder -> the model its output is made from (followed through earlier stages)."""
-    made_from: dict[str, str] = {}
+def _output_shapes(stages: list[Resolved], load) -> dict[str, object]:
+    """Each training stage's folder -> the `ModelShape` of the model it will write (followed through earlier stages:
+    `load` reads a name that is an earlier stage's folder from this mapping). A stage whose model cannot be read is
+    left out: its own plan says why, and the stages reading its output say it again."""
+    from rlhfkit.plan.shape import cut
+
+    shapes: dict[str, object] = {}
     for r in stages:
-        model = getattr(getattr(r.cfg, "model", None), "name_or_path", None)
-        if isinstance(model, str):
-            made_from[r.dir] = made_from.get(model, model)
-    return made_from
-
-
-def _substituted(data, made_from: dict[str, str]):
-    if isinstance(data, dict):
-        return {k: _substituted(v, made_from) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_substituted(v, made_from) for v in data]
-    return made_from.get(data, data) if isinstance(data, str) else data
+        m = getattr(r.cfg, "model", None)
+        if not isinstance(getattr(m, "name_or_path", None), str):
+            continue
+        try:
+            shapes[os.path.abspath(r.dir)] = (cut(shapes[m.name_or_path], m.num_layers) if m.name_or_path in shapes else
+                             load(m.name_or_path, "model.name_or_path", m.gguf_file, m.revision, m.num_layers))
+        except UserError:
+            continue
+    return shapes
 
 
 def check_fits(path: str, stages: list[Resolved], device: str | None = None, memory_gb: float | None = None) -> list:
     """Plan every training stage; raise a `UserError` naming the first that does not fit and the planner's best
     suggestion. Returns the plans (stage name, Plan)."""
     from rlhfkit.plan import STAGES_PLANNED, plan_for
-    from rlhfkit.stages import build_stage_config
+    from rlhfkit.plan.shape import load_shape
 
     if device is None and memory_gb is None:
         memory_gb = local_memory_gb()
-    made_from, plans = _source_models(stages), []
+    made, plans = _output_shapes([r for r in stages if r.stage in STAGES_PLANNED], load_shape), []
     for r in stages:
         if r.stage not in STAGES_PLANNED:
             continue
         try:
-            cfg = build_stage_config(r.stage, _substituted(r.data, made_from))
-            plan = plan_for(r.stage, cfg, device=device, memory_gb=memory_gb, processes=processes_of(r.spec.launch))
+            plan = plan_for(r.stage, r.cfg, device=device, memory_gb=memory_gb, processes=processes_of(r.spec.launch),
+                            models=made)
         except UserError as exc:
             logger.warning("plan: stage '%s' could not be planned (%s)", r.name, exc)
             continue

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +73,11 @@ class Plan:
 
 def plan_for(stage: str, cfg: Any, *, device: str | Device | None = None, memory_gb: float | None = None,
              processes: int = 1, sharding: str = "none", offload: bool = False, shape=None,
-             suggest: bool = True) -> Plan:
+             models: Mapping[str, Any] | None = None, suggest: bool = True) -> Plan:
     """The plan of `stage` run with the validated config `cfg` on `device` (a name of `devices.DEVICES`, "cpu", a
-    `Device`) or a device of `memory_gb`; `shape`: the policy's `ModelShape` when the caller holds the model object."""
+    `Device`) or a device of `memory_gb`; `shape`: the policy's `ModelShape` when the caller holds the model object;
+    `models`: {path: ModelShape} for models named by a path that does not hold them yet (a pipeline's later stage
+    reads an earlier stage's output, planned before that stage has run)."""
     if stage not in STAGES_PLANNED:
         raise UserError(f"rlhfkit plan: unknown stage '{stage}': one of {', '.join(STAGES_PLANNED)}")
     if sharding not in SHARDINGS:
@@ -86,7 +89,7 @@ def plan_for(stage: str, cfg: Any, *, device: str | Device | None = None, memory
     dev = device if isinstance(device, Device) else device_named(device) if device else (
         memory_device(memory_gb) if memory_gb is not None else None)
     gpu = dev is not None and dev.name != "cpu" if dev is not None else False
-    load = _loader(shape)
+    load = _loader(shape, models or {})
     lay = layout_of(stage, cfg, load)
     shard = Sharding(sharding if processes > 1 else "none", processes, offload)
     peak, planned = _peak(cfg, lay, gpu, shard)
@@ -115,15 +118,21 @@ def _peak(cfg, lay: Layout, gpu: bool, shard: Sharding) -> tuple[float, tuple[Ph
     return max(ph.total for ph in planned) / GB, planned
 
 
-def _loader(shape):
-    """`load_shape`, except that the policy's shape is `shape` when the caller gave one."""
-    from rlhfkit.plan.shape import load_shape
+def _loader(shape, models: Mapping[str, Any]):
+    """`load_shape`, except that the policy's shape is `shape` when the caller gave one, and a name of `models` has
+    that shape (cut to the config's num_layers, as a loaded model would be)."""
+    from rlhfkit.plan.shape import cut, load_shape
 
-    if shape is None:
+    if shape is None and not models:
         return load_shape
 
-    def load(name, where, *args):
-        return shape if where == "model.name_or_path" else load_shape(name, where, *args)
+    def load(name, where, gguf_file=None, revision=None, num_layers=None):
+        if shape is not None and where == "model.name_or_path":
+            return shape
+        key = name if name in models else os.path.abspath(os.path.expanduser(name))
+        if key in models:
+            return cut(models[key], num_layers)
+        return load_shape(name, where, gguf_file, revision, num_layers)
 
     return load
 

@@ -1,4 +1,6 @@
-"""A model's shape from its config.json and its tokenizer's vocabulary, never its weights: what the planner sizes.
+"""A model's shape from its config.json and its tokenizer's vocabulary, never its weights: what the planner sizes. A
+GGUF file's shape comes from its metadata (read through transformers' GGUF support without its tensors), so planning
+a GGUF model takes seconds and never converts it.
 
 The planner counts parameters, activations and cache layer by layer, so it must know the layer: the decoder families
 below share one (pre-norm attention with grouped key/value heads and rotary positions, then a gated MLP), with the
@@ -8,9 +10,10 @@ them is refused by name, never guessed at.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlhfkit.errors import UserError
 
@@ -125,15 +128,15 @@ def tokenizer_length(directory: str) -> int | None:
     return size + (0 if special.get("pad_token") or special.get("eos_token") else 1)
 
 
-def config_dir(name: str, gguf_file: str | None = None, revision: str | None = None) -> str:
+def config_dir(name: str, revision: str | None = None) -> str:
     """The local directory holding the config.json (and tokenizer files) of model `name`: a directory as is, "tiny"
-    and a GGUF file through `model_sources` (built or converted once, cached), a hub name's config and tokenizer
-    files alone from the hub cache or the hub."""
-    if name == "tiny" or gguf_file:
+    through `model_sources` (built once, cached), a hub name's config and tokenizer files alone from the hub cache or
+    the hub."""
+    if name == "tiny":
         from rlhfkit.config import ModelConfig
         from rlhfkit.model_sources import resolve_model_path
 
-        return resolve_model_path(ModelConfig(name_or_path=name, gguf_file=gguf_file, revision=revision))
+        return resolve_model_path(ModelConfig(name_or_path=name, revision=revision))
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.expanduser(name)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
@@ -154,11 +157,57 @@ def config_dir(name: str, gguf_file: str | None = None, revision: str | None = N
     return os.path.dirname(path)
 
 
+def gguf_path(name: str, gguf_file: str, revision: str | None = None) -> str:
+    """The local path of GGUF file `gguf_file` of model `name` (a directory or a hub name), found as
+    `model_sources` finds it; a file inside a hub repository comes from the hub cache or the hub."""
+    folder, gguf = os.path.expanduser(name), os.path.expanduser(gguf_file)
+    local = gguf if os.path.isabs(gguf) else os.path.join(folder, gguf)
+    if os.path.isfile(local):
+        return local
+    if os.path.isabs(gguf) or name.startswith((".", "/", "~")) or os.path.isdir(folder) or name.count("/") != 1:
+        raise UserError(f"gguf file '{local}' not found")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(name, gguf_file, revision=revision)
+    except Exception as exc:  # noqa: BLE001 - offline, missing repo, gated: all one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"model '{name}': gguf file '{gguf_file}' cannot be read from the hub: {first}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata(path: str, size: int, mtime: float) -> tuple[dict, int | None]:
+    """(config mapping, tokenizer length) from a GGUF file's metadata, its tensors left unread; `size` and `mtime`
+    key the cache, so a pipeline planning several stages of one GGUF base reads it once."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        parsed = load_gguf_checkpoint(path, return_tensors=False)
+    except Exception as exc:  # noqa: BLE001 - not a GGUF file, an unsupported architecture: one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"gguf file '{path}' cannot be read: {first}") from None
+    tokenizer = parsed.get("tokenizer") or {}
+    tokens = len(tokenizer.get("tokens") or ())
+    # as tokenizer_length: load_tokenizer adds a pad token to a tokenizer that has neither pad nor eos
+    special = tokenizer.get("pad_token_id") is not None or tokenizer.get("eos_token_id") is not None
+    return dict(parsed.get("config") or {}), (tokens + (0 if special else 1)) if tokens else None
+
+
 def load_shape(name: str, where: str, gguf_file: str | None = None, revision: str | None = None,
                num_layers: int | None = None) -> ModelShape:
-    """The shape of model `name` (config key `where`) from its config.json and tokenizer files."""
-    directory = config_dir(name, gguf_file, revision)
+    """The shape of model `name` (config key `where`) from its config.json and tokenizer files, or from the metadata
+    of its GGUF file `gguf_file`."""
+    if gguf_file:
+        path = gguf_path(name, gguf_file, revision)
+        config, vocab = _gguf_metadata(os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+        return shape_of(config, f"{where} ({path})", vocab, num_layers)
+    directory = config_dir(name, revision)
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"{where}: '{directory}' holds no config.json")
     return shape_of(read_json(path, "config.json"), f"{where} ({path})", tokenizer_length(directory), num_layers)
+
+
+def cut(shape: ModelShape, num_layers: int | None) -> ModelShape:
+    """`shape` cut to its first `num_layers` layers (model.num_layers), as `shape_of` cuts a config's."""
+    return replace(shape, layers=min(shape.layers, num_layers or shape.layers))

