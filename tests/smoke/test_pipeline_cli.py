@@ -80,6 +80,50 @@ def test_tiny_pipeline_runs_every_stage_wired(tiny_run):
     assert "reward.model &lt;- rm" in report and os.path.getsize(os.path.join(out, "frontier.png")) > 1000
 
 
+def _last(folder, key):
+    """The last value of `key` in a run's own metrics.jsonl."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [row[key] for row in map(json.loads, f) if key in row][-1]
+
+
+def test_the_tiny_pipeline_runs_fresh_from_python(tmp_path):
+    """SFT -> RM -> PPO -> eval run from `rlhfkit.pipeline(...)`, not the CLI: every stage runs, writes its outputs,
+    and comes back with the figures its own files hold."""
+    out = str(tmp_path / "run")
+    result = rlhfkit.pipeline(TINY, output_dir=out)
+    assert [(s.name, s.status) for s in result.stages] == [(n, "ran") for n in ("sft", "rm", "ppo", "eval")]
+    assert result.failed_gates == [] and result.report == os.path.join(out, "report.html") and os.path.isfile(result.report)
+    sft, rm, ppo, ev = result.stages
+    for stage in (sft, rm, ppo):  # a Hugging Face folder each, with the config it ran
+        assert stage.dir == os.path.join(out, stage.name)
+        assert {"model.safetensors", "config.json", "config.yaml", "metrics.jsonl"} <= set(os.listdir(stage.dir))
+    assert _config(rm.dir)["model"]["name_or_path"] == sft.dir
+    assert _config(ppo.dir)["model"]["name_or_path"] == sft.dir and _config(ppo.dir)["reward"]["model"] == [rm.dir]
+    # SFT: its held-out loss, a real cross-entropy over the tiny model's 103 tokens (near ln 103 = 4.63 untrained)
+    assert sft.figures["eval/loss"] == _last(sft.dir, "eval/loss") and 3.0 < sft.figures["eval/loss"] < 5.5
+    assert sft.figures["step"] == 2.0 and rm.figures["step"] == 2.0 and ppo.figures["step"] == 2.0  # max_steps: 2
+    # RM: held-out pair accuracy, a fraction of the eval pairs; its gate (>= 0.0) recorded as passed
+    assert rm.figures["eval/accuracy"] == _last(rm.dir, "eval/accuracy") and 0.0 <= rm.figures["eval/accuracy"] <= 1.0
+    assert [(g["figure"], g["passed"]) for g in rm.gate] == [("eval/accuracy", True)]
+    # PPO: the score is the sum of its two reward sources (the reward model and the vowel reward, weight 1 each)
+    f = ppo.figures
+    assert f["objective/scores"] == _last(ppo.dir, "objective/scores")
+    assert f["objective/scores"] == pytest.approx(f["rewards/rm/mean"] + f["rewards/vowel_reward/mean"], abs=1e-6)
+    # eval: the headline figures are the report's, and each kept sample's vowel reward is its vowel fraction
+    with open(os.path.join(ev.dir, "eval.json")) as fh:
+        report = json.load(fh)
+    assert {k: ev.figures[f"win_rate/{k}"] for k in ("reward_model", "vowel_reward")} == report["win_rate"]
+    assert ev.figures["reward/vowel_reward"] == report["policy"]["reward"]["vowel_reward"]["mean"]
+    assert ev.figures["kl"] == report["kl"]["mean"] and ev.figures["alarms"] == 0.0
+    assert report["num_prompts"] == 64 and (report["policy_model"], report["reference_model"]) == (ppo.dir, sft.dir)
+    for sample in report["samples"]:
+        for side in ("policy", "reference"):
+            text = sample[side]["response"]
+            assert sample[side]["scores"]["vowel_reward"] == sum(c in "aeiou" for c in text) / max(len(text), 1)
+    with open(os.path.join(out, "pipeline.json")) as fh:
+        assert {r["name"]: r["figures"] for r in json.load(fh)["records"]} == {s.name: s.figures for s in result.stages}
+
+
 def test_the_same_command_skips_finished_stages_and_a_changed_one_reruns_with_the_rest(tiny_run, capsys):
     out = tiny_run
     assert main(["pipeline", "--config", TINY, f"output_dir={out}"]) == 0
