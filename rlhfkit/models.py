@@ -424,17 +424,36 @@ def _accepts_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def moved_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) columns that move each row of a batch left past its left padding, the padding wrapped round to its end
+    (`x.gather(1, cols)`), and (B,) each row's left padding. The same tokens at the same positions (`attention_inputs`
+    counts them from the first real token either way), so the same outputs, but a rollout whose only gap was its
+    prompts' left padding becomes right-padded and runs without a mask: the causal kernel, no (B, 1, T, T) mask."""
+    lead = mask.long().argmax(1)  # the column of each row's first real token
+    return (torch.arange(mask.shape[1], device=mask.device) + lead[:, None]) % mask.shape[1], lead
+
+
+def response_positions(rollout, lead: torch.Tensor) -> torch.Tensor:
+    """(B, R) the positions that predict a rollout's response tokens once its rows are `moved_left` by `lead`: P-1+k
+    for response token k, less the row's left padding."""
+    start = rollout.prompt_ids.shape[1] - 1
+    return torch.arange(rollout.response_ids.shape[1], device=lead.device) + start - lead[:, None]
+
+
 def rollout_logprobs(model, rollout, temperature: float = 1.0, with_entropy: bool = False):
     """(B, R) fp32 log-probs of a `Rollout`'s response tokens under `model`, at the sampling temperature; 0 on
     padding. Position t predicts token t+1, so the response's log-probs start at position P-1. With `with_entropy`,
     also the (B, R) entropies of the distributions those tokens were drawn from (same forward)."""
     labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
                         rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
-    start = rollout.prompt_ids.shape[1] - 1
-    out = token_logprobs(model, rollout.input_ids, rollout.attention_mask, labels, temperature, with_entropy)
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    cols, lead = moved_left(mask)
+    out = token_logprobs(model, ids.gather(1, cols), mask.gather(1, cols), labels.gather(1, cols), temperature,
+                         with_entropy)
+    take = response_positions(rollout, lead)  # response token k is predicted at P-1+k, P-1+k-lead once moved
     if with_entropy:
-        return out[0][:, start:], out[2][:, start:]  # (B, R), (B, R)
-    return out[0][:, start:]
+        return out[0].gather(1, take), out[2].gather(1, take)  # (B, R), (B, R)
+    return out[0].gather(1, take)
 
 
 def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):

@@ -126,3 +126,35 @@ def test_update_figures_read_back_once_equal_the_per_micro_batch_python_sums(tmp
     assert result.fault is None and {"policy/entropy_avg", "policy/approxkl_avg", "loss/policy_avg"} <= set(sums)
     for name in sums:
         assert result.metrics[name] == sums[name] / max(weights[name], 1.0), name
+
+
+def test_a_left_padded_rollout_moved_left_gives_the_masked_forwards_log_probs_and_values(tmp_path):
+    """The rollout's forwards move each row left past its prompt's padding (`models.moved_left`), so the batch runs
+    without a mask: the log-probs, entropies and critic values are those of the left-padded batch run with its mask
+    (the rows' prompts padded by 0-3, their responses ended early by 0-2)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhfkit.critic import critic_values
+    from rlhfkit.model_sources import build_tiny_model
+    from rlhfkit.models import rollout_logprobs, token_logprobs
+    from rlhfkit.rewards import token_scores
+    from rlhfkit.types import Rollout
+
+    build_tiny_model(str(tmp_path))
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path)
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=1)
+    torch.manual_seed(0)
+    b, p, r = 8, 12, 6
+    prompt_mask = torch.tensor([[0] * (i % 4) + [1] * (p - i % 4) for i in range(b)])
+    response_mask = torch.tensor([[1] * (r - i % 3) + [0] * (i % 3) for i in range(b)])
+    ro = Rollout(prompt_ids=torch.randint(3, 100, (b, p)) * prompt_mask, prompt_mask=prompt_mask,
+                 response_ids=torch.randint(3, 100, (b, r)) * response_mask, response_mask=response_mask,
+                 group_ids=torch.arange(b), has_eos=torch.ones(b, dtype=torch.bool), sampler_logprobs=torch.zeros(b, r),
+                 action_mask=response_mask)
+    labels = torch.cat([torch.full_like(ro.prompt_ids, -100), ro.response_ids.masked_fill(response_mask == 0, -100)], 1)
+    masked, _, masked_entropy = token_logprobs(policy, ro.input_ids, ro.attention_mask, labels, 0.7, with_entropy=True)
+    logprobs, entropy = rollout_logprobs(policy, ro, 0.7, with_entropy=True)
+    torch.testing.assert_close(logprobs, masked[:, p - 1 :], rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, masked_entropy[:, p - 1 :], rtol=0, atol=1e-6)
+    values = token_scores(critic, ro.input_ids, ro.attention_mask)[:, p - 1 : -1] * response_mask
+    torch.testing.assert_close(critic_values(critic, critic, ro), values, rtol=0, atol=1e-6)
