@@ -583,9 +583,10 @@ def disable_dropout(model: torch.nn.Module) -> int:
 
 
 def set_training(module: torch.nn.Module, training: bool) -> None:
-    """`module.train(training)`, unless `module` is in that mode already. A real switch walks every submodule and,
-    for a transformers model, chooses its hub kernels again for the mode (`PreTrainedModel.train` kernelizes), so an
-    online step switches the policy once per phase (sampling and the no-grad forwards in eval mode, the update in
-    train mode), not around each part. It reads `module`'s own flag, which `train()` sets on every submodule alike."""
-    if module.training != training:
+    """`module.train(training)`, unless every submodule is in that mode already. A real switch of a transformers model
+    chooses its hub kernels again for the mode (`PreTrainedModel.train` kernelizes), so an online step switches the
+    policy once per phase (sampling and the no-grad forwards in eval mode, the update in train mode), not around each
+    part. Every submodule is read, not the root's flag alone: a peft wrapper is made in train mode around a model
+    that `from_pretrained` left in eval mode."""
+    if any(m.training != training for m in module.modules()):
         module.train(training)

@@ -174,10 +174,7 @@ class ExperienceMaker:
         they give exactly the update forward's values. Each micro-batch is cut to its own longest response, its
         outputs padded back to the rollout's width."""
         cfg, parts = self.cfg, self.parts
-        critic = self.run.unwrap(self.critic) if self.critic is not None else None
-        for module in (policy, critic):
-            if module is not None:
-                set_training(module, False)
+        critic = self.run.unwrap(self.critic) if self.critic is not None else None  # both in eval mode (`make`)
         if self.old_source == "update":
             old = None  # the update forward's own, detached (`PolicyUpdate` returns them)
         elif self.old_source == "sampler":

@@ -158,3 +158,18 @@ def test_a_left_padded_rollout_moved_left_gives_the_masked_forwards_log_probs_an
     torch.testing.assert_close(entropy, masked_entropy[:, p - 1 :], rtol=0, atol=1e-6)
     values = token_scores(critic, ro.input_ids, ro.attention_mask)[:, p - 1 : -1] * response_mask
     torch.testing.assert_close(critic_values(critic, critic, ro), values, rtol=0, atol=1e-6)
+
+
+def test_set_training_reads_every_submodule_not_the_root_flag_alone():
+    """A wrapper made in train mode around a model left in eval mode (a peft model around `from_pretrained`'s): the
+    root says train, its layers do not, and asking for train mode switches them; asking again switches nothing."""
+    from rlhfkit.models import set_training
+
+    inner = Counted(POLICY).eval()
+    inner.switches = 0
+    outer = torch.nn.Sequential(inner)
+    outer.training = True
+    set_training(outer, True)
+    assert inner.training and inner.switches == 1
+    set_training(outer, True)
+    assert inner.switches == 1
