@@ -53,16 +53,40 @@ def truncate_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
 
 def sample_next(logits: torch.Tensor, params: GenerationConfig,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoding step. logits (B, V) -> (token (B,), log p(token) under softmax(logits / τ) (B,), fp32).
+    """One decoding step. logits (B, V) -> (token (B,), log p(token) under softmax(logits / τ) (B,), fp32): the draw
+    of `torch.multinomial` (as transformers does) from the truncated distribution, with `generator` (None: the default
+    one); its log-prob read from the untruncated one, as the training forward computes it (temperature applied
+    identically). `sample_slots` with every row in its own slot."""
+    return sample_slots(logits, None, logits.shape[0], params, generator)
 
-    The token is drawn (`torch.multinomial`, as transformers does) from the truncated distribution, with `generator`
-    (None: the default one); its log-prob is read from the untruncated one, as the training forward computes it
-    (temperature applied identically). torch draws one exponential per (row, token) and takes, per row, the argmax of
-    p / e: a row's token depends on its own probabilities and on its place in the (B, V) draw only, which is what lets
-    the engine drop finished rows from the forward and still draw every other row's token as before."""
-    scores = logits.float() / params.temperature  # (B, V)
+
+def sample_slots(logits: torch.Tensor, slots: list[int] | None, total: int, params: GenerationConfig,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step for n rows that hold `slots` (None: 0..n-1) of a draw over `total` slots, the others' rows
+    gone (finished). logits (n, V) -> (token (n,), log p(token) (n,), fp32), each row's token the one
+    `torch.multinomial` would draw for its slot with the other slots' rows given flat logits.
+
+    `torch.multinomial` of one sample draws e ~ Exp(1) per (slot, token), from the generator in that order, and takes
+    per row the argmax of p / e (torch's Distributions.cpp): a row's token depends on its probabilities and its slot
+    only. On a CPU the exponentials are computed here, from the same uniforms (one float64 per (slot, token), the
+    generator advanced exactly as `exponential_` advances it) by torch's formula -log1p(-u) (the same float32 values,
+    bit for bit: tests/unit/test_generation.py), for the present slots only; a finished row's slot costs its uniforms,
+    not a softmax and logarithms over the vocabulary. Elsewhere (CUDA's generator differs) `torch.multinomial` draws
+    over every slot."""
+    scores = logits.float() / params.temperature if params.temperature != 1.0 else logits.float()  # (n, V)
     probs = truncate_logits(scores, params.top_k, params.top_p).softmax(-1)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    if probs.device.type != "cpu":
+        full = probs if slots is None else probs.new_full((total, probs.shape[1]), 1.0 / probs.shape[1])
+        if slots is not None:
+            full[slots] = probs
+        token = torch.multinomial(full, 1, generator=generator).squeeze(-1)
+        token = token if slots is None else token[slots]
+    else:
+        if not bool((probs.max() < math.inf) & (probs.min() >= 0)):  # torch.multinomial's own check and words
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        uniforms = torch.empty(total, probs.shape[1], dtype=torch.float64).uniform_(generator=generator)  # (total, V)
+        exponentials = (-torch.log1p(-(uniforms if slots is None else uniforms[slots]))).float()  # (n, V)
+        token = (probs / exponentials).argmax(-1)  # (n,)
     return token, torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
 
 

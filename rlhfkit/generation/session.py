@@ -22,7 +22,7 @@ count cache columns, which the masked ones would displace.
 
 Random streams. Rows draw their tokens from a `Stream`: the default generator (every row of a batch together) or a
 prompt's own (`generation.seed_per_prompt`, evaluation batches). A stream draws one (slots, V) sample per step over
-the rows it had when the turn began, finished rows' slots included (`sample_next`: a row's token depends only on its
+the rows it had when the turn began, finished rows' slots included (`sample_slots`: a row's token depends only on its
 probabilities and its slot), so dropping finished rows changes no other row's token, and the tokens are those of a
 loop that kept every row in the batch until the last one ended.
 """
@@ -38,7 +38,7 @@ import torch
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import UserError
-from rlhfkit.generation.sampling import sample_next
+from rlhfkit.generation.sampling import sample_next, sample_slots
 from rlhfkit.generation.stops import StopStrings
 
 WINDOWED_LAYERS = ("full_attention", "sliding_attention")  # the layer types whose masks the engine can build
@@ -331,8 +331,9 @@ class Session:
     # -- sampling ------------------------------------------------------------------------------------------------
 
     def draw(self, logits: torch.Tensor, live: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from the rows' streams: each stream with a live row draws over all its slots, the slots
-        of rows no longer in the cache given flat logits (module docstring). -> tokens (n,), log-probs (n,)."""
+        """One token per row from the rows' streams: each stream with a live row draws over all its slots, those of
+        rows no longer in the cache drawn as if their logits were flat (module docstring; `sample_slots`).
+        -> tokens (n,), log-probs (n,)."""
         streams = list(dict.fromkeys(row.stream for row, on in zip(self.rows, live) if on))
         if len(streams) == 1 and streams[0].slots == len(self.rows) and all(r.slot == i for i, r in enumerate(self.rows)):
             return sample_next(logits, self.params, streams[0].generator)
@@ -341,11 +342,9 @@ class Session:
         for stream in streams:
             mine = [i for i, row in enumerate(self.rows) if row.stream is stream]
             index = torch.tensor(mine, device=logits.device)
-            slots = torch.tensor([self.rows[i].slot for i in mine], device=logits.device)
-            scores = logits.new_zeros(stream.slots, logits.shape[1])
-            scores[slots] = logits[index]
-            token, logprob = sample_next(scores, self.params, stream.generator)
-            tokens[index], logprobs[index] = token[slots], logprob[slots]
+            token, logprob = sample_slots(logits[index], [self.rows[i].slot for i in mine], stream.slots, self.params,
+                                          stream.generator)
+            tokens[index], logprobs[index] = token, logprob
         return tokens, logprobs
 
     def lay_out_streams(self, rows: list[Row]) -> None:

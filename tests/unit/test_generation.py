@@ -186,6 +186,32 @@ def test_sampled_tokens_follow_the_configured_distribution(tiny, params):
     torch.testing.assert_close(logprobs[:, 0], torch.log_softmax(logits / cfg.temperature, -1)[tokens[:, 0]])
 
 
+@pytest.mark.parametrize("params", [dict(), dict(top_k=5), dict(top_p=0.8, temperature=0.7)])
+@pytest.mark.parametrize("vocab", [103, 49152])
+def test_slot_draws_are_torch_multinomials(params, vocab):
+    """`sample_slots` on a CPU computes torch.multinomial's exponentials itself, for the slots present only: under
+    each seed every present row's token is the one torch.multinomial draws over all 7 slots (the absent slots' rows
+    flat, as the engine drew them before), bit for bit, and the generator is left where multinomial leaves it."""
+    from rlhfkit.generation.sampling import sample_slots
+
+    cfg, slots = GenerationConfig(**params), [0, 2, 3, 5]
+    data = torch.Generator().manual_seed(vocab)
+    for seed in range(12):
+        logits = torch.randn(len(slots), vocab, generator=data) * 4
+        full = torch.zeros(7, vocab)
+        full[slots] = logits
+        reference = torch.Generator().manual_seed(seed)
+        probs = truncate_logits(full / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
+        expected = torch.multinomial(probs, 1, generator=reference).squeeze(-1)[slots]
+        ours = torch.Generator().manual_seed(seed)
+        token, logprob = sample_slots(logits, slots, 7, cfg, ours)
+        assert torch.equal(token, expected)
+        assert torch.equal(torch.rand(3, generator=ours), torch.rand(3, generator=reference))
+        torch.testing.assert_close(logprob, torch.log_softmax(logits / cfg.temperature, -1).gather(-1, token[:, None])[:, 0])
+    with pytest.raises(RuntimeError, match="inf.*nan"):  # what is_nonfinite_sampling recognises
+        sample_slots(torch.full((2, vocab), float("nan")), None, 2, cfg)
+
+
 def test_truncate_logits_by_hand():
     """Scores [3, 2, 1, 0]: top-2 keeps {0, 1}; probabilities ≈ [.644, .237, .087, .032], so top_p 0.85 keeps the
     first two (0.881 ≥ 0.85) and top_p 0.5 keeps the first alone."""
