@@ -181,7 +181,7 @@ def notes_for(args, batch, runs: dict, why: str | None) -> list[str]:
              "be higher; the engines ran in turns under the same load, so the ratios are the comparison."]
     ratio, ceiling = per_cpu[ours] / per_cpu[hf], per_forward[ours] / per_forward[hf]
     verdict = "meets" if ratio >= 1.5 else "falls short of"
-    notes.append(f"The goal is 1.5x generate's rate: the engine {verdict} it ({ratio:.2f}x). In the model's forward "
+    notes.append(f"The goal is 1.5x generate's rate: the engine {verdict} it ({ratio:.3f}x). In the model's forward "
                  f"alone the engine gets {ceiling:.2f}x generate's tokens per CPU second (it computes each row's own "
                  "tokens, generate every row until the longest ends, and a distinct prompt is prefilled once, not per "
                  f"sample); outside the forward it spends {outside[ours]:.0%} of its time, generate {outside[hf]:.0%} "

@@ -76,17 +76,19 @@ def sample_slots(logits: torch.Tensor, slots: list[int] | None, total: int, para
     scores = logits.float() / params.temperature if params.temperature != 1.0 else logits.float()  # (n, V)
     probs = truncate_logits(scores, params.top_k, params.top_p).softmax(-1)
     if probs.device.type != "cpu":
+        slots = None if slots == list(range(total)) else slots
         full = probs if slots is None else probs.new_full((total, probs.shape[1]), 1.0 / probs.shape[1])
         if slots is not None:
             full[slots] = probs
         token = torch.multinomial(full, 1, generator=generator).squeeze(-1)
         token = token if slots is None else token[slots]
     else:
-        if not bool((probs.max() < math.inf) & (probs.min() >= 0)):  # torch.multinomial's own check and words
+        if not bool(probs.sum(-1).isfinite().all()):  # a softmax is never negative: torch.multinomial's check, words
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         uniforms = torch.empty(total, probs.shape[1], dtype=torch.float64).uniform_(generator=generator)  # (total, V)
-        exponentials = (-torch.log1p(-(uniforms if slots is None else uniforms[slots]))).float()  # (n, V)
-        token = (probs / exponentials).argmax(-1)  # (n,)
+        uniforms = uniforms if slots is None or slots == list(range(total)) else uniforms[slots]  # (n, V)
+        exponentials = uniforms.neg_().log1p_().to(torch.float32).neg_()  # -log1p(-u), in place (a sign is exact)
+        token = probs.div_(exponentials).argmax(-1)  # (n,): torch.multinomial's argmax of p / e
     return token, torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
 
 

@@ -38,7 +38,7 @@ import torch
 
 from rlhfkit.config import GenerationConfig
 from rlhfkit.errors import UserError
-from rlhfkit.generation.sampling import sample_next, sample_slots
+from rlhfkit.generation.sampling import sample_slots
 from rlhfkit.generation.stops import StopStrings
 
 WINDOWED_LAYERS = ("full_attention", "sliding_attention")  # the layer types whose masks the engine can build
@@ -335,8 +335,9 @@ class Session:
         rows no longer in the cache drawn as if their logits were flat (module docstring; `sample_slots`).
         -> tokens (n,), log-probs (n,)."""
         streams = list(dict.fromkeys(row.stream for row, on in zip(self.rows, live) if on))
-        if len(streams) == 1 and streams[0].slots == len(self.rows) and all(r.slot == i for i, r in enumerate(self.rows)):
-            return sample_next(logits, self.params, streams[0].generator)
+        if len(streams) == 1 and all(row.stream is streams[0] for row in self.rows):  # one stream, every row its own
+            return sample_slots(logits, [row.slot for row in self.rows], streams[0].slots, self.params,
+                                streams[0].generator)
         tokens = torch.full((len(self.rows),), self.pad, dtype=torch.long, device=logits.device)
         logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=logits.device)
         for stream in streams:
