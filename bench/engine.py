@@ -107,13 +107,19 @@ def engines(model, tok, batch, args):
 def continuous_batching(model, tok, batch, args, seed: int) -> int:
     """transformers' continuous batching on the same prompts (its own scheduler and paged cache)."""
     from transformers import GenerationConfig as HFGenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)]
     config = HFGenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=None,
                                 top_p=None, num_return_sequences=args.samples, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
-    out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    # Its paged cache sized for these rows (page_size 256: one block per row here, twice that), not from the free
+    # memory, which on a shared machine it would take most of.
+    rows = len(prompts) * args.samples
+    sizes = ContinuousBatchingConfig(num_blocks=2 * rows, max_batch_tokens=4096)
+    out = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes,
+                               progress_bar=False)
     return sum(len(o.generated_tokens) for o in out.values())
 
 
