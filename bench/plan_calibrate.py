@@ -271,6 +271,23 @@ def optimizer_costs(clock: Clock, work: str, device: str) -> dict:
 
 
 STAGE_CELLS = ["sft", "rm", "dpo", "kto", "ppo", "grpo", "online_dpo", "rft"]
+STAGE_STEPS = 9  # steps of each stage run: the median of the 8 after the first
+
+
+def averaged(entry: dict, paths: list[str], name: str) -> dict:
+    """`entry`'s rates, each the mean of this run's and those of the same device in the rates files `paths` (earlier
+    calibration runs: the load of a shared machine moves a single run's figures by a fifth or more)."""
+    others = [json.load(open(p))[name] for p in paths]
+    out = dict(entry)
+    for key, value in entry.items():
+        if key in ("threads", "source", "calls", "stage_step"):
+            continue
+        values = [value] + [o[key] for o in others]
+        out[key] = ({m: statistics.mean(v[m] for v in values) for m in value} if isinstance(value, dict)
+                    else statistics.mean(values))
+    loads = [o["source"].split("(load ")[1].split(")")[0] for o in others if "(load " in o["source"]]
+    out["source"] = entry["source"] + f", the mean of {len(paths) + 1} runs (the others at load {', '.join(loads)})"
+    return out
 
 
 def stage_costs(work: str) -> tuple[dict, list]:
@@ -290,8 +307,8 @@ def stage_costs(work: str) -> tuple[dict, list]:
         overrides = cell_config(stage, model, mode, False, 3, 80, data, os.path.join(work, "run"))
         if stage in ("ppo", "grpo", "online_dpo"):
             overrides["algo.rollout_batch_size"] = 3
-        timed = run_time_cell(stage, overrides)
-        planned = rlhfkit.plan(stage, overrides=time_overrides(stage, overrides), device="cpu")
+        timed = run_time_cell(stage, overrides, STAGE_STEPS)
+        planned = rlhfkit.plan(stage, overrides=time_overrides(stage, overrides, STAGE_STEPS), device="cpu")
         measured, counted = timed["measured_cpu_s"], planned.seconds_per_step - planned.time_phases.get("stage", 0.0)
         if stage == "rft":  # the first iteration's SFT steps after its first (which samples)
             steps = timed["steps_cpu_s"]
@@ -309,6 +326,8 @@ def main() -> None:
     parser.add_argument("--name", help="the device's name in the table (default: cpu, or the GPU's as matched)")
     parser.add_argument("--out", default=RATES, help="the rates file to update (default: rlhfkit/plan/rates.json)")
     parser.add_argument("--no-stages", action="store_true", help="skip the per-stage remainder (real runs)")
+    parser.add_argument("--average", nargs="*", default=[], help="rates files of earlier runs on this device: "
+                                                                 "the rates are the mean of all the runs")
     parser.add_argument("--results", default=None, help="where plan_rates.{json,md} go (default: docs/results)")
     args = parser.parse_args()
     device, name = args.device, args.name or "cpu"
@@ -341,6 +360,7 @@ def main() -> None:
              f"{', ' + str(threads) + ' thread' + ('s' if threads != 1 else '') if threads else ''} "
              f"(load {load0:.1f}), rlhfkit {commit()}")
     entry["source"] = stamp
+    entry = averaged(entry, args.average, name) if args.average else entry
     table = json.load(open(args.out)) if os.path.isfile(args.out) else {}
     table[name] = {**entry, "stage_step": {}}
     write(args.out, table)
