@@ -255,11 +255,14 @@ def publish(rows: list[dict], meta: dict) -> None:
            notes=notes)
 
 
-def time_note(meta: dict) -> str:
-    """How the time column was measured."""
+def time_note(meta: dict, path: str = TIMES) -> str:
+    """How the time column was measured, and how the planned times compare over every timed cell (the time pass
+    may cover cells the table above does not hold yet)."""
     if not meta:
         return "Time: no cell timed yet (`--time`)."
-    return (f"Time: CPU seconds per step of the process (time.process_time, {meta.get('threads')} thread), the "
+    timed = [r for r in json.load(open(path))["rows"] if r.get("measured_cpu_s") and r.get("planned_s")]
+    close = sum(within(r["planned_s"], r["measured_cpu_s"], 0.25) for r in timed)
+    return (f"Time over every timed cell: {close} of {len(timed)} within ±25%. Time: CPU seconds per step of the process (time.process_time, {meta.get('threads')} thread), the "
             f"median of the steps after the first (RFT: its second iteration, sampling included), without the memory "
             f"tracker, by `{meta['command']}`, the last on {meta['when']} at load average {meta['load']:.1f}; planned "
             "at the rates of rlhfkit/plan/rates.json (bench/plan_calibrate.py, on other shapes).")
