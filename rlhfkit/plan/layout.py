@@ -40,6 +40,7 @@ class Generation:
     new_tokens: int
     static_cache: bool  # generation.compile: a StaticCache of the full length from the start
     top_p: bool  # nucleus sampling sorts the vocabulary per row
+    prompts: int = 1  # distinct prompts, each prefilled once (its cache row then copied to its samples)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader)
     evaluates = bool(cfg.data.eval or cfg.data.eval_fraction or cfg.data.capability)
     reference = policy if evaluates and not cfg.model.lora.enabled else None
     gen = Generation(cfg.algo.sampling_batch_size * g.num_samples, cfg.data.max_prompt_length, g.max_new_tokens,
-                     g.compile, g.top_p < 1)
+                     g.compile, g.top_p < 1, cfg.algo.sampling_batch_size)
     score = Forward(mb, cfg.data.max_prompt_length + g.max_new_tokens, 0, False)
     # An iteration samples its prompts in batches, then trains max_steps SFT steps (else num_epochs over the kept
     # best samples, at most one a prompt); without prompts_per_iteration (every prompt) one batch is assumed.
@@ -159,10 +160,12 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
 
     g, a, mb = cfg.generation, cfg.algo, cfg.optim.per_device_batch_size
     length = cfg.data.max_prompt_length + g.max_new_tokens
-    logit_len = g.max_new_tokens + 1
+    # A rollout's rows run moved left past their prompts' padding (`models.moved_left`), so the logits start at the
+    # shortest prompt's end: the worst batch, a prompt of a few tokens beside a full one, scores nearly every position.
+    logit_len = length
     rows = a.rollout_batch_size * g.num_samples
     gen = Generation(g.num_samples if g.seed_per_prompt else rows, cfg.data.max_prompt_length, g.max_new_tokens,
-                     g.compile, g.top_p < 1)
+                     g.compile, g.top_p < 1, 1 if g.seed_per_prompt else a.rollout_batch_size)
     score = Forward(mb, length, 0, False)
     if stage == "online_dpo":
         reference = _reference(cfg, a.ref_model, policy, load)
@@ -170,7 +173,9 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
         return Layout(**{**base, "reference": reference, "rewards": rewards, "generation": gen, "trained": trained,
                          "rewards_4bit": cfg.reward.quantization.load_in_4bit, "micro_batches": max(1, rows // (2 * mb)),
                          "frozen_batches": max(1, rows // (2 * mb)),
-                         "frozen": (Forward(2 * mb, length, logit_len, False, True),) + (score,) * len(rewards)})
+                         "accum": max(1, rows // (2 * mb)),  # the step's pairs, mb at a time, one optimizer step
+                         "frozen": (Forward(2 * mb, length, logit_len, False),)  # π_ref: while sampling
+                         + (score,) * len(rewards)})
     algo = ALGORITHMS[a.algorithm]
     monitor = cfg.kl.monitor if cfg.kl.monitor is not None else cfg.model.lora.enabled
     reference = _reference(cfg, None, policy, load) if algo.needs_reference or monitor else None
@@ -180,7 +185,8 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
         adapters += adapters + policy.hidden + 1  # a second adapter and the value head on the policy's base
     elif algo.needs_value:
         critic = load(a.value_model, "algo.value_model") if a.value_model else rewards[0] if rewards else policy
-    frozen = [Forward(mb, length, logit_len, False)] * (1 + (reference is not None or monitor))  # π_old, π_ref
+    logprobs = Forward(mb, length, logit_len, False)
+    frozen = [logprobs] * (1 + (reference is not None or monitor))  # π_old, π_ref
     frozen += [score] * (len(rewards) + (critic is not None or algo.needs_value))
     steps = a.ppo_epochs * a.num_minibatches
     value_adapter = algo.needs_value and cfg.model.lora.enabled and not a.value_model

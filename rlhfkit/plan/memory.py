@@ -2,10 +2,12 @@
 
 Parts: the weights of each model (in their dtype, or 4 bits for QLoRA's linears), the LoRA adapters, gradients, AdamW's
 two moments, the activations the backward keeps (all layers, or with gradient checkpointing one input per layer plus
-one layer recomputed), attention's T² scores where the kernel materialises them (eager; sdpa's fused kernels do not),
-the logits with their fp32 copy for the log-softmax (B·T·V, `ops.logprobs_from_logits`), and in generation the KV
-cache of every row plus the last position's logits. ZeRO-2 shards gradients and optimizer states over the processes,
-ZeRO-3 and FSDP the trained weights too (and ZeRO-3 the frozen models); CPU offload moves the optimizer states out.
+one layer recomputed; training and scoring batches run right-padded, without a mask: `models.attention_inputs`,
+`models.moved_left`), attention's T² scores where the kernel materialises them (eager; sdpa's fused kernels do not),
+the gradients in flight inside a layer's backward, the logits with their fp32 copy for the log-softmax (B·T·V,
+`ops.logprobs_from_logits`), and in generation the KV cache of every row plus the last position's logits. ZeRO-2
+shards gradients and optimizer states over the processes, ZeRO-3 and FSDP the trained weights too (and ZeRO-3 the
+frozen models); CPU offload moves the optimizer states out.
 
 Phases: "generation" (sampling and the no-grad scoring forwards; online stages and rft) and "update" (forward and
 backward of a micro-batch, then the optimizer step). Optimizer states are resident from the first step on and
@@ -29,8 +31,19 @@ FOUR_BIT = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
 # tensors of the tiny model and SmolLM2-135M (within 3%; docs/memory.md, "How the planner counts").
 ACTIVATION = {"hidden": 5.0, "q": 3.0, "kv": 2.0, "intermediate": 4.0}
 OUTSIDE_LAYERS = 4.0  # per token, in hidden widths: the embedding's output, the final norm's input and output
-# LoRA with dropout keeps each adapted linear's dropped-out input (and its mask): measured 1.2 input widths per linear.
-LORA_DROPOUT = 1.2
+# An RMSNorm multiplies its normalised input by its weight; with the weight frozen (LoRA, QLoRA) autograd keeps no
+# copy of that input for the weight's gradient: one hidden width less per norm, two a layer (and, outside the
+# layers, the final norm's and the frozen head's input). Read from autograd's saved tensors of a llama layer, full
+# against LoRA (tests/unit/test_plan_sizes.py).
+FROZEN_NORM = 2.0
+# Gradients in flight in one layer's backward over what the layer saved, in elements per token: the output's gradient
+# (hidden) and, at the gated MLP's backward (the layer's widest moment), three intermediate-wide gradients while the
+# product the down projection saved is already released (net two). Read from the live tensors of the tiny model's
+# checkpointed backward (tests/unit/test_plan_sizes.py).
+BACKWARD = {"hidden": 1.0, "intermediate": 2.0}
+# LoRA with dropout keeps each adapted linear's dropped-out input (and its mask): measured 1.5 input widths per linear
+# on a layer whose input needs a gradient (every layer but the first, whose 1.125 is left aside).
+LORA_DROPOUT = 1.5
 
 
 @dataclass(frozen=True)
@@ -116,12 +129,21 @@ def resident(lay: Layout, p: Precision, shard: Sharding, q4_double: bool = True)
     return parts
 
 
+def outside_layers(lay: Layout) -> float:
+    """Hidden widths per token kept outside the layers (`OUTSIDE_LAYERS`); with the final norm and the head frozen
+    (LoRA, QLoRA, a probe) none: the norm keeps no normalised copy, the head not its input (measured: under 0.2
+    hidden widths, the rotary tables)."""
+    return OUTSIDE_LAYERS if lay.train == "full" else 0.0
+
+
 def layer_activations(shape: ModelShape, tokens: float, p: Precision, lora: int = 0, dropout: bool = False,
-                      targets: tuple[str, ...] = ()) -> float:
+                      targets: tuple[str, ...] = (), norms_trained: bool = True) -> float:
     """Bytes one decoder layer keeps for its backward over `tokens` tokens; `lora`: the rank of the adapters on the
-    linears `targets` (their outputs, and with `dropout` a dropped-out copy of each one's input)."""
+    linears `targets` (their outputs, and with `dropout` a dropped-out copy of each one's input); `norms_trained`:
+    False when the norms' weights are frozen (LoRA), whose products then keep no normalised copy (`FROZEN_NORM`)."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_token = (ACTIVATION["hidden"] * shape.hidden + ACTIVATION["q"] * q + ACTIVATION["kv"] * kv
+    hidden = ACTIVATION["hidden"] - (0.0 if norms_trained else FROZEN_NORM)
+    per_token = (hidden * shape.hidden + ACTIVATION["q"] * q + ACTIVATION["kv"] * kv
                  + ACTIVATION["intermediate"] * shape.intermediate)
     if lora:
         inputs = sum(shape.linear_shapes()[t][0] for t in targets)
@@ -149,36 +171,70 @@ def logits_bytes(shape: ModelShape, f: Forward, p: Precision, entropy: bool = Fa
 
 def trained_forward(lay: Layout, p: Precision, shape: ModelShape, f: Forward) -> dict[str, float]:
     """Activations and attention buffers of the update's forward with gradient of one model, at the backward's
-    start (with gradient checkpointing: each layer's input, plus one layer recomputed at a time)."""
+    start (with gradient checkpointing: each layer's input; "recompute": one layer's saved tensors, recomputed in
+    the backward)."""
     tokens = f.rows * f.length
     lora = lay.lora_rank if lay.train == "lora" and shape is lay.policy else 0
-    layer = layer_activations(shape, tokens, p, lora, lay.lora_dropout, lay.lora_targets)
+    layer = layer_activations(shape, tokens, p, lora, lay.lora_dropout, lay.lora_targets, lay.train == "full")
     scores = attention_scores(shape, f, lay.attention, p)
-    outside = OUTSIDE_LAYERS * tokens * shape.hidden * p.compute
+    outside = outside_layers(lay) * tokens * shape.hidden * p.compute
     if lay.train == "head":  # a probe: the body runs without gradient
         return {"activations": layer, "attention": scores}
     if lay.checkpointing:
-        return {"activations": shape.layers * tokens * shape.hidden * p.compute + outside, "attention": 0.0,
+        inputs = shape.layers * tokens * shape.hidden * p.compute
+        return {"activations": inputs + outside, "attention": 0.0,
                 "recompute": layer + scores}
     return {"activations": shape.layers * layer + outside, "attention": shape.layers * scores}
 
 
+def layer_backward(lay: Layout, p: Precision, shard: Sharding, f: Forward) -> dict[str, float]:
+    """The policy's backward inside a layer, at the top or the bottom layer, whichever holds more: the gradients in
+    flight (`BACKWARD`); what the layers not yet done saved (with checkpointing their inputs, and the one layer
+    recomputed) and the mask; the parameters' gradients of the head and of the layers done (all of them with
+    accumulation: earlier micro-batches left them). Without checkpointing this stays below the backward's start."""
+    s = lay.policy
+    tokens = f.rows * f.length
+    fwd = trained_forward(lay, p, s, f)
+    grad = (4.0 if lay.train != "full" else p.weights) / shard.states()  # bytes per trained parameter
+    if lay.train == "full":
+        head = ((s.vocab * s.hidden if lay.head == "lm" else s.hidden + 1) + s.hidden) * grad  # and the final norm
+        per_layer = (s.linear_params + s.other_layer_params - s.hidden) / s.layers * grad
+    else:
+        head, per_layer = 0.0, lay.adapters / s.layers * grad
+    outside = outside_layers(lay) * tokens * s.hidden * p.compute
+    # what one layer keeps until its backward: its input (checkpointing), or everything it saved
+    one = tokens * s.hidden * p.compute if lay.checkpointing else (
+        fwd["activations"] - outside + fwd["attention"]) / s.layers
+    top, bottom = s.layers * one, one + (s.layers - 1) * per_layer
+    if lay.accum > 1 or top >= bottom:
+        saved, done = top, head
+    else:
+        saved, done = one, head + (s.layers - 1) * per_layer
+    if lay.accum > 1:
+        done = trainable_params(lay) * grad
+    flight = tokens * (BACKWARD["hidden"] * s.hidden + BACKWARD["intermediate"] * s.intermediate) * p.compute
+    return {"activations": saved, "recompute": fwd.get("recompute", 0.0), "backward": flight, "gradients": done}
+
+
 def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     """The update's peak over the resident state, at whichever moment is highest: the backward's start (activations
-    and the logits' buffers alive; with accumulation the gradients of earlier micro-batches too), the backward's end
-    (every gradient, and for tied embeddings the head's and the embedding's gradients summed: two more V·H copies),
-    or the optimizer step (on a GPU a gradient-sized temporary)."""
+    and the logits' buffers alive; with accumulation the gradients of earlier micro-batches too), a layer's backward
+    (`layer_backward`), the backward's end (every gradient, and for tied embeddings the head's and the embedding's
+    gradients summed: two more V·H copies), or the optimizer step (on a GPU a gradient-sized temporary)."""
     parts = resident(lay, p, shard)
     per_param = 4.0 if lay.train != "full" else p.weights
     grads = trainable_params(lay) * per_param / shard.states()
     f = lay.trained
     fwd = trained_forward(lay, p, lay.policy, f)
+    critic = {}
     if lay.critic is not None:
-        for key, value in trained_forward(lay, p, lay.critic, Forward(f.rows, f.length, 0, True)).items():
+        critic = trained_forward(lay, p, lay.critic, Forward(f.rows, f.length, 0, True))
+        for key, value in critic.items():
             fwd[key] = max(fwd.get(key, 0.0), value) if key == "recompute" else fwd.get(key, 0.0) + value
+    fwd.pop("recompute", None)
     # Over the saved activations, one after the other: the reference's forward of the same micro-batch (offline
-    # stages), the logits' buffers at the backward's start, a checkpointed layer's recomputation.
-    transient = {"logits": logits_bytes(lay.policy, f, p, lay.entropy), "recompute": fwd.pop("recompute", 0.0),
+    # stages), the logits' buffers at the backward's start.
+    transient = {"logits": logits_bytes(lay.policy, f, p, lay.entropy),
                  "reference forward": max((no_grad_forward(lay, p, g) for g in lay.frozen if g.in_update), default=0.0)}
     top = max(transient, key=transient.get)
     fwd[top] = transient[top]
@@ -186,7 +242,11 @@ def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     tied = 2 * lay.policy.vocab * lay.policy.hidden * per_param if tied_head else 0.0
     end = {"gradients": grads, "tied gradient sum": tied, "optimizer step": grads if p.gpu else 0.0}
     start = {"gradients": grads if lay.accum > 1 else 0.0, **fwd}
-    parts.update({k: v for k, v in (start if sum(start.values()) >= sum(end.values()) else end).items() if v})
+    middle = layer_backward(lay, p, shard, f) if lay.train != "head" else {}
+    if critic:  # the critic's saved tensors wait for its own backward
+        middle["critic activations"] = critic["activations"] + critic["attention"]
+    best = max((start, middle, end), key=lambda m: sum(m.values()))
+    parts.update({k: v for k, v in best.items() if v})
     return Phase("update", parts)
 
 
@@ -198,24 +258,45 @@ def no_grad_forward(lay: Layout, p: Precision, f: Forward) -> float:
     return working + attention_scores(shape, f, lay.attention, p) + logits_bytes(shape, f, p)
 
 
+def prefill_bytes(s: ModelShape, prompts: int, length: int, attention: str, p: Precision) -> float:
+    """The prefill's own peak, one layer at a time, over the distinct prompts (each prefilled once), left-padded to
+    the longest: the (n, 1, P, P) mask transformers builds for the whole forward (sdpa: bool; eager: additive),
+    beside the wider of the MLP's working set (gate, up and product beside the residual stream and its normalised
+    copy) and attention's (the residual, its normalised copy and the layer input; the rotated queries, the output
+    and the key and value expanded to the query heads, four query widths; SDPA's float copy of the mask, or eager's
+    scores)."""
+    tokens, q = prompts * length, s.heads * s.head_dim
+    flash = attention not in ("sdpa", "eager")
+    mask = 0.0 if flash else prompts * length**2 * (1.0 if attention == "sdpa" else p.compute)
+    mlp = tokens * (3 * s.intermediate + 2 * s.hidden) * p.compute
+    attend = tokens * (3 * s.hidden + (2 if flash else 4) * q) * p.compute + (
+        prompts * length**2 * p.compute if attention == "sdpa" else 0.0) + attention_scores(
+        s, Forward(prompts, length, 0, False), attention, p)
+    return mask + max(mlp, attend)
+
+
+def kv_cache_bytes(s: ModelShape, g, p: Precision) -> float:
+    """The KV cache of every row sampled at once over prompt and response, in the compute dtype."""
+    length = g.prompt_len + g.new_tokens
+    if g.static_cache:  # generation.compile: a StaticCache of the whole length, rounded up, from the first token
+        from rlhfkit.generation.session import static_cache_length
+
+        length = static_cache_length(length)
+    return 2 * s.layers * g.rows * s.kv_heads * s.head_dim * length * p.compute
+
+
 def generation_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase | None:
     """Sampling: the KV cache of every row over prompt and response (in the compute dtype), the last position's
-    logits and the sampler's copies of them (a sort for top-p), the prefill's one-layer working set; then the
+    logits and the sampler's copies of them (a sort for top-p), or the prefill's peak (`prefill_bytes`); then the
     no-grad scoring forwards, whichever is higher."""
     g = lay.generation
     if g is None:
         return None
     parts = resident(lay, p, shard)
     s = lay.policy
-    length = g.prompt_len + g.new_tokens
-    if g.static_cache:  # generation.compile: a StaticCache of the whole length, rounded up, from the first token
-        from rlhfkit.generation.session import static_cache_length
-
-        length = static_cache_length(length)
-    kv = 2 * s.layers * g.rows * s.kv_heads * s.head_dim * length * p.compute
+    kv = kv_cache_bytes(s, g, p)
     decode = g.rows * s.vocab * 4 * (3 + (3 if g.top_p else 0))
-    prefill = g.rows * g.prompt_len * (3 * s.intermediate + 2 * s.hidden) * p.compute + attention_scores(
-        s, Forward(g.rows, g.prompt_len, 0, False), lay.attention, p)
+    prefill = prefill_bytes(s, g.prompts, g.prompt_len, lay.attention, p)
     scoring = max((no_grad_forward(lay, p, f) for f in lay.frozen if not f.in_update), default=0.0)
     if kv + max(decode, prefill) >= scoring:
         parts.update({"kv cache": kv, "sampling": max(decode, prefill)})
