@@ -338,6 +338,15 @@ def load_deepspeed_state(accelerator, checkpoint: str, recorded) -> None:
                            load_lr_scheduler_states=False)
 
 
+def stepped_optimizer(accelerator, optimizer):
+    """The optimizer a loop steps: without an fp16 scaler, on one process or under DDP, accelerate's wrapper only
+    passes each call on (probing the installed packages at every step), so the loop steps torch's optimizer itself;
+    otherwise accelerate's wrapper, which has work to do."""
+    if accelerator.scaler is None and accelerator.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        return getattr(optimizer, "optimizer", optimizer)
+    return optimizer
+
+
 def clip_grad_norm(accelerator, models: list, max_norm: float) -> torch.Tensor | None:
     """accelerate's `clip_grad_norm_` over the gradients of several prepared models at once (None entries skipped):
     one norm over all of them, every gradient scaled by the same factor; whole gradients (one process, DDP) go

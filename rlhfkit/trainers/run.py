@@ -24,7 +24,8 @@ from rlhfkit.hub import check_hub, publish, publish_checkpoint
 from rlhfkit.launch import distributed_state, log_launch, start_run
 from rlhfkit.precision import check_attn_implementation, frozen_model_dtype, resolve_mixed_precision, supports_bf16
 from rlhfkit.sharding import (DEEPSPEED_STATE, clip_grad_norm, configure_deepspeed, fsdp_classes, load_deepspeed_state,
-                              load_optimizer_state, optimizer_state, save_deepspeed_state, saved_weights, weight_layout_of)
+                              load_optimizer_state, optimizer_state, save_deepspeed_state, saved_weights,
+                              stepped_optimizer, weight_layout_of)
 from rlhfkit.trackers import check_trackers
 from rlhfkit.trainers.callbacks import Callbacks, RunArgs, stage_of
 from rlhfkit.trainers.memory import MemoryCheck
@@ -162,11 +163,7 @@ class Run:
         callbacks receive the first model (the policy), the optimizer and the schedule from here on."""
         acc, cfg = self.accelerator, self.cfg
         self.callbacks.objects.update(model=self.unwrap(trained[0]), optimizer=optimizer, lr_scheduler=scheduler)
-        # Without an fp16 scaler, on one process or under DDP, accelerate's wrapper only passes each call on (probing
-        # the installed packages at every step): the loop steps torch's optimizer itself.
-        if acc.scaler is None and acc.distributed_type in ("NO", "MULTI_CPU", "MULTI_GPU"):
-            optimizer = getattr(optimizer, "optimizer", optimizer)
-        return Optim(optimizer, scheduler, clip=lambda max_norm: clip_grad_norm(acc, trained, max_norm),
+        return Optim(stepped_optimizer(acc, optimizer), scheduler, clip=lambda max_norm: clip_grad_norm(acc, trained, max_norm),
                      max_grad_norm=cfg.optim.max_grad_norm, scaler=acc.scaler, max_bad_steps=cfg.max_bad_steps,
                      output_dir=cfg.output_dir)
 
