@@ -294,12 +294,13 @@ def time_note(meta: dict, path: str = TIMES) -> str:
             "at the rates of rlhfkit/plan/rates.json (bench/plan_calibrate.py, on other shapes).")
 
 
-def run_times(args, cells: list[tuple]) -> None:
-    """The time pass: each cell of `cells` timed (`run_time_cell`) into args.times, rows already there kept."""
-    done = json.load(open(args.times)) if os.path.isfile(args.times) else {"rows": []}
+def measured_rows(cells, done: dict, prefix: str, measure):
+    """Each cell of `cells` not yet among done["rows"] (failed ones run again) measured by `measure(stage,
+    overrides)` on the grid's data, a failure recorded as the row's error; yields each row once it is in done["rows"],
+    for the caller to save."""
     done["rows"] = [r for r in done["rows"] if "error" not in r]
     seen = {cell_key(r) for r in done["rows"]}
-    work = tempfile.mkdtemp(prefix="plan-grid-time-")
+    work = tempfile.mkdtemp(prefix=prefix)
     data = write_data(work)
     for model_name, stage, mode, ckpt, mb, length in cells:
         row = {"model": model_name, "stage": stage, "mode": mode, "ckpt": ckpt == "on", "mb": mb, "length": length}
@@ -308,11 +309,19 @@ def run_times(args, cells: list[tuple]) -> None:
         model = "tiny" if model_name == "tiny" else smollm2_dir()
         overrides = cell_config(stage, model, mode, ckpt == "on", mb, length, data, os.path.join(work, "run"))
         try:
-            row.update(run_time_cell(stage, overrides, args.steps))
+            row.update(measure(stage, overrides))
         except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the pass goes on
             row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
         print(json.dumps(row), flush=True)
         done["rows"].append(row)
+        yield row
+
+
+def run_times(args, cells: list[tuple]) -> None:
+    """The time pass: each cell of `cells` timed (`run_time_cell`) into args.times, rows already there kept."""
+    done = json.load(open(args.times)) if os.path.isfile(args.times) else {"rows": []}
+    for row in measured_rows(cells, done, "plan-grid-time-",
+                             lambda stage, overrides: run_time_cell(stage, overrides, args.steps)):
         done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
                         "threads": row.get("threads")}
@@ -360,24 +369,8 @@ def main() -> None:
             json.dump(done, f, indent=1)
         publish([r for r in done["rows"] if "error" not in r], done["meta"])
         return
-    key = lambda r: (r["model"], r["stage"], r["mode"], r["ckpt"], r["mb"], r["length"])  # noqa: E731
-    done["rows"] = [r for r in done["rows"] if "error" not in r]  # failed cells run again
-    seen = {key(r) for r in done["rows"]}
-    work = tempfile.mkdtemp(prefix="plan-grid-")
-    data = write_data(work)
-    for model_name, stage, mode, ckpt, mb, length in itertools.product(args.models, args.stages, args.modes, args.ckpt,
-                                                                       args.micro, args.lengths):
-        row = {"model": model_name, "stage": stage, "mode": mode, "ckpt": ckpt == "on", "mb": mb, "length": length}
-        if key(row) in seen:
-            continue
-        model = "tiny" if model_name == "tiny" else smollm2_dir()
-        overrides = cell_config(stage, model, mode, ckpt == "on", mb, length, data, os.path.join(work, "run"))
-        try:
-            row.update((run_cell_subprocess if args.subprocess else run_cell)(stage, overrides))
-        except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the grid goes on
-            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
-        print(json.dumps(row), flush=True)
-        done["rows"].append(row)
+    cells = itertools.product(args.models, args.stages, args.modes, args.ckpt, args.micro, args.lengths)
+    for row in measured_rows(cells, done, "plan-grid-", run_cell_subprocess if args.subprocess else run_cell):
         done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
                         "cores": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
