@@ -31,6 +31,20 @@ def grpo_config(lora: bool, rows: int = 4, prompt: int = 24, new: int = 8):
                                        "algo": {"rollout_batch_size": rows // 2}, "optim": {"per_device_batch_size": 2}})
 
 
+def update_peak(model, ids, mask) -> int:
+    """The live tensor bytes a training forward and backward of `ids` (padding per `mask`) add at their peak."""
+    from rlhfkit.models import token_logprobs
+
+    tracker = LiveTensors()
+    tracker.add_module(model)
+    with tracker:
+        base = tracker.current
+        tracker.reset_peak()
+        logprobs, scored = token_logprobs(model, ids, mask, ids.masked_fill(mask == 0, -100))
+        (-(logprobs * scored).sum()).backward()
+        return tracker.peak - base
+
+
 def test_weights_gradients_and_optimizer_states_are_the_allocated_ones():
     shape = load_shape("tiny", "model")
     p = Precision(4, 4, 4)
@@ -77,25 +91,16 @@ def test_update_peak_against_live_tensors():
     """The update's peak over the weights and optimizer states (activations and logits at the backward's start, or
     the gradients at its end), against the live-tensor tracker on a forward and backward of the tiny model with rows
     at the cap, right-padded as an offline batch is: within 10%."""
-    from rlhfkit.models import token_logprobs
-
     cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny"}, "data": {"train": "x", "max_length": 128,
                                      "max_prompt_length": 64}, "output_dir": "x", "optim": {"per_device_batch_size": 4}})
     update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
     planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
     model = load_causal_lm(cfg.model)
     model.train()
-    tracker = LiveTensors()
-    tracker.add_module(model)
     ids = torch.randint(0, 50, (4, 128))
     padded = torch.ones_like(ids)
     padded[1, 100:] = 0
-    with tracker:
-        base = tracker.current
-        tracker.reset_peak()
-        logprobs, mask = token_logprobs(model, ids, padded, ids.masked_fill(padded == 0, -100))
-        (-(logprobs * mask).sum()).backward()
-        measured = tracker.peak - base
+    measured = update_peak(model, ids, padded)
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
 
 
@@ -199,8 +204,6 @@ def test_a_layer_keeps_what_is_planned_and_frozen_norms_keep_no_copy():
 def test_checkpointed_update_peak_against_live_tensors():
     """Gradient checkpointing on a right-padded batch: the peak is inside the backward (a layer recomputed, the gradients
     in flight, the parameters' gradients of the layers done), not at its start; planned within 5% of the tracker."""
-    from rlhfkit.models import token_logprobs
-
     cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny", "gradient_checkpointing": True},
                                      "data": {"train": "x", "max_length": 128, "max_prompt_length": 64},
                                      "output_dir": "x", "optim": {"per_device_batch_size": 4}})
@@ -211,14 +214,7 @@ def test_checkpointed_update_peak_against_live_tensors():
     ids = torch.randint(0, 50, (4, 128))
     mask = torch.ones_like(ids)
     mask[1, 100:] = 0
-    tracker = LiveTensors()
-    tracker.add_module(model)
-    with tracker:
-        base = tracker.current
-        tracker.reset_peak()
-        logprobs, scored = token_logprobs(model, ids, mask, ids.masked_fill(mask == 0, -100))
-        (-(logprobs * scored).sum()).backward()
-        measured = tracker.peak - base
+    measured = update_peak(model, ids, mask)
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
     assert update.parts["backward"] > 0 and update.parts["recompute"] > 0
 
