@@ -31,6 +31,23 @@ def grpo_config(lora: bool, rows: int = 4, prompt: int = 24, new: int = 8):
                                        "algo": {"rollout_batch_size": rows // 2}, "optim": {"per_device_batch_size": 2}})
 
 
+def sft_update(checkpointing: bool):
+    """The tiny model's SFT update, planned and measured on 4 rows at the 128-token cap, one right-padded as an
+    offline batch is: (the planned update phase, its peak over the weights and optimizer states, the live tensor
+    bytes the forward and backward add at their peak)."""
+    cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny", "gradient_checkpointing": checkpointing},
+                                     "data": {"train": "x", "max_length": 128, "max_prompt_length": 64},
+                                     "output_dir": "x", "optim": {"per_device_batch_size": 4}})
+    update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
+    model = load_causal_lm(cfg.model)
+    model.train()
+    ids = torch.randint(0, 50, (4, 128))
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0
+    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
+    return update, planned, update_peak(model, ids, mask)
+
+
 def update_peak(model, ids, mask) -> int:
     """The live tensor bytes a training forward and backward of `ids` (padding per `mask`) add at their peak."""
     from rlhfkit.models import token_logprobs
@@ -91,16 +108,7 @@ def test_update_peak_against_live_tensors():
     """The update's peak over the weights and optimizer states (activations and logits at the backward's start, or
     the gradients at its end), against the live-tensor tracker on a forward and backward of the tiny model with rows
     at the cap, right-padded as an offline batch is: within 10%."""
-    cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny"}, "data": {"train": "x", "max_length": 128,
-                                     "max_prompt_length": 64}, "output_dir": "x", "optim": {"per_device_batch_size": 4}})
-    update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
-    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
-    model = load_causal_lm(cfg.model)
-    model.train()
-    ids = torch.randint(0, 50, (4, 128))
-    padded = torch.ones_like(ids)
-    padded[1, 100:] = 0
-    measured = update_peak(model, ids, padded)
+    _, planned, measured = sft_update(checkpointing=False)
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
 
 
@@ -204,17 +212,7 @@ def test_a_layer_keeps_what_is_planned_and_frozen_norms_keep_no_copy():
 def test_checkpointed_update_peak_against_live_tensors():
     """Gradient checkpointing on a right-padded batch: the peak is inside the backward (a layer recomputed, the gradients
     in flight, the parameters' gradients of the layers done), not at its start; planned within 5% of the tracker."""
-    cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny", "gradient_checkpointing": True},
-                                     "data": {"train": "x", "max_length": 128, "max_prompt_length": 64},
-                                     "output_dir": "x", "optim": {"per_device_batch_size": 4}})
-    update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
-    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
-    model = load_causal_lm(cfg.model)
-    model.train()
-    ids = torch.randint(0, 50, (4, 128))
-    mask = torch.ones_like(ids)
-    mask[1, 100:] = 0
-    measured = update_peak(model, ids, mask)
+    update, planned, measured = sft_update(checkpointing=True)
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
     assert update.parts["backward"] > 0 and update.parts["recompute"] > 0
 
