@@ -15,7 +15,7 @@ from peft import PeftModel
 
 from rlhfkit.config import ModelConfig, OnlineConfig
 from rlhfkit.errors import UserError
-from rlhfkit.models import load_reward_model, moved_left, response_positions
+from rlhfkit.models import load_reward_model, moved_left_rollout
 from rlhfkit.rewards import RewardModelSource, token_scores
 from rlhfkit.types import Rollout
 
@@ -136,7 +136,6 @@ def critic_values(critic, plain, ro: Rollout) -> torch.Tensor:
     """(B, R) values V(s_t) of the state before each of the policy's tokens, 0 on the other tokens (a tool result is
     no action: it takes no value loss). `critic` is the module to call (prepared for the update, the unwrapped one in
     no-grad forwards), `plain` the unwrapped critic (which kind of critic it is)."""
-    cols, lead = moved_left(ro.attention_mask)  # right-padded: no mask to build (`models.moved_left`)
-    ids, mask = ro.input_ids.gather(1, cols), ro.attention_mask.gather(1, cols)
+    ids, mask, take = moved_left_rollout(ro)  # right-padded: no mask to build (`models.moved_left`)
     v = critic(ids, mask) if isinstance(plain, SharedBaseCritic) else token_scores(critic, ids, mask)  # (B, T)
-    return v.gather(1, response_positions(ro, lead)) * ro.action_mask
+    return v.gather(1, take) * ro.action_mask

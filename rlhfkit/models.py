@@ -433,11 +433,13 @@ def moved_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.arange(mask.shape[1], device=mask.device) + lead[:, None]) % mask.shape[1], lead
 
 
-def response_positions(rollout, lead: torch.Tensor) -> torch.Tensor:
-    """(B, R) the positions that predict a rollout's response tokens once its rows are `moved_left` by `lead`: P-1+k
-    for response token k, less the row's left padding."""
+def moved_left_rollout(rollout, *rows: torch.Tensor):
+    """A rollout's input ids and mask, and any more (B, T) tensors `rows`, `moved_left`, then (B, R) the positions
+    that predict its response tokens there: P-1+k for response token k, less the row's left padding."""
+    cols, lead = moved_left(rollout.attention_mask)
+    moved = [x.gather(1, cols) for x in (rollout.input_ids, rollout.attention_mask, *rows)]
     start = rollout.prompt_ids.shape[1] - 1
-    return torch.arange(rollout.response_ids.shape[1], device=lead.device) + start - lead[:, None]
+    return (*moved, torch.arange(rollout.response_ids.shape[1], device=lead.device) + start - lead[:, None])
 
 
 def rollout_logprobs(model, rollout, temperature: float = 1.0, with_entropy: bool = False):
@@ -446,11 +448,8 @@ def rollout_logprobs(model, rollout, temperature: float = 1.0, with_entropy: boo
     also the (B, R) entropies of the distributions those tokens were drawn from (same forward)."""
     labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
                         rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
-    ids, mask = rollout.input_ids, rollout.attention_mask
-    cols, lead = moved_left(mask)
-    out = token_logprobs(model, ids.gather(1, cols), mask.gather(1, cols), labels.gather(1, cols), temperature,
-                         with_entropy)
-    take = response_positions(rollout, lead)  # response token k is predicted at P-1+k, P-1+k-lead once moved
+    ids, mask, labels, take = moved_left_rollout(rollout, labels)  # token k predicted at P-1+k-lead once moved
+    out = token_logprobs(model, ids, mask, labels, temperature, with_entropy)
     if with_entropy:
         return out[0].gather(1, take), out[2].gather(1, take)  # (B, R), (B, R)
     return out[0].gather(1, take)
