@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhfkit.plan.shape import LAYER_LINEARS, ModelShape, load_shape
+from rlhfkit.plan.shape import ModelShape, load_shape
 
 ONLINE = ("ppo", "rloo", "grpo", "reinforce_pp")
 STAGES_PLANNED = ("sft", "rm", "dpo", "orpo", "kto", *ONLINE, "online_dpo", "rft")
@@ -91,7 +91,7 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     head_only = stage == "rm" and cfg.algo.head_only
     train = "head" if head_only else "lora" if m.lora.enabled else "full"
     adapters = policy.lora_params(m.lora.r, m.lora.target_modules) if train == "lora" else 0
-    targets = LAYER_LINEARS if m.lora.target_modules == "all-linear" else tuple(
+    targets = tuple(policy.linear_shapes()) if m.lora.target_modules == "all-linear" else tuple(
         dict.fromkeys(t.rpartition(".")[2] for t in m.lora.target_modules))
     no_dropout = getattr(getattr(cfg, "algo", None), "disable_dropout", False)
     rewards = tuple(load(r, f"reward.model[{i}]") for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
@@ -99,7 +99,7 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
                 quantized=m.quantization.load_in_4bit, adapters=adapters, lora_rank=m.lora.r if train == "lora" else 0,
                 lora_targets=targets, lora_dropout=train == "lora" and m.lora.dropout > 0 and not no_dropout, reference=None, reference_4bit=False,
                 rewards=(), rewards_4bit=False, critic=None, accum=cfg.optim.grad_accum_steps, generation=None,
-                checkpointing=m.gradient_checkpointing, attention=m.attn_implementation or "sdpa", entropy=False,
+                checkpointing=m.gradient_checkpointing, attention=m.attn_implementation or policy.attention, entropy=False,
                 optimizer_steps=1, micro_batches=cfg.optim.grad_accum_steps, release_reference=False, frozen=())
     mb, length = cfg.optim.per_device_batch_size, cfg.data.max_length
     if stage in ("sft", "rm", "orpo"):

@@ -162,11 +162,16 @@ def attention_scores(shape: ModelShape, f: Forward, attention: str, p: Precision
 def logits_bytes(shape: ModelShape, f: Forward, p: Precision, entropy: bool = False) -> float:
     """The logits' peak, at the start of the backward: the fp32 copy the log-softmax kept (B·T·V), its gradient row
     by row, and the logits' gradient in the compute dtype (measured: 4 x B·T·V x 4 bytes in fp32); without gradient
-    the logits and one fp32 row. The entropy keeps two more fp32 copies."""
+    the logits and one fp32 row. The entropy keeps two more fp32 copies. A family that transforms its logits in the
+    model holds two while it does (Gemma 2's tanh soft-capping, Granite's division by logits_scaling: the no-grad
+    peak when that is more than the row), and the backward keeps the output of tanh (one more B·T·V)."""
     if f.logit_len == 0:
         return 0.0
     n = f.rows * f.logit_len * shape.vocab
-    return n * (8 + 2 * p.compute + (8 if entropy else 0)) if f.grad else n * p.compute + f.logit_len * shape.vocab * 8
+    if f.grad:
+        return n * (8 + 2 * p.compute + (8 if entropy else 0) + (p.compute if shape.logit_softcap else 0))
+    copy = n * p.compute if shape.logit_softcap or shape.logit_scaled else 0.0
+    return n * p.compute + max(copy, f.logit_len * shape.vocab * 8)
 
 
 def trained_forward(lay: Layout, p: Precision, shape: ModelShape, f: Forward) -> dict[str, float]:
@@ -276,13 +281,15 @@ def prefill_bytes(s: ModelShape, prompts: int, length: int, attention: str, p: P
 
 
 def kv_cache_bytes(s: ModelShape, g, p: Precision) -> float:
-    """The KV cache of every row sampled at once over prompt and response, in the compute dtype."""
+    """The KV cache of every row sampled at once over prompt and response, in the compute dtype: all of it on every
+    layer in the engine's DynamicCache (a sliding-window model's too: the engine masks the window itself), the
+    window at most on a StaticCache's sliding layers (`ModelShape.kv_positions`)."""
     length = g.prompt_len + g.new_tokens
     if g.static_cache:  # generation.compile: a StaticCache of the whole length, rounded up, from the first token
         from rlhfkit.generation.session import static_cache_length
 
         length = static_cache_length(length)
-    return 2 * s.layers * g.rows * s.kv_heads * s.head_dim * length * p.compute
+    return 2 * s.kv_positions(length, g.static_cache) * g.rows * s.kv_heads * s.head_dim * p.compute
 
 
 def generation_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase | None:

@@ -4,8 +4,9 @@ a GGUF model takes seconds and never converts it.
 
 The planner counts parameters, activations and cache layer by layer, so it must know the layer: the decoder families
 below share one (pre-norm attention with grouped key/value heads and rotary positions, then a gated MLP), with the
-differences each family's config.json states (biases on q/k/v, norms on q/k, tied embeddings). A model type outside
-them is refused by name, never guessed at.
+differences each family's modeling file builds (`Family`: fused projections, extra norms, q/k norms) and those its
+config.json states (biases, tied embeddings, sliding windows, soft-capping). A model type outside them is refused by
+name, never guessed at.
 """
 
 from __future__ import annotations
@@ -17,10 +18,30 @@ from dataclasses import dataclass, replace
 
 from rlhfkit.errors import UserError
 
-# model_type -> (bias on q/k/v projections, RMSNorm on q and k per head)
-FAMILIES = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
-# The linear modules of one decoder layer (peft's "all-linear" minus the head).
+@dataclass(frozen=True)
+class Family:
+    """How a family's decoder layer departs from Llama's (pre-norm attention with grouped key/value heads and rotary
+    positions, then a gated MLP), read from its modeling file in transformers; the rest comes from its config."""
+
+    qkv_bias: bool = False  # q, k and v always biased (qwen2), whatever attention_bias says
+    qk_norm: str = ""  # RMSNorm on q and k: "head" (over head_dim: qwen3, gemma3) or "width" (over all heads: olmo2)
+    norms: int = 2  # hidden-wide RMSNorms per layer (gemma2/3 normalise before and after attention and the MLP)
+    fused: bool = False  # phi3: q, k, v in one qkv_proj; gate and up in one gate_up_proj
+    attention: str = "sdpa"  # what transformers loads without an attn_implementation (gemma2: eager, no sdpa)
+
+
+FAMILIES = {
+    "llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm="head"),
+    "gemma": Family(), "gemma2": Family(norms=4, attention="eager"), "gemma3_text": Family(norms=4, qk_norm="head"),
+    "phi3": Family(fused=True), "smollm3": Family(), "olmo2": Family(qk_norm="width"), "granite": Family(),
+}
+# Model types refused with a reason of their own (beside the generic refusal of a type outside FAMILIES).
+REFUSED = {"gemma3": "Gemma 3's multimodal model (a SigLIP vision tower and projector beside its text layers, which "
+                     "AutoModelForCausalLM loads whole and 'all-linear' LoRA would adapt too); the planner sizes text "
+                     "models only: gemma3_text (gemma-3-1b and text-only checkpoints)"}
+# The linear modules of one decoder layer (peft's "all-linear" minus the head): Llama's, and Phi-3's fused ones.
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -37,12 +58,24 @@ class ModelShape:
     intermediate: int
     tied: bool  # the LM head shares the embedding matrix
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: str | bool  # "head", "width" or "" (`Family.qk_norm`; True: "head")
     dtype: str  # config.json's dtype (what `model.dtype: auto` loads)
+    o_bias: bool = False  # attention_bias biases o_proj too (every family but qwen2)
+    mlp_bias: bool = False  # the MLP's three linears biased (llama, smollm3, granite: mlp_bias)
+    norms: int = 2  # hidden-wide norms per layer
+    fused: bool = False  # qkv_proj and gate_up_proj (phi3)
+    window: int | None = None  # the sliding window of the layers marked in `sliding`
+    sliding: tuple[bool, ...] = ()  # per layer of the uncut model: attends within the window only
+    attention: str = "sdpa"  # what transformers loads without model.attn_implementation (gemma2: eager)
+    attn_softcap: bool = False  # gemma2: eager attention caps its scores with tanh (two more B·H·T² tensors)
+    logit_softcap: bool = False  # gemma2: logits capped with tanh, whose output the backward keeps (one B·T·V more)
+    logit_scaled: bool = False  # granite: logits divided by logits_scaling (a second B·T·V while it divides)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear of one layer."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        if self.fused:
+            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
                 "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -51,12 +84,30 @@ class ModelShape:
         """The weights of every layer's linears: what 4-bit quantization stores in 4 bits."""
         return self.layers * sum(a * b for a, b in self.linear_shapes().values())
 
+    def _layer_extras(self) -> dict[str, int]:
+        """A layer's parameters besides its linears' weights, by tensor: its norms, q/k norms and biases."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        extras = {f"norm{n}": self.hidden for n in range(self.norms)}
+        if self.qk_norm:
+            width = self.qk_norm == "width"
+            extras.update(q_norm=q if width else self.head_dim, k_norm=kv if width else self.head_dim)
+        if self.qkv_bias:
+            extras.update(q_bias=q, k_bias=kv, v_bias=kv)
+        if self.o_bias:
+            extras["o_bias"] = self.hidden
+        if self.mlp_bias:
+            extras.update(gate_bias=self.intermediate, up_bias=self.intermediate, down_bias=self.hidden)
+        return extras
+
     @property
     def other_layer_params(self) -> int:
         """Per-model parameters of the layers besides the linear weights: norms, q/k/v biases, q/k norms."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per = 2 * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
-        return self.layers * per + self.hidden  # + the final norm
+        return self.layers * sum(self._layer_extras().values()) + self.hidden  # + the final norm
+
+    @property
+    def layer_tensors(self) -> int:
+        """Parameter tensors of one layer (what the optimizer steps one by one)."""
+        return len(self.linear_shapes()) + len(self._layer_extras())
 
     def params(self, head: str = "lm") -> int:
         """All parameters with `head`: "lm" (a causal LM), "score" (a sequence classifier: one output, no LM head),
@@ -68,36 +119,75 @@ class ModelShape:
     def lora_params(self, r: int, targets: str | list[str]) -> int:
         """Parameters of rank-`r` adapters on `targets` ("all-linear" or module names): r·(in + out) per linear."""
         shapes = self.linear_shapes()
-        names = LAYER_LINEARS if targets == "all-linear" else [t.rpartition(".")[2] for t in targets]
+        names = list(shapes) if targets == "all-linear" else [t.rpartition(".")[2] for t in targets]
         unknown = [n for n in names if n not in shapes]
         if unknown:
             raise UserError(f"config key 'model.lora.target_modules': {unknown!r} is not a linear of a {self.family} "
-                            f"layer ({', '.join(LAYER_LINEARS)})")
+                            f"layer ({', '.join(shapes)})")
         return self.layers * sum(r * sum(shapes[n]) for n in dict.fromkeys(names))
+
+    def kv_positions(self, length: int, static: bool) -> int:
+        """Cache positions over all layers for a row of `length` tokens: every layer holds all of them in the
+        engine's DynamicCache (it masks the window itself); a StaticCache's sliding layers hold the window at most."""
+        if not static or self.window is None:
+            return self.layers * length
+        windowed = sum(self.sliding[:self.layers])
+        return (self.layers - windowed) * length + windowed * min(length, self.window)
 
 
 def shape_of(config: dict, where: str, vocab: int | None = None, num_layers: int | None = None) -> ModelShape:
     """The shape a config.json mapping describes; `where` names it in errors; `vocab`: the tokenizer's length;
-    `num_layers`: model.num_layers (the model cut to its first layers)."""
+    `num_layers`: model.num_layers (the model cut to its first layers). The keys a config.json may leave out (head_dim,
+    tied embeddings, layer types, soft-capping) take the defaults of the family's configuration class in
+    transformers, as the loaded model does."""
     family = config.get("model_type")
+    if family in REFUSED:
+        raise UserError(f"{where}: model type {family!r} is {REFUSED[family]}")
     if family not in FAMILIES:
         raise UserError(f"{where}: model type {family!r} is not one the planner knows the layers of (supported: "
                         f"{', '.join(FAMILIES)})")
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
-        shape = ModelShape(
-            family=family, vocab=max(int(config["vocab_size"]), vocab or 0), hidden=hidden,
-            layers=min(layers, num_layers or layers), heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads), intermediate=int(config["intermediate_size"]),
-            tied=bool(config.get("tie_word_embeddings", False)), qkv_bias=FAMILIES[family][0] or bool(
-                config.get("attention_bias", False)), qk_norm=FAMILIES[family][1],
-            dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+        vocab_size, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{where}: expected a {family} config with hidden_size, num_attention_heads, "
                         f"num_hidden_layers, intermediate_size and vocab_size; {type(exc).__name__}: {exc}") from None
-    return shape
+    c, fam = _configuration(family, config, where), FAMILIES[family]
+    types = getattr(c, "layer_types", None)  # none: every layer slides where there is a window (mistral, phi3)
+    window = getattr(c, "sliding_window", None)
+    sliding = tuple(t == "sliding_attention" for t in types) if types else (True,) * layers
+    bias = bool(getattr(c, "attention_bias", False))
+    return ModelShape(
+        family=family, vocab=max(vocab_size, vocab or 0), hidden=hidden, layers=min(layers, num_layers or layers),
+        heads=heads,
+        kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(c, "head_dim", None) or hidden // heads), intermediate=intermediate,
+        tied=bool(c.tie_word_embeddings), qkv_bias=fam.qkv_bias or bias, qk_norm=fam.qk_norm,
+        dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"), o_bias=bias and not fam.qkv_bias,
+        mlp_bias=bool(getattr(c, "mlp_bias", False)), norms=fam.norms, fused=fam.fused,
+        window=int(window) if window and any(sliding) else None, sliding=sliding if window else (),
+        attention=fam.attention,
+        attn_softcap=bool(getattr(c, "attn_logit_softcapping", None)),
+        logit_softcap=bool(getattr(c, "final_logit_softcapping", None)),
+        logit_scaled=float(getattr(c, "logits_scaling", 1.0) or 1.0) != 1.0)
+
+
+def _configuration(family: str, config: dict, where: str):
+    """The family's configuration object in transformers built from `config` (no model, no weights): its defaults
+    and derived fields (layer_types from a window pattern) are the loaded model's."""
+    from transformers import AutoConfig
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # token ids outside a tiny vocabulary and the like: not the planner's business
+    try:
+        return AutoConfig.for_model(family, **{k: v for k, v in config.items() if k != "model_type"})
+    except (TypeError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{where}: not a valid {family} config: {first}") from None
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 def read_json(path: str, what: str) -> dict:

@@ -172,7 +172,7 @@ def trained_tensors(lay: Layout) -> tuple[int, int]:
     """(parameters, tensors) the optimizer steps: LoRA's A and B per adapted linear, or every weight of the policy
     (and of PPO's separate critic)."""
     def full(s: ModelShape, head: str) -> tuple[int, int]:
-        per_layer = 7 + 2 + (3 if s.qkv_bias else 0) + (2 if s.qk_norm else 0)
+        per_layer = s.layer_tensors
         top = 1 if head == "score" else 0 if s.tied else 1
         return s.params(head), s.layers * per_layer + 2 + top
 

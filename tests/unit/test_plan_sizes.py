@@ -184,7 +184,7 @@ def test_a_layer_keeps_what_is_planned_and_frozen_norms_keep_no_copy():
     """Per layer (two layers against one), what a forward keeps: within 1% of `layer_activations` with the norms
     trained (full) and frozen (LoRA), and the difference between the two exactly the normalised copies and the
     adapters' rank-wide outputs the planner counts."""
-    from rlhfkit.plan.layout import LAYER_LINEARS
+    from rlhfkit.plan.shape import LAYER_LINEARS
     from rlhfkit.plan.memory import layer_activations
 
     rows, length = 4, 64
