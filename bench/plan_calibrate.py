@@ -53,10 +53,15 @@ REPEATS = 9
 
 
 class Clock:
-    """CPU seconds of this process (one thread), or wall seconds after a CUDA synchronize on a GPU."""
+    """CPU seconds of this process (one thread), or wall seconds after a CUDA synchronize on a GPU. On the CPU each
+    repeat is followed by bench/plan_grid.py's `Probe`, and its seconds are scaled by the probe's reference (taken at
+    the start: `reference`) over the probe's seconds after it: the figures of a run that other jobs slowed by half
+    come out as those of the machine in the reference's state, which the grid's time pass scales its cells to."""
 
     def __init__(self, device: str):
         self.device = device
+        self.probe = None if device == "cuda" else __import__("plan_grid").Probe()
+        self.reference = self.probe.reference() if self.probe else None
 
     def now(self) -> float:
         if self.device == "cuda":
@@ -70,7 +75,8 @@ class Clock:
         for _ in range(repeats):
             t0 = self.now()
             fn()
-            times.append(self.now() - t0)
+            t = self.now() - t0
+            times.append(t * self.reference / self.probe() if self.probe else t)
         return statistics.median(times)
 
 
@@ -270,6 +276,28 @@ def optimizer_costs(clock: Clock, work: str, device: str) -> dict:
     return {"optimizer_param": max(per_param, 0.0), "optimizer_tensor": max(per_tensor, 0.0)}
 
 
+def tool_costs(clock: Clock) -> dict:
+    """The tool loop's Python work per episode (`rollout.tool_loop`): its prompt rendered with a tool's schema by the
+    chat template, and a sampled turn parsed for calls by the response template; the tiny model's tokenizer with the
+    bundled chatml_tools template (which the calibration models share), a question of one line and a turn that calls
+    the tool."""
+    from rlhfkit.config import ModelConfig
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.tasks.agent import multiply
+    from rlhfkit.tools import describe
+
+    tok = load_tokenizer(ModelConfig(name_or_path="tiny", chat_template="chatml_tools"))
+    schemas, question = [describe(multiply).schema], [{"role": "user", "content": "What is 12 times 13? Use the tool."}]
+    render = lambda messages, header: list(tok.apply_chat_template(  # noqa: E731
+        messages, tools=schemas, add_generation_prompt=header, tokenize=True, return_dict=False))
+    prompt = render(question, True)
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 13}}}]}
+    turn = render(question + [called], False)[len(prompt):]
+    return {"tool_render": clock.median(lambda: render(question, True)),
+            "tool_parse": clock.median(lambda: tok.parse_response(turn, prefix=prompt, tools=schemas))}
+
+
 STAGE_CELLS = ["sft", "rm", "dpo", "kto", "ppo", "grpo", "online_dpo", "rft"]
 STAGE_STEPS = 9  # steps of each stage run: the median of the 8 after the first
 
@@ -280,7 +308,7 @@ def averaged(entry: dict, paths: list[str], name: str) -> dict:
     others = [json.load(open(p))[name] for p in paths]
     out = dict(entry)
     for key, value in entry.items():
-        if key in ("threads", "source", "calls", "stage_step"):
+        if key in ("threads", "source", "calls", "stage_step", "probe_s"):
             continue
         values = [value] + [o[key] for o in others]
         out[key] = ({m: statistics.mean(v[m] for v in values) for m in value} if isinstance(value, dict)
@@ -290,33 +318,42 @@ def averaged(entry: dict, paths: list[str], name: str) -> dict:
     return out
 
 
-def stage_costs(work: str) -> tuple[dict, list]:
+STAGE_SHAPES = ((3, 80), (2, 48))  # (micro-batch, length) of the stage runs: none a grid cell's
+
+
+def stage_costs(work: str, clock: Clock) -> tuple[dict, list]:
     """Each stage's own work per step, by mode (full, LoRA, QLoRA: the adapters' own bookkeeping, the reference as
-    the base with its adapters off): a real `rlhfkit.train` run on the calibration model (3 narrow layers,
-    micro-batch 3, length 80, rollouts of 3 prompts x 2 samples: none a grid cell's shape), CPU seconds per step as
-    bench/plan_grid.py times them, minus the step the planner counts without it. RFT's from its SFT steps alone
+    the base with its adapters off): real `rlhfkit.train` runs on the calibration model (3 narrow layers, micro-batch
+    and length each of STAGE_SHAPES, rollouts of 3 prompts x 2 samples: none a grid cell's shape), CPU seconds per
+    step as bench/plan_grid.py times them (scaled by the probe), minus the step the planner counts without it; the
+    mean over the shapes, so that what the planner miscounts at one shape weighs less. RFT's from its SFT steps alone
     (its sampling is counted apart). A negative remainder (the planner counts more than the stage spends) is kept:
     it is what corrects the stage. Keys: the stage, "stage+lora", "stage+qlora"."""
     import rlhfkit
-    from plan_grid import cell_config, run_time_cell, time_overrides, write_data
+    from plan_grid import cell_config, normalised, run_time_cell, time_overrides, write_data
 
     model = build(os.path.join(work, "calib"), layers=3, **NARROW)
     data = write_data(work)
     costs, rows = {}, []
     for stage, mode in ((s, m) for s in STAGE_CELLS for m in MODES):
-        overrides = cell_config(stage, model, mode, False, 3, 80, data, os.path.join(work, "run"))
-        if stage in ("ppo", "grpo", "online_dpo"):
-            overrides["algo.rollout_batch_size"] = 3
-        timed = run_time_cell(stage, overrides, STAGE_STEPS)
-        planned = rlhfkit.plan(stage, overrides=time_overrides(stage, overrides, STAGE_STEPS), device="cpu")
-        measured, counted = timed["measured_cpu_s"], planned.seconds_per_step - planned.time_phases.get("stage", 0.0)
-        if stage == "rft":  # the first iteration's SFT steps after its first (which samples)
-            steps = timed["steps_cpu_s"]
-            measured, counted = statistics.median(steps[1:len(steps) // 2]), planned.time_phases["update"]
         key = stage if mode == "full" else f"{stage}+{mode}"
-        costs[key] = measured - counted
-        rows.append([key, f"{measured:.4f}", f"{counted:.4f}", f"{costs[key]:+.4f}"])
-        print(json.dumps({"stage": key, "measured": measured, "counted": counted}), flush=True)
+        remainders = []
+        for mb, length in STAGE_SHAPES:
+            overrides = cell_config(stage, model, mode, False, mb, length, data, os.path.join(work, "run"))
+            if stage in ("ppo", "grpo", "online_dpo"):
+                overrides["algo.rollout_batch_size"] = 3
+            timed = run_time_cell(stage, overrides, STAGE_STEPS, clock.probe)
+            planned = rlhfkit.plan(stage, overrides=time_overrides(stage, overrides, STAGE_STEPS), device="cpu")
+            measured = normalised({**timed, "stage": stage}, clock.reference)
+            counted = planned.seconds_per_step - planned.time_phases.get("stage", 0.0)
+            if stage == "rft":  # the first iteration's SFT steps after its first (which samples)
+                steps = [t * clock.reference / p for t, p in zip(timed["steps_cpu_s"], timed["probe_cpu_s"])]
+                measured, counted = statistics.median(steps[1:len(steps) // 2]), planned.time_phases["update"]
+            remainders.append(measured - counted)
+            rows.append([f"{key} ({mb}x{length})", f"{measured:.4f}", f"{counted:.4f}", f"{measured - counted:+.4f}"])
+            print(json.dumps({"stage": key, "mb": mb, "length": length, "measured": measured, "counted": counted}),
+                  flush=True)
+        costs[key] = statistics.mean(remainders)
     return costs, rows
 
 
@@ -354,8 +391,8 @@ def main() -> None:
     threads = torch.get_num_threads() if device == "cpu" else None
     entry = {**rates, **fixed, "call_train": calls["train full"], "call_forward": calls["forward full"],
              "decode_token": calls["decode full"], "logit_train": calls["train token full"],
-             "logit_forward": calls["forward token full"], **optimizer_costs(clock, work, device), "threads": threads,
-             "calls": calls}
+             "logit_forward": calls["forward token full"], **optimizer_costs(clock, work, device), **tool_costs(clock), "threads": threads,
+             "calls": calls, **({"probe_s": clock.reference} if clock.reference else {})}
     stamp = (f"measured {time.strftime('%Y-%m-%d')} by bench/plan_calibrate.py on {os.cpu_count()} cores"
              f"{', ' + str(threads) + ' thread' + ('s' if threads != 1 else '') if threads else ''} "
              f"(load {load0:.1f}), rlhfkit {commit()}")
@@ -366,7 +403,7 @@ def main() -> None:
     write(args.out, table)
     stage_rows = []
     if not args.no_stages:
-        entry["stage_step"], stage_rows = stage_costs(work) if device == "cpu" else ({}, [])
+        entry["stage_step"], stage_rows = stage_costs(work, clock) if device == "cpu" else ({}, [])
         table[name] = entry
         write(args.out, table)
     publish(name, entry, stage_rows, args.results)

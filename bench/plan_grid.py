@@ -117,15 +117,57 @@ def tool_prompt_length(model: str, template: str, path: str) -> int:
                for p in prompts)
 
 
-def step_timer(clock=time.perf_counter):
+class Probe:
+    """A fixed workload timed in turns with what is measured, so that a CPU figure taken while other jobs share the
+    machine can be brought to one reference state of it. One process's CPU seconds stretch with what the other jobs
+    run beside it (the hardware thread beside it busy, caches shared): a tiny-model SFT step measured 4.7 ms at load
+    1.4 and 9.3 ms at load 7 minutes later. The workload: a 2-layer Llama (hidden 48, vocabulary 160, seeded) trained
+    one AdamW step on 4x64 tokens, then a no-grad forward of the same rows; `__call__` gives the median CPU seconds
+    of `repeats` runs. bench/plan_calibrate.py stores its reference (`probe_s` in rates.json) and scales every figure
+    by reference / probe; the grid's time pass records a probe after each step (`normalised`)."""
+
+    def __init__(self, warmup: int = 5):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_attention_heads=4,
+                                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=160))
+        self.ids = torch.randint(3, 160, (4, 64), generator=torch.Generator().manual_seed(0))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=True)
+        for _ in range(warmup):
+            self.once()
+
+    def once(self) -> float:
+        import torch
+
+        t0 = time.process_time()
+        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.model(input_ids=self.ids)
+        return time.process_time() - t0
+
+    def __call__(self, repeats: int = 3) -> float:
+        return statistics.median(self.once() for _ in range(repeats))
+
+    def reference(self, runs: int = 15) -> float:
+        """The machine's quieter state: the lowest of `runs` medians of 3 (what calibration stores as `probe_s`)."""
+        return min(self(3) for _ in range(runs))
+
+
+def step_timer(clock=time.perf_counter, probe: Probe | None = None):
     """A TrainerCallback timing each optimizer step (online: each rollout and its update) by `clock`: wall seconds,
-    or with `time.process_time` the process's CPU seconds (with OMP_NUM_THREADS=1, the work itself, little changed
-    by other jobs on the machine)."""
+    or with `time.process_time` the process's CPU seconds (with OMP_NUM_THREADS=1, the work itself, though stretched
+    by what other jobs run beside it); with `probe`, the probe's seconds after each step (`probes`, outside the
+    step's time)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.times, self.last = [], None
+            self.times, self.probes, self.last = [], [], None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last = clock()
@@ -133,10 +175,37 @@ def step_timer(clock=time.perf_counter):
         def on_step_end(self, args, state, control, **kwargs):
             now = clock()
             self.times.append(now - self.last)
-            self.last = now
+            if probe is not None:
+                self.probes.append(probe())
+            self.last = clock()
 
     return StepTimer()
 
+
+def probe_reference(path: str | None = None) -> float | None:
+    """The probe's reference seconds in the rates file the planner reads (`probe_s`; None before a calibration
+    that measured it)."""
+    from rlhfkit.plan.timing import measured_rates
+
+    return measured_rates(path).get("cpu", {}).get("probe_s")
+
+
+def normalised(row: dict, reference: float | None) -> float | None:
+    """A timed cell's CPU seconds per step as at the probe's reference state: each step's seconds times reference /
+    the probe run after it, then the statistic the time pass takes (the median after the first step; RFT the mean of
+    its second iteration). None without probes or a reference."""
+    steps, probes = row.get("steps_cpu_s") or [], row.get("probe_cpu_s") or []
+    if not reference or len(probes) != len(steps) or not steps:
+        return None
+    scaled = [t * reference / p for t, p in zip(steps, probes)]
+    if row["stage"] == "rft":
+        return statistics.mean(scaled[len(scaled) // 2:])
+    return statistics.median(scaled[1:])
+
+
+def measured_s(row: dict, reference: float | None) -> float | None:
+    """The figure a timed cell is compared with: normalised where it can be, else the raw CPU seconds."""
+    return normalised(row, reference) or row.get("measured_cpu_s")
 
 
 def run_cell(stage: str, overrides: dict) -> dict:
@@ -172,19 +241,21 @@ def time_overrides(stage: str, overrides: dict, steps: int = TIME_STEPS) -> dict
     return timed
 
 
-def run_time_cell(stage: str, overrides: dict, steps: int = TIME_STEPS) -> dict:
+def run_time_cell(stage: str, overrides: dict, steps: int = TIME_STEPS, probe: Probe | None = None) -> dict:
     """One cell timed in this process: CPU seconds per step (the median of the steps after the first; RFT the mean
-    over its second iteration, whose first step samples) beside the run's own planned seconds."""
+    over its second iteration, whose first step samples) beside the run's own planned seconds; the probe's seconds
+    after each step (`Probe`), and the load average at the end."""
     import rlhfkit
 
-    timer = step_timer(time.process_time)
+    timer = step_timer(time.process_time, probe or Probe())
     timed = time_overrides(stage, overrides, steps)
     rlhfkit.train("grpo" if stage == "grpo_tools" else stage, overrides=timed, callbacks=[timer])
     plan = json.load(open(os.path.join(timed["output_dir"], "plan.json")))
     gc.collect()
     measured = statistics.mean(timer.times[steps:]) if stage == "rft" else statistics.median(timer.times[1:])
     return {"planned_s": plan["seconds_per_step"], "measured_cpu_s": measured,
-            "steps_cpu_s": [round(t, 5) for t in timer.times], "threads": __import__("torch").get_num_threads()}
+            "steps_cpu_s": [round(t, 6) for t in timer.times], "probe_cpu_s": [round(t, 6) for t in timer.probes],
+            "load": round(os.getloadavg()[0], 2), "threads": __import__("torch").get_num_threads()}
 
 
 def run_cell_subprocess(stage: str, overrides: dict) -> dict:
@@ -245,10 +316,11 @@ def join_times(rows: list[dict], path: str = TIMES) -> tuple[list[dict], dict]:
     in place of the wall seconds measured beside the tracker; the time pass's meta."""
     timed = json.load(open(path)) if os.path.isfile(path) else {"rows": [], "meta": {}}
     by_key = {cell_key(t): t for t in timed["rows"] if "error" not in t}
+    reference = probe_reference()
     joined = []
     for r in rows:
         t = by_key.get(cell_key(r))
-        joined.append({**r, "measured_s": t["measured_cpu_s"] if t else None,
+        joined.append({**r, "measured_s": measured_s(t, reference) if t else None,
                        "planned_s": t["planned_s"] if t else r.get("planned_s")})
     return joined, timed.get("meta", {})
 
@@ -286,12 +358,20 @@ def time_note(meta: dict, path: str = TIMES) -> str:
     may cover cells the table above does not hold yet)."""
     if not meta:
         return "Time: no cell timed yet (`--time`)."
+    reference = probe_reference()
     timed = [r for r in json.load(open(path))["rows"] if r.get("measured_cpu_s") and r.get("planned_s")]
-    close = sum(within(r["planned_s"], r["measured_cpu_s"], 0.25) for r in timed)
-    return (f"Time over every timed cell: {close} of {len(timed)} within ±25%. Time: CPU seconds per step of the process (time.process_time, {meta.get('threads')} thread), the "
-            f"median of the steps after the first (RFT: its second iteration, sampling included), without the memory "
-            f"tracker, by `{meta['command']}`, the last on {meta['when']} at load average {meta['load']:.1f}; planned "
-            "at the rates of rlhfkit/plan/rates.json (bench/plan_calibrate.py, on other shapes).")
+    ratios = [r["planned_s"] / measured_s(r, reference) for r in timed]
+    close = sum(abs(x - 1) <= 0.25 for x in ratios)
+    probed = sum(normalised(r, reference) is not None for r in timed)
+    worst = f"; planned/measured from {min(ratios):.2f} to {max(ratios):.2f}" if ratios else ""
+    return (f"Time over every timed cell: {close} of {len(timed)} within ±25%{worst}. Time: CPU seconds per step of "
+            f"the process (time.process_time, {meta.get('threads')} thread), the median of the steps after the first "
+            f"(RFT: its second iteration, sampling included), without the memory tracker, by `{meta['command']}`, the "
+            f"last on {meta['when']} at load average {meta['load']:.1f}; {probed} of the cells brought to the "
+            f"calibration's state of the machine by a probe workload timed after each step (bench/plan_grid.py's "
+            f"Probe: each step's seconds times the probe's reference {reference or 0:.5f} s over its seconds after "
+            "that step), the others raw; planned at the rates of rlhfkit/plan/rates.json (bench/plan_calibrate.py, "
+            "on other shapes, its figures scaled by the same probe).")
 
 
 def measured_rows(cells, done: dict, prefix: str, measure):
@@ -320,8 +400,9 @@ def measured_rows(cells, done: dict, prefix: str, measure):
 def run_times(args, cells: list[tuple]) -> None:
     """The time pass: each cell of `cells` timed (`run_time_cell`) into args.times, rows already there kept."""
     done = json.load(open(args.times)) if os.path.isfile(args.times) else {"rows": []}
+    probe = Probe()
     for row in measured_rows(cells, done, "plan-grid-time-",
-                             lambda stage, overrides: run_time_cell(stage, overrides, args.steps)):
+                             lambda stage, overrides: run_time_cell(stage, overrides, args.steps, probe)):
         done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
                         "threads": row.get("threads")}

@@ -41,6 +41,11 @@ class Generation:
     static_cache: bool  # generation.compile: a StaticCache of the full length from the start
     top_p: bool  # nucleus sampling sorts the vocabulary per row
     prompts: int = 1  # distinct prompts, each prefilled once (its cache row then copied to its samples)
+    # Time only, the tool loop (`rollout.tool_loop`): rounds of tool calls planned per episode (tools.max_calls, one
+    # where unset), each appending at most `result_len` tokens (the result's cap within the completion's) that one
+    # no-grad forward feeds through the KV cache before the next turn samples; 0 without tools.
+    rounds: int = 0
+    result_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,11 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
     # shortest prompt's end: the worst batch, a prompt of a few tokens beside a full one, scores nearly every position.
     logit_len = length
     rows = a.rollout_batch_size * g.num_samples
+    tools = cfg.tools if cfg.tools.enabled else None
     gen = Generation(g.num_samples if g.seed_per_prompt else rows, cfg.data.max_prompt_length, g.max_new_tokens,
-                     g.compile, g.top_p < 1, 1 if g.seed_per_prompt else a.rollout_batch_size)
+                     g.compile, g.top_p < 1, 1 if g.seed_per_prompt else a.rollout_batch_size,
+                     rounds=(tools.max_calls or 1) if tools else 0,
+                     result_len=min(tools.max_result_tokens, g.max_new_tokens) if tools else 0)
     score = Forward(mb, length, 0, False)
     if stage == "online_dpo":
         reference = _reference(cfg, a.ref_model, policy, load)

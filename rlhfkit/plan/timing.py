@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 from rlhfkit.plan.devices import Device
-from rlhfkit.plan.layout import Forward, Layout
+from rlhfkit.plan.layout import Forward, Generation, Layout
 from rlhfkit.plan.shape import ModelShape
 
 RATES_FILE = os.path.join(os.path.dirname(__file__), "rates.json")
@@ -49,6 +49,8 @@ class Rates:
     logit_train: float = 0.0  # per token with logits and per vocabulary entry: the log-softmax, the loss, casts
     logit_forward: float = 0.0
     decode_token: float = 0.0  # one decode step beyond its layers: the head, sampling, the cache's bookkeeping
+    tool_render: float = 0.0  # the tool loop: one episode's prompt rendered with the tools' schemas (chat template)
+    tool_parse: float = 0.0  # the tool loop: one sampled turn parsed for tool calls (the response template)
     optimizer_param: float = 0.0  # one optimizer step, per trained parameter
     optimizer_tensor: float = 0.0  # one optimizer step, per trained tensor
     stage_step: dict[str, float] = field(default_factory=dict)  # a stage's own work per step ("grpo", "grpo+lora")
@@ -203,7 +205,21 @@ def decode_seconds(lay: Layout, r: Rates, weight_bytes: float, compute_bytes: fl
     read = weight_bytes + kv_per_token * (g.prompt_len + g.new_tokens / 2)
     flops = forward_flops(s, "lm", Forward(g.rows, 1, 1, False))
     step = max(read / r.decode_bytes, flops / r.forward_flops) + s.layers * layer_cost(r.layer_decode, mode)
-    return prefill + g.new_tokens * (step + r.decode_token)
+    return prefill + g.new_tokens * (step + r.decode_token) + tool_rounds_seconds(g, s, mode, r)
+
+
+def tool_rounds_seconds(g: Generation, s: ModelShape, mode: str, r: Rates) -> float:
+    """The tool loop's turns beyond the decode steps (which the results' tokens only replace: max_new_tokens bounds
+    the whole completion): per round, one no-grad forward of each row's result through the KV cache (its attention
+    over the cache at the turn's average position); per episode, its prompt rendered once and each turn parsed. The
+    tools' own run time is the user's code and is not planned."""
+    if not g.rounds:
+        return 0.0
+    f = Forward(g.rows, g.result_len, 1, False)
+    context = g.prompt_len + g.new_tokens / 2
+    cache = 4 * s.layers * g.rows * g.result_len * context * s.heads * s.head_dim  # QKᵀ and AV over the cache
+    extend = (forward_flops(s, "lm", f) + cache) / r.forward_flops + fixed_forward(s, f, mode, r)
+    return g.rounds * extend + g.rows * (r.tool_render + (g.rounds + 1) * r.tool_parse)
 
 
 def step_time(lay: Layout, device: Device, weight_bytes: float, compute_bytes: float,

@@ -121,3 +121,51 @@ def test_pi_old_forward_is_counted_only_where_the_run_recomputes_it():
     # FLOPs; per layer 0.1 + 0.002 x 12 x 8; one call; 2 x 4 logits over 10 entries
     pi_old = 6272 / 1000 + 2 * (0.1 + 0.002 * 12 * 8) + 0.05 + 0.0005 * 10 * 8
     assert frozen_seconds(lay, r, 2) - frozen_seconds(lay, r, 4) == pytest.approx(pi_old)
+
+
+def test_tool_rounds_by_hand():
+    """With tools, each round (tools.max_calls of them) appends a result of at most tools.max_result_tokens to the
+    calling rows and feeds it as one no-grad forward over the KV cache; every episode's prompt is rendered once and
+    each of its turns parsed (`rollout.tool_loop`). Its decode steps stay bounded by max_new_tokens."""
+    sections = dict(data={"train": "x", "max_prompt_length": 2}, reward={"function": "m:f"},
+                    generation={"max_new_tokens": 2, "num_samples": 2}, algo={"rollout_batch_size": 1},
+                    optim={"per_device_batch_size": 2})
+    plain = layout("grpo", **sections)
+    lay = layout("grpo", **sections, tools={"functions": ["m:f"], "max_calls": 2, "max_result_tokens": 1})
+    r = rates_for(DEVICE, {"test-device": {**RATES, "tool_render": 0.07, "tool_parse": 0.03}})
+    # a round: 2 rows x 1 token over the cache of 2 + 2/2 positions: 2 x 360 x 2 FLOPs + attention 4 x 2 layers x
+    # 2 rows x 1 x (3 + 1/2) x 2 heads x 2 dims = 1440 + 224; two layers' fixed cost with 2 tokens over widths 4 + 8;
+    # one call; one logit a row
+    round_ = 1664 / 1000 + 2 * (0.1 + 0.002 * 12 * 2) + 0.05 + 0.0005 * 10 * 2
+    # two renders (one an episode) and three parses an episode (the first turn and one after each round)
+    python = 2 * 0.07 + 2 * 3 * 0.03
+    assert decode_seconds(lay, r, 1000, 4) - decode_seconds(plain, r, 1000, 4) == pytest.approx(2 * round_ + python)
+    # without max_calls a round is planned (the length alone limits them; the plan cannot know how many calls)
+    unset = layout("grpo", **sections, tools={"functions": ["m:f"], "max_result_tokens": 1})
+    assert unset.generation.rounds == 1 and plain.generation.rounds == 0
+
+
+def test_a_tool_result_is_planned_at_most_the_completion_it_is_part_of():
+    lay = layout("online_dpo", data={"train": "x", "max_prompt_length": 2}, reward={"function": "m:f"},
+                 generation={"max_new_tokens": 2, "num_samples": 2}, optim={"per_device_batch_size": 2},
+                 tools={"functions": ["m:f"], "max_calls": 3})
+    assert (lay.generation.rounds, lay.generation.result_len) == (3, 2)  # max_result_tokens 1024, 2 new tokens
+
+
+def test_a_timed_cell_is_scaled_step_by_step_by_the_probe_run_after_it():
+    """bench/plan_grid.py's time pass: each step's CPU seconds times the probe's reference over the probe's seconds
+    after that step; the median after the first step (RFT: the mean of its second iteration)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "bench"))
+    from plan_grid import measured_s, normalised
+
+    row = {"stage": "sft", "steps_cpu_s": [9.0, 4.0, 6.0, 3.0], "probe_cpu_s": [1.0, 2.0, 3.0, 1.0],
+           "measured_cpu_s": 4.0}
+    # scaled by 1.5 / probe: 13.5, 3, 3, 4.5; the median of the last three
+    assert normalised(row, 1.5) == pytest.approx(3.0)
+    assert normalised({**row, "stage": "rft"}, 1.5) == pytest.approx((3 + 4.5) / 2)
+    # without a reference or probes, the raw figure
+    assert measured_s(row, None) == 4.0 and measured_s({**row, "probe_cpu_s": []}, 1.5) == 4.0
