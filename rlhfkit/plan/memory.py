@@ -41,6 +41,11 @@ FROZEN_NORM = 2.0
 # product the down projection saved is already released (net two). Read from the live tensors of the tiny model's
 # checkpointed backward (tests/unit/test_plan_sizes.py).
 BACKWARD = {"hidden": 1.0, "intermediate": 2.0}
+# Beyond Llama's layer, per token, read from the live tensors of tiny random models of each family at two sets of
+# widths (tests/unit/test_plan_families.py): each norm beyond two (Gemma 2/3) and the q/k norms (over q and kv widths,
+# per head or whole) keep their input and normalised output, one of them with the weight frozen; Phi-3's fused
+# projections keep their whole qkv output where Llama's v alone stays, and a q-wide copy more (2q + kv in all).
+FUSED_QKV = {"q": 2.0, "kv": 1.0}
 # LoRA with dropout keeps each adapted linear's dropped-out input (and its mask): measured 1.5 input widths per linear
 # on a layer whose input needs a gradient (every layer but the first, whose 1.125 is left aside).
 LORA_DROPOUT = 1.5
@@ -145,6 +150,10 @@ def layer_activations(shape: ModelShape, tokens: float, p: Precision, lora: int 
     hidden = ACTIVATION["hidden"] - (0.0 if norms_trained else FROZEN_NORM)
     per_token = (hidden * shape.hidden + ACTIVATION["q"] * q + ACTIVATION["kv"] * kv
                  + ACTIVATION["intermediate"] * shape.intermediate)
+    norm_copies = 2.0 if norms_trained else 1.0
+    per_token += norm_copies * ((shape.norms - 2) * shape.hidden + ((q + kv) if shape.qk_norm else 0))
+    if shape.fused:
+        per_token += FUSED_QKV["q"] * q + FUSED_QKV["kv"] * kv
     if lora:
         inputs = sum(shape.linear_shapes()[t][0] for t in targets)
         per_token += len(targets) * lora + (LORA_DROPOUT * inputs if dropout else 0.0)
@@ -153,10 +162,14 @@ def layer_activations(shape: ModelShape, tokens: float, p: Precision, lora: int 
 
 def attention_scores(shape: ModelShape, f: Forward, attention: str, p: Precision) -> float:
     """One layer's attention buffers: eager keeps softmax's fp32 output (B·H·T²) and, in half precision, its cast;
-    sdpa's fused kernels and flash attention keep O(T)."""
+    sdpa's fused kernels and flash attention keep O(T). Under gradient eager also keeps the key and value repeated to
+    the query heads (2·(q - kv) per token more than sdpa) and, soft-capping its scores (Gemma 2), tanh's output."""
     if attention != "eager":
         return 0.0
-    return f.rows * shape.heads * f.length**2 * (4 + (p.compute if p.compute != 4 else 0))
+    capped = p.compute if shape.attn_softcap and f.grad else 0
+    scores = f.rows * shape.heads * f.length**2 * (4 + (p.compute if p.compute != 4 else 0) + capped)
+    repeated = 2 * (shape.heads - shape.kv_heads) * shape.head_dim * f.rows * f.length * p.compute if f.grad else 0
+    return scores + repeated
 
 
 def logits_bytes(shape: ModelShape, f: Forward, p: Precision, entropy: bool = False) -> float:
