@@ -17,7 +17,7 @@ RQ=(reward.quantization.load_in_4bit=true reward.quantization.bnb_4bit_compute_d
 PY='
 import json, sys, torch
 from rlhfkit.cli import main
-from rlhfkit.models import unwrap_model
+from rlhfkit.forwards import unwrap_model
 from rlhfkit.trainers.online import OnlineTrainer
 setup = OnlineTrainer.setup
 def measured(self):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.models import unwrap_model
+from rlhfkit.forwards import unwrap_model
 
 PADDING_FREE_ATTENTION = "rlhfkit_padding_free"  # registered with transformers' attention and mask interfaces
 

@@ -15,7 +15,8 @@ from peft import PeftModel
 
 from rlhfkit.config import ModelConfig, OnlineConfig
 from rlhfkit.errors import UserError
-from rlhfkit.models import load_reward_model, moved_left_rollout
+from rlhfkit.forwards import attention_inputs, moved_left_rollout
+from rlhfkit.models import load_reward_model
 from rlhfkit.rewards import RewardModelSource, token_scores
 from rlhfkit.types import Rollout
 
@@ -78,12 +79,14 @@ class SharedBaseCritic(torch.nn.Module):
         return swap()
 
     def forward(self, input_ids, attention_mask):
-        """(B, T) values: the head on the last hidden state of the base run with the "value" adapter."""
+        """(B, T) values: the head on the last hidden state of the base run with the "value" adapter. Rows with a pad
+        before a real token keep their mask; right-padded ones (a rollout `moved_left`) run without one
+        (`forwards.attention_inputs`): no (B, 1, T, T) mask, its float copy or the keys and values expanded to the
+        query heads kept for the backward, so the critic's update holds what the policy's does."""
         base = self.policy.get_base_model()
         backbone = getattr(base, base.base_model_prefix)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         with self._active():
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            hidden = backbone(input_ids=input_ids, **attention_inputs(attention_mask),
                               use_cache=False).last_hidden_state  # (B, T, H)
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T, H) -> (B, T)
 

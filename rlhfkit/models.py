@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
-import inspect
 import logging
 import os
 import warnings
@@ -31,6 +29,7 @@ from transformers import (
 
 from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.errors import UserError
+from rlhfkit.forwards import attention_inputs, response_logits, scoring_forward, unwrap_peft
 from rlhfkit.io import atomic_dir
 from rlhfkit.model_sources import from_pretrained, resolve_model_path
 from rlhfkit.precision import check_attn_implementation
@@ -251,16 +250,6 @@ def _sequence_classifier_of(model, num_labels: int):
 # 2. Saving ---------------------------------------------------------------------------------------------------
 
 
-def unwrap_peft(model):
-    """The transformers model under a peft wrapper (LoRA layers stay injected), or `model` itself."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
-
-
-def unwrap_model(model):
-    """The transformers model under DDP and/or a peft wrapper (LoRA layers stay injected)."""
-    return unwrap_peft(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
-
-
 ADAPTER_DIR = "adapter"  # where a merged export keeps its LoRA adapter
 
 
@@ -392,67 +381,25 @@ def scored_logits(model, input_ids, attention_mask, labels, position_ids=None) -
     scored = (labels[:, 1:] != -100).any(0)
     first = int(scored.float().argmax()) if bool(scored.any()) else labels.shape[1] - 1
     keep = labels.shape[1] - first  # >= 1 (0 would mean "all" to transformers)
-    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(type(unwrap_model(model))) else {}
     inputs = attention_inputs(attention_mask) if attention_mask is not None else {"attention_mask": None}
     if attention_mask is None and position_ids is not None:
-        inputs["position_ids"] = position_ids
-    if inputs["attention_mask"] is None:  # transformers reads position ids as a padding-free row's sequence
-        kwargs["use_cache"] = False  # boundaries only without a KV cache (else attention crosses them); none is wanted
-    logits = model(input_ids=input_ids, **inputs, **kwargs).logits
+        inputs["position_ids"] = position_ids  # a padding-free row: boundaries hold only without a KV cache
+    logits = scoring_forward(model, input_ids, inputs, keep)
     return logits[:, logits.shape[1] - keep :], first
-
-
-def attention_inputs(attention_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The `attention_mask` and `position_ids` a padded batch (B, T) is run with.
-
-    A batch with a pad before some real token (left-padded prompts) keeps its mask, with position ids that follow it
-    (cumsum - 1), so left and right padding give the same values. A right-padded batch (each row its real tokens,
-    then pads, or none: what every offline collator makes) needs neither: under causal attention no real token reads
-    a later pad, and its positions 0..L-1 are the default ones. Without a mask, SDPA and flash attention run their
-    causal kernels (no (B, 1, T, T) mask built or read, the blocks above the diagonal skipped) and the rotary
-    embedding is computed for one row, not B: the same values on every real token (bit for bit with CPU SDPA:
-    tests/unit/test_models.py), the pads' own outputs, which nothing reads, aside.
-    """
-    mask = attention_mask.long()
-    if not bool((mask[:, 1:] > mask[:, :-1]).any()):  # no pad followed by a real token
-        return {"attention_mask": None, "position_ids": None}
-    return {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_logits_to_keep(cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
-
-
-def moved_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) columns that move each row of a batch left past its left padding, the padding wrapped round to its end
-    (`x.gather(1, cols)`), and (B,) each row's left padding. The same tokens at the same positions (`attention_inputs`
-    counts them from the first real token either way), so the same outputs, but a rollout whose only gap was its
-    prompts' left padding becomes right-padded and runs without a mask: the causal kernel, no (B, 1, T, T) mask."""
-    lead = mask.long().argmax(1)  # the column of each row's first real token
-    return (torch.arange(mask.shape[1], device=mask.device) + lead[:, None]) % mask.shape[1], lead
-
-
-def moved_left_rollout(rollout, *rows: torch.Tensor):
-    """A rollout's input ids and mask, and any more (B, T) tensors `rows`, `moved_left`, then (B, R) the positions
-    that predict its response tokens there: P-1+k for response token k, less the row's left padding."""
-    cols, lead = moved_left(rollout.attention_mask)
-    moved = [x.gather(1, cols) for x in (rollout.input_ids, rollout.attention_mask, *rows)]
-    start = rollout.prompt_ids.shape[1] - 1
-    return (*moved, torch.arange(rollout.response_ids.shape[1], device=lead.device) + start - lead[:, None])
 
 
 def rollout_logprobs(model, rollout, temperature: float = 1.0, with_entropy: bool = False):
     """(B, R) fp32 log-probs of a `Rollout`'s response tokens under `model`, at the sampling temperature; 0 on
-    padding. Position t predicts token t+1, so the response's log-probs start at position P-1. With `with_entropy`,
-    also the (B, R) entropies of the distributions those tokens were drawn from (same forward)."""
-    labels = torch.cat([torch.full_like(rollout.prompt_ids, -100),
-                        rollout.response_ids.masked_fill(rollout.response_mask == 0, -100)], 1)
-    ids, mask, labels, take = moved_left_rollout(rollout, labels)  # token k predicted at P-1+k-lead once moved
-    out = token_logprobs(model, ids, mask, labels, temperature, with_entropy)
+    padding. With `with_entropy`, also the (B, R) entropies of the distributions those tokens were drawn from (same
+    forward). The logits are `response_logits`': the response's positions only."""
+    from rlhfkit.ops import entropy_from_logits, logprobs_from_logits
+
+    logits = response_logits(model, rollout)  # (B, R, V)
+    scored = rollout.response_mask != 0
+    logprobs = logprobs_from_logits(logits, rollout.response_ids.masked_fill(~scored, 0), temperature) * scored
     if with_entropy:
-        return out[0].gather(1, take), out[2].gather(1, take)  # (B, R), (B, R)
-    return out[0].gather(1, take)
+        return logprobs, entropy_from_logits(logits, temperature) * scored  # (B, R), (B, R)
+    return logprobs
 
 
 def sequence_logprobs(model, input_ids, attention_mask, labels, temperature: float = 1.0):

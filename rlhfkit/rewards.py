@@ -28,7 +28,8 @@ from torch import Tensor
 from rlhfkit.config import ModelConfig, QuantizationConfig
 from rlhfkit.data.formats import is_conversational
 from rlhfkit.errors import TemplateError, UserError
-from rlhfkit.models import attention_inputs, load_reward_model, load_tokenizer, unwrap_model
+from rlhfkit.forwards import attention_inputs, unwrap_model
+from rlhfkit.models import load_reward_model, load_tokenizer
 from rlhfkit.ops import segment_sum
 from rlhfkit.reward_functions import (
     RewardFunction, RewardInputs, RewardLogs, load_reward_function, unique_names, warn_unscored_once,

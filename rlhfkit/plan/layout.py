@@ -165,9 +165,9 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
 
     g, a, mb = cfg.generation, cfg.algo, cfg.optim.per_device_batch_size
     length = cfg.data.max_prompt_length + g.max_new_tokens
-    # A rollout's rows run moved left past their prompts' padding (`models.moved_left`), so the logits start at the
-    # shortest prompt's end: the worst batch, a prompt of a few tokens beside a full one, scores nearly every position.
-    logit_len = length
+    # A rollout's forwards compute the logits of its response's positions only (`forwards.response_logits`), whatever
+    # its prompts' lengths: B·R·V.
+    logit_len = g.max_new_tokens
     rows = a.rollout_batch_size * g.num_samples
     tools = cfg.tools if cfg.tools.enabled else None
     gen = Generation(g.num_samples if g.seed_per_prompt else rows, cfg.data.max_prompt_length, g.max_new_tokens,

@@ -117,9 +117,9 @@ def test_pi_old_forward_is_counted_only_where_the_run_recomputes_it():
     assert lay.pi_old == "free_in_fp32"  # the sampler's log-probs in fp32, a forward of its own under bf16
     from rlhfkit.plan.timing import frozen_seconds
 
-    # π_old: 2 rows x 4 tokens, logits on the whole row: 2 x 360 x 8 + attention 2 x 2 x 2 x 4² x 2 x 2 = 5760 + 512
-    # FLOPs; per layer 0.1 + 0.002 x 12 x 8; one call; 2 x 4 logits over 10 entries
-    pi_old = 6272 / 1000 + 2 * (0.1 + 0.002 * 12 * 8) + 0.05 + 0.0005 * 10 * 8
+    # π_old: 2 rows x 4 tokens, logits on the response only: 2 x 360 x 8 + attention 2 x 2 x 2 x 4² x 2 x 2 = 5760 +
+    # 512 FLOPs; per layer 0.1 + 0.002 x 12 x 8; one call; 2 x 2 logits over 10 entries
+    pi_old = 6272 / 1000 + 2 * (0.1 + 0.002 * 12 * 8) + 0.05 + 0.0005 * 10 * 4
     assert frozen_seconds(lay, r, 2) - frozen_seconds(lay, r, 4) == pytest.approx(pi_old)
 
 
