@@ -34,6 +34,8 @@ FAMILIES = {
     "llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm="head"),
     "gemma": Family(), "gemma2": Family(norms=4, attention="eager"), "gemma3_text": Family(norms=4, qk_norm="head"),
     "phi3": Family(fused=True), "smollm3": Family(), "olmo2": Family(qk_norm="width"), "granite": Family(),
+    "olmo3": Family(qk_norm="width"), "ministral": Family(), "exaone4": Family(qk_norm="head"),
+    "hunyuan_v1_dense": Family(qk_norm="head"),
 }
 # Model types refused with a reason of their own (beside the generic refusal of a type outside FAMILIES).
 REFUSED = {"gemma3": "Gemma 3's multimodal model (a SigLIP vision tower and projector beside its text layers, which "

@@ -36,6 +36,10 @@ FAMILIES = {
     "olmo2": dict(tie_word_embeddings=False),
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
                     attention_multiplier=0.0625, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "hunyuan_v1_dense": dict(tie_word_embeddings=True),
 }
 
 
@@ -124,7 +128,7 @@ def test_kv_cache_of_the_engine_is_the_allocated_one(tiny_dirs, family):
     assert kv == kv_cache_bytes(shape, Generation(rows, prompt, new, False, False), Precision(4, 4, 4))
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo3", "ministral", "exaone4"])
 def test_static_cache_caps_windowed_layers(tiny_dirs, family):
     """generation.compile: transformers' StaticCache of the rounded-up length (128), its windowed layers 8 long."""
     from transformers import StaticCache
