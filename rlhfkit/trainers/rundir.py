@@ -58,7 +58,8 @@ class RunDir:
            before that (`restore_replaced`: at once on an exception, at the next start after a kill).
         2. What an interrupted run left behind is removed: temporary files and directories (`.tmp-*`: a save or a
            pruning cut short), checkpoints without trainer_state.pt, and — on resume — the checkpoints newer than
-           the one resumed from (`latest_checkpoint` skipped them as damaged; this run writes those steps again).
+           the one resumed from (`latest_checkpoint` skipped them as damaged; this run writes those steps again) and
+           those older than the newest `logging.save_total_limit` (a kill between a save and its pruning).
         3. On resume, metrics.jsonl and samples.jsonl keep only the rows up to the resumed step (the resumed run logs
            the later ones again) and lose a half-written last line.
         """
@@ -150,7 +151,11 @@ class RunDir:
                        "first checkpoint", self.path)
 
     def remove_leftovers(self, resume_step: int | None) -> None:
-        removed = []
+        removed, keep = [], self.cfg.logging.save_total_limit
+        # On resume, the checkpoints over the limit: a kill between a save and its pruning leaves one more, which the
+        # next save would prune, but a resume from the last checkpoint saves none (the last step ends in the model).
+        kept = [] if resume_step is None else [step for step, path in checkpoint_dirs(self.path)
+                                               if step <= resume_step and os.path.isfile(os.path.join(path, TRAINER_STATE))]
         for name in sorted(os.listdir(self.path)):
             full = os.path.join(self.path, name)
             m = CHECKPOINT_RE.match(name)
@@ -160,6 +165,8 @@ class RunDir:
                 removed.append(f"{name} (incomplete: no trainer_state.pt)")
             elif m and resume_step is not None and int(m.group(1)) > resume_step:
                 removed.append(f"{name} (damaged; resuming from step {resume_step})")
+            elif m and int(m.group(1)) in kept[:-keep]:
+                removed.append(f"{name} (over logging.save_total_limit={keep}: a pruning cut short)")
             else:
                 continue
             remove_tree(full) if os.path.isdir(full) else os.unlink(full)

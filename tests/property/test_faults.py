@@ -322,6 +322,24 @@ def test_resume_from_a_damaged_run_reproduces_the_uninterrupted_one(damaged, fin
     assert not [e for e in os.listdir(out) if e.startswith(".tmp-")] and not (out / "checkpoint-9").exists()
 
 
+def test_resume_from_the_last_checkpoint_finishes_the_pruning_a_kill_cut_short(finished_sft, tmp_path, capsys):
+    """A kill after the last checkpoint was renamed into place and before the oldest was pruned leaves one checkpoint
+    over logging.save_total_limit=2. The resumed run saves no checkpoint after it (the last step ends in the final
+    model), so resuming itself finishes the pruning: the run ends with the checkpoints the uninterrupted one keeps.
+    (The kill test met this moment by chance: a stale checkpoint-2 beside checkpoint-3 and checkpoint-4.)"""
+    out = tmp_path / "killed"
+    shutil.copytree(finished_sft, out)  # checkpoint-1..3 (save_total_limit=10): what the kill leaves with a limit of 2
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            os.unlink(out / name)  # the killed run never wrote its final model
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert main(["sft", "--config", "configs/sft_tiny.yaml", f"output_dir={out}", "max_steps=4", "resume=true", *FAST,
+                 "logging.save_steps=1", "logging.save_total_limit=2"]) == 0
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    assert "checkpoint-1 (over logging.save_total_limit=2" in capsys.readouterr().err
+    assert_same(weights(finished_sft), weights(out))
+
+
 # 5. overwrite=true replaces a run only once the new one has a checkpoint -----------------------------------------
 
 

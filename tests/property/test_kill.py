@@ -13,8 +13,9 @@ start runs to completion. Then:
 - no start printed a traceback.
 
 The kill moments come from a seeded generator, so every run of the test aims at the same moments; where the process
-actually is when the signal lands still depends on the machine's speed, which is the point: the assertions hold
-wherever it is.
+actually is at the random one still depends on the machine's speed, which is the point: the assertions hold
+wherever it is. A named moment (a save, a pruning, the final save) is looked at again with the process stopped
+before the kill, so a loaded machine cannot move the kill past it.
 """
 
 import json
@@ -52,7 +53,8 @@ def _env():
 
 
 class Start:
-    """One `rlhfkit <stage>` process on `out`, killed with SIGKILL when `trigger` fires (None: runs to the end).
+    """One `rlhfkit <stage>` process on `out`, killed with SIGKILL when `trigger` fires (None: runs to the end): seen
+    firing, the process is stopped and looked at again, so that the kill lands in the moment the trigger names.
 
     Triggers: ("save", k) when a temporary `checkpoint-j` directory (j >= k) appears, i.e. while that checkpoint is
     being written; ("prune",) once a new checkpoint is in place and the oldest is due for deletion, or while it is
@@ -105,7 +107,7 @@ class Start:
             if time.monotonic() > deadline:
                 self.proc.kill()
                 pytest.fail(f"{self.proc.args} did not finish in {TIMEOUT_S}s")
-            if self._fired():
+            if self._fired() and self._fired_when_frozen():
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.killed = self.proc.wait() == -signal.SIGKILL  # not if it had just exited by itself
                 self.caught = sorted(n for n in os.listdir(self.out) if n.startswith(".tmp-"))
@@ -113,9 +115,30 @@ class Start:
             time.sleep(POLL_S)
         return self.proc.returncode
 
+    def _fired_when_frozen(self) -> bool:
+        """Stop the process (SIGSTOP) and look again: on a loaded machine the moment the trigger saw can pass before
+        a signal lands (the checkpoint being written is renamed into place). Still there: the kill lands in it. Gone:
+        the process goes on (SIGCONT) and the trigger waits for its next occurrence (a later save, say)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        while _state(self.proc.pid) not in "TtZX":  # stopped, or exited meanwhile ("" once reaped)
+            time.sleep(POLL_S)
+        if self._fired():
+            return True
+        os.kill(self.proc.pid, signal.SIGCONT)
+        return False
+
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped, Z: exited), "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def _rows(path):
