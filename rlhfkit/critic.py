@@ -40,9 +40,10 @@ class SharedBaseCritic(torch.nn.Module):
     the base weights. The policy is not registered as a submodule (its parameters belong to the policy); the
     critic's trainable parameters are the "value" adapter (inside the policy) and `head`.
 
-    Switching adapters with peft's `set_adapter` also flips `requires_grad`; `_active` restores the flags, so both
-    adapters stay trainable, and callers backpropagate each forward before switching (gradient checkpointing
-    recomputes the forward with whatever adapter is active during backward).
+    Switching adapters with peft's `set_adapter` also flips `requires_grad`; `active` restores the flags, so both
+    adapters stay trainable. Gradient checkpointing recomputes each layer's forward in the backward with whatever
+    adapter is active then: a caller that backpropagates the values runs the backward inside `active()` too (under
+    the policy's adapter the recomputed activations, and so the critic's gradients, would be the policy's).
     """
 
     ADAPTER = "value"
@@ -63,7 +64,9 @@ class SharedBaseCritic(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
         self.head.to(next(base.parameters()).device)
 
-    def _active(self):
+    def active(self):
+        """The "value" adapter active (both adapters' `requires_grad` kept) until the context exits."""
+
         @contextlib.contextmanager
         def swap():
             flags = {n: p.requires_grad for n, p in self.policy.named_parameters()}
@@ -85,7 +88,7 @@ class SharedBaseCritic(torch.nn.Module):
         query heads kept for the backward, so the critic's update holds what the policy's does."""
         base = self.policy.get_base_model()
         backbone = getattr(base, base.base_model_prefix)
-        with self._active():
+        with self.active():
             hidden = backbone(input_ids=input_ids, **attention_inputs(attention_mask),
                               use_cache=False).last_hidden_state  # (B, T, H)
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T, H) -> (B, T)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhfkit.config.objective_check import objective_params
-from rlhfkit.critic import critic_values
+from rlhfkit.critic import SharedBaseCritic, critic_values
 from rlhfkit.losses.aggregate import aggregate
 from rlhfkit.losses.correction import off_policy_sequence_mask, rollout_correction, top_entropy_mask
 from rlhfkit.losses.policy import get_objective, policy_objective, value_loss
@@ -200,12 +200,14 @@ class PolicyUpdate:
                 control["nonfinite"].append(~torch.isfinite(loss))
                 self.run.backward(loss, last=last and not apart)
             if apart:
-                # A shared-base critic's loss is backpropagated on its own, after the policy's: gradient
-                # checkpointing recomputes each forward under the adapter active at backward time.
-                value_part, value_metrics = self.critic_loss(batch, num_tokens)
-                parts.update(value_metrics)
-                control["nonfinite"].append(~torch.isfinite(value_part))
-                self.run.backward(value_part, last=last)
+                # A shared-base critic's loss is backpropagated on its own, after the policy's, its adapter active
+                # through the backward: gradient checkpointing recomputes each forward under the adapter active then.
+                critic = self.run.unwrap(self.critic)
+                with critic.active() if isinstance(critic, SharedBaseCritic) else contextlib.nullcontext():
+                    value_part, value_metrics = self.critic_loss(batch, num_tokens)
+                    parts.update(value_metrics)
+                    control["nonfinite"].append(~torch.isfinite(value_part))
+                    self.run.backward(value_part, last=last)
             if kept is not None:
                 kept[rows] = pad_to(logprobs, kept.shape[1])
             if gap:

@@ -86,3 +86,41 @@ def test_the_critic_on_moved_left_rows_holds_no_more_than_the_policy():
     with torch.no_grad():
         masked = critic(ro.input_ids, ro.attention_mask)[:, 63:-1] * ro.action_mask  # the left-padded batch, masked
         torch.testing.assert_close(critic_values(critic, critic, ro), masked, rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpointed_update_gives_the_critic_the_gradients_of_a_plain_one(tmp_path):
+    """PPO with LoRA: one update of the same experience with and without gradient checkpointing moves the policy's
+    and the critic's adapters (and the value head) alike. Checkpointing recomputes each layer in the backward under
+    the adapter active then, so the critic's backward runs under its own ("value"); under the policy's, its
+    gradients came from the policy's activations (several times off on this model). AdamW at eps 1 takes a step
+    along the gradient itself (|g| << 1), not its sign."""
+    from tests.property.test_online_math import build
+
+    args = ("model.lora.enabled=true", "model.lora.dropout=0.0", "max_steps=1", "optim.lr=1.0", "optim.adam_eps=1.0",
+            "algo.ppo_epochs=1", "algo.rollout_batch_size=4", "optim.per_device_batch_size=4")
+    plain = build(tmp_path / "plain", "ppo_tiny.yaml", *args)
+    ckpt = build(tmp_path / "ckpt", "ppo_tiny.yaml", *args, "model.gradient_checkpointing=true")
+    assert plain.shares_base and ckpt.shares_base
+    before = []
+    for t in (plain, ckpt):  # LoRA's B starts at zero: give both adapters a value, the same in both runs
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in t.run.unwrap(t.model).named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        before.append(trained(t))
+    exp = plain.experience(0).experience
+    for t in (plain, ckpt):
+        t.update(exp, 1)
+    moved = [{k: v - before[i][k] for k, v in trained(t).items()} for i, t in enumerate((plain, ckpt))]
+    assert any(".value." in k for k in moved[0]) and "head.weight" in moved[0]
+    for k, step in moved[0].items():
+        assert step.abs().max() > 0, k
+        torch.testing.assert_close(moved[1][k], step, rtol=1e-4, atol=1e-7, msg=k)
+
+
+def trained(t) -> dict[str, torch.Tensor]:
+    """The trained tensors of an online trainer with a shared-base critic: both adapters and the value head."""
+    policy, critic = t.run.unwrap(t.model), t.run.unwrap(t.value)
+    out = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
+    return out | {f"head.{n}": p.detach().clone() for n, p in critic.head.named_parameters()}
