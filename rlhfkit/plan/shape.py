@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from rlhfkit.errors import UserError
 
+
 @dataclass(frozen=True)
 class Family:
     """How a family's decoder layer departs from Llama's (pre-norm attention with grouped key/value heads and rotary
@@ -41,9 +42,8 @@ FAMILIES = {
 REFUSED = {"gemma3": "Gemma 3's multimodal model (a SigLIP vision tower and projector beside its text layers, which "
                      "AutoModelForCausalLM loads whole and 'all-linear' LoRA would adapt too); the planner sizes text "
                      "models only: gemma3_text (gemma-3-1b and text-only checkpoints)"}
-# The linear modules of one decoder layer (peft's "all-linear" minus the head): Llama's, and Phi-3's fused ones.
+# The linear modules of a Llama layer (peft's "all-linear" minus the head); a family's own: `linear_shapes`.
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from rlhfkit.models import load_causal_lm
 from rlhfkit.plan import plan_for
 from rlhfkit.plan.layout import Forward, Generation, layout_of
 from rlhfkit.plan.measure import LiveTensors
-from rlhfkit.plan.memory import Precision, Sharding, kv_cache_bytes, logits_bytes, model_bytes, resident, trainable_params
+from rlhfkit.plan.memory import (Precision, Sharding, kv_cache_bytes, logits_bytes, model_bytes, resident,
+                                 trainable_params)
 from rlhfkit.plan.shape import load_shape
 from rlhfkit.stages import build_stage_config
 
@@ -204,7 +205,8 @@ def test_real_size_configs_plan_grpo_with_lora(name):
     """GRPO with LoRA on a real-size config.json of each family: a sane peak on an H100 (the bf16 base, its
     adapters, a cache of 8 rows of 1024 tokens)."""
     directory = os.path.join(FIXTURES, name)
-    cfg = build_stage_config("grpo", {"model": {"name_or_path": directory, "dtype": "bfloat16", "lora": {"enabled": True, "r": 16}},
+    model = {"name_or_path": directory, "dtype": "bfloat16", "lora": {"enabled": True, "r": 16}}
+    cfg = build_stage_config("grpo", {"model": model,
                                       "data": {"train": "x", "max_prompt_length": 512}, "output_dir": "x",
                                       "reward": {"function": "m:f"}, "generation": {"max_new_tokens": 512,
                                       "num_samples": 8}, "algo": {"rollout_batch_size": 1},
