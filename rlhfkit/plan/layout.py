@@ -99,6 +99,8 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     targets = tuple(policy.linear_shapes()) if m.lora.target_modules == "all-linear" else tuple(
         dict.fromkeys(t.rpartition(".")[2] for t in m.lora.target_modules))
     no_dropout = getattr(getattr(cfg, "algo", None), "disable_dropout", False)
+    if no_dropout:  # `models.disable_dropout` zeroes the attention dropout too
+        policy = dataclasses.replace(policy, attn_dropout=False)
     rewards = tuple(load(r, f"reward.model[{i}]") for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
     base = dict(stage=stage, policy=policy, head="score" if stage == "rm" else "lm", train=train,
                 quantized=m.quantization.load_in_4bit, adapters=adapters, lora_rank=m.lora.r if train == "lora" else 0,

@@ -163,11 +163,15 @@ def layer_activations(shape: ModelShape, tokens: float, p: Precision, lora: int 
 def attention_scores(shape: ModelShape, f: Forward, attention: str, p: Precision) -> float:
     """One layer's attention buffers: eager keeps softmax's fp32 output (B·H·T²) and, in half precision, its cast;
     sdpa's fused kernels and flash attention keep O(T). Under gradient eager also keeps the key and value repeated to
-    the query heads (2·(q - kv) per token more than sdpa) and, soft-capping its scores (Gemma 2), tanh's output."""
-    if attention != "eager":
+    the query heads (2·(q - kv) per token more than sdpa) and, soft-capping its scores (Gemma 2), tanh's output; with
+    attention dropout (Granite's), the dropped weights and their mask, and on a CPU sdpa then runs its math path,
+    eager's buffers (measured on the tiny models)."""
+    dropout = shape.attn_dropout and f.grad
+    if attention != "eager" and not (dropout and attention == "sdpa" and not p.gpu):
         return 0.0
     capped = p.compute if shape.attn_softcap and f.grad else 0
-    scores = f.rows * shape.heads * f.length**2 * (4 + (p.compute if p.compute != 4 else 0) + capped)
+    dropped = 2 * p.compute if dropout else 0
+    scores = f.rows * shape.heads * f.length**2 * (4 + (p.compute if p.compute != 4 else 0) + capped + dropped)
     repeated = 2 * (shape.heads - shape.kv_heads) * shape.head_dim * f.rows * f.length * p.compute if f.grad else 0
     return scores + repeated
 

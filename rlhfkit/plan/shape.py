@@ -72,6 +72,7 @@ class ModelShape:
     attn_softcap: bool = False  # gemma2: eager attention caps its scores with tanh (two more B·H·T² tensors)
     logit_softcap: bool = False  # gemma2: logits capped with tanh, whose output the backward keeps (one B·T·V more)
     logit_scaled: bool = False  # granite: logits divided by logits_scaling (a second B·T·V while it divides)
+    attn_dropout: bool = False  # attention_dropout > 0 (granite's 0.1): trained forwards drop the attention weights
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear of one layer."""
@@ -172,7 +173,8 @@ def shape_of(config: dict, where: str, vocab: int | None = None, num_layers: int
         attention=fam.attention,
         attn_softcap=bool(getattr(c, "attn_logit_softcapping", None)),
         logit_softcap=bool(getattr(c, "final_logit_softcapping", None)),
-        logit_scaled=float(getattr(c, "logits_scaling", 1.0) or 1.0) != 1.0)
+        logit_scaled=float(getattr(c, "logits_scaling", 1.0) or 1.0) != 1.0,
+        attn_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0)
 
 
 def _configuration(family: str, config: dict, where: str):

@@ -36,7 +36,8 @@ FAMILIES = {
     "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=True),
     "olmo2": dict(tie_word_embeddings=False),
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
-                    attention_multiplier=0.0625, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+                    attention_multiplier=0.0625, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                    attention_dropout=0.1),
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
@@ -297,3 +298,19 @@ def test_a_layer_keeps_what_is_planned(family):
                                     norms_trained=not lora) + attention_scores(shape, Forward(rows, length, 0, True),
                                                                                shape.attention, p)
         assert abs(planned - measured) <= 0.03 * measured, (lora, planned, measured)
+
+
+def test_attention_dropout_is_planned_where_the_run_keeps_it(tiny_dirs):
+    """Granite's attention dropout: kept by SFT (its trained forward plans the dropped weights and their mask, 12
+    bytes per B·H·T² element on a CPU), zeroed by the online stages (`algo.disable_dropout`), so not planned there."""
+    from rlhfkit.plan.memory import attention_scores
+
+    sft = layout_of("sft", sft_config(tiny_dirs["granite"]))
+    grpo = layout_of("grpo", build_stage_config("grpo", {
+        "model": {"name_or_path": tiny_dirs["granite"]}, "output_dir": "x", "reward": {"function": "m:f"},
+        "data": {"train": "x", "max_prompt_length": 32, "max_length": 64}, "generation": {"num_samples": 2}}))
+    assert sft.policy.attn_dropout and not grpo.policy.attn_dropout
+    f, p = Forward(2, 64, 64, True), Precision(4, 4, 4)
+    assert attention_scores(sft.policy, f, "sdpa", p) == 2 * 4 * 64**2 * 12 + 2 * 64 * 2 * (4 - 2) * 16 * 4
+    assert attention_scores(grpo.policy, f, "sdpa", p) == 0
+    assert attention_scores(sft.policy, f, "sdpa", Precision(2, 2, 2, gpu=True)) == 0  # a GPU's fused kernels
