@@ -1,14 +1,16 @@
 """Planned against measured memory and time, stage by stage, on the tiny model and SmolLM2-135M (CPU).
 
     nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py [--models tiny smollm2] [--stages sft dpo ...] \
-        [--quick] [--cells bench/data/plan_grid_cells.json]
+        [--design full|pairs] [--micro 2 4] [--lengths 64 128] [--time] [--cells bench/data/plan_grid_cells.json]
 
 Each cell runs the real stage for a few steps (`rlhfkit.train`, plan.measure=true) on data whose rows fill the caps
 (a short prompt and a long completion for the offline stages; long prompts for the online ones), so the plan's worst
 case is the case measured. Measured: the peak of live tensor storage (`rlhfkit.plan.measure.LiveTensors`, from the
 first op of the run to the end of training), and the median step time after the first. Planned: the run's own
 plan.json. The grid: stage x full / LoRA / QLoRA x gradient checkpointing off / on x two micro-batch sizes x two
-lengths. Cells run one after another in this process (the tracker counts only what each run allocates; peak RSS is a
+lengths; `--design pairs` runs 6 of each stage's 24 cells, in which every mode meets checkpointing off and on and every
+pair of two factors' levels meets at least once (PAIRS): SmolLM2-135M's grid, whose cells cost seconds to a minute of
+CPU each (`--models smollm2 --design pairs --micro 1 2 --lengths 32 64`). Cells run one after another in this process (the tracker counts only what each run allocates; peak RSS is a
 per-process figure and is reported only with --subprocess). Each cell's measurement goes to CELLS (rows already there
 are kept and skipped: the grid can be run in pieces); the table is written through bench/results.py's record() to
 docs/results/plan_grid.{json,md}.
@@ -229,6 +231,25 @@ def run_cell(stage: str, overrides: dict) -> dict:
             "phases": {k: v["peak_gb"] for k, v in plan["phases"].items()}, "wall_s": wall}
 
 
+# `--design pairs`: six cells per stage instead of the 24 of the full product, each mode with checkpointing off and on,
+# and every pair of levels of any two factors (mode x checkpointing, mode x micro-batch, mode x length, checkpointing
+# x micro-batch, checkpointing x length, micro-batch x length) in at least one cell: a covering array of strength
+# two. (mode, checkpointing, index into --micro, index into --lengths)
+PAIRS = (("full", "off", 0, 0), ("full", "on", 1, 1), ("lora", "off", 1, 0), ("lora", "on", 0, 1),
+         ("qlora", "off", 0, 1), ("qlora", "on", 1, 0))
+
+
+def grid_cells(args) -> list[tuple]:
+    """(model, stage, mode, ckpt, micro-batch, length) of every cell to run: the product of the levels given, or with
+    `--design pairs` the PAIRS cells of each model and stage (two micro-batches and two lengths, every mode)."""
+    if args.design == "full":
+        return list(itertools.product(args.models, args.stages, args.modes, args.ckpt, args.micro, args.lengths))
+    if len(args.micro) != 2 or len(args.lengths) != 2:
+        sys.exit("plan_grid: --design pairs takes two --micro and two --lengths")
+    return [(m, s, mode, ckpt, args.micro[i], args.lengths[j])
+            for m in args.models for s in args.stages for mode, ckpt, i, j in PAIRS]
+
+
 TIME_STEPS = 5  # steps per timed cell: the first warms up (allocations, AdamW's states), the median of the rest
 
 
@@ -325,11 +346,12 @@ def join_times(rows: list[dict], path: str = TIMES) -> tuple[list[dict], dict]:
     return joined, timed.get("meta", {})
 
 
-def publish(rows: list[dict], meta: dict) -> None:
-    """The table of the measured cells, with its summary, through bench/results.py (date, machine and commit)."""
+def publish(rows: list[dict], meta: dict, times: str = TIMES) -> None:
+    """The table of the measured cells, with its summary, through bench/results.py (date, machine and commit); the
+    time column from the time pass's file `times`."""
     from results import record
 
-    rows, time_meta = join_times(rows)
+    rows, time_meta = join_times(rows, times)
     s = summarise(rows)
     table = []
     for r in rows:
@@ -346,7 +368,7 @@ def publish(rows: list[dict], meta: dict) -> None:
              f"{s['time_within_25pct']} of {s['time_cells']} within ±25%.",
              f"The cells were run in pieces ({meta['command']}), the last on {meta['when']} at load average "
              f"{meta['load']:.1f} on {meta['cores']} cores shared with other jobs.",
-             time_note(time_meta)]
+             time_note(time_meta, times)]
     record("plan_grid", "rlhfkit plan against the measured peak, CPU grid",
            ["model", "stage", "mode", "ckpt", "micro-batch", "length", "planned GB", "measured GB", "ratio",
             "planned s", "measured s"], table, command="nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py",
@@ -388,10 +410,12 @@ def measured_rows(cells, done: dict, prefix: str, measure):
             continue
         model = "tiny" if model_name == "tiny" else smollm2_dir()
         overrides = cell_config(stage, model, mode, ckpt == "on", mb, length, data, os.path.join(work, "run"))
+        cpu0 = time.process_time()
         try:
             row.update(measure(stage, overrides))
         except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the pass goes on
             row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
+        row["cell_cpu_s"] = round(time.process_time() - cpu0, 1)  # what the cell cost, loading and tracker included
         print(json.dumps(row), flush=True)
         done["rows"].append(row)
         yield row
@@ -428,11 +452,14 @@ def main() -> None:
                                                             "into --times (the memory cells file untouched)")
     parser.add_argument("--time-steps", type=int, default=TIME_STEPS, help="steps per timed cell")
     parser.add_argument("--times", default=TIMES, help="where each cell's timing is kept")
+    parser.add_argument("--design", choices=["full", "pairs"], default="full",
+                        help="full: every combination of the levels; pairs: 6 cells per stage covering every pair of "
+                             "levels (PAIRS)")
     parser.add_argument("--replan", action="store_true", help="plan every recorded cell again (no run): the planner "
                                                               "changed, the measurements stand")
     args = parser.parse_args()
     globals()["STEPS"], globals()["OFFLINE_STEPS"] = args.steps, args.offline_steps
-    cells = list(itertools.product(args.models, args.stages, args.modes, args.ckpt, args.micro, args.lengths))
+    cells = grid_cells(args)
     if args.time:
         args.steps = args.time_steps
         return run_times(args, cells)
@@ -448,9 +475,8 @@ def main() -> None:
         done["summary"] = summarise(done["rows"])
         with open(path, "w") as f:
             json.dump(done, f, indent=1)
-        publish([r for r in done["rows"] if "error" not in r], done["meta"])
+        publish([r for r in done["rows"] if "error" not in r], done["meta"], args.times)
         return
-    cells = itertools.product(args.models, args.stages, args.modes, args.ckpt, args.micro, args.lengths)
     for row in measured_rows(cells, done, "plan-grid-", run_cell_subprocess if args.subprocess else run_cell):
         done["meta"] = {"command": "nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_grid.py " + " ".join(sys.argv[1:]),
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
@@ -458,7 +484,7 @@ def main() -> None:
         done["summary"] = summarise(done["rows"])
         with open(path, "w") as f:
             json.dump(done, f, indent=1)
-        publish([r for r in done["rows"] if "error" not in r], done["meta"])
+        publish([r for r in done["rows"] if "error" not in r], done["meta"], args.times)
 
 
 if __name__ == "__main__":

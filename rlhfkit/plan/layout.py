@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhfkit.plan.shape import ModelShape, load_shape
+from rlhfkit.plan.shape import ModelShape, load_shape, shortest_prompt
 
 ONLINE = ("ppo", "rloo", "grpo", "reinforce_pp")
 STAGES_PLANNED = ("sft", "rm", "dpo", "orpo", "kto", *ONLINE, "online_dpo", "rft")
@@ -132,14 +132,24 @@ def _offline_reference(stage: str, cfg: Any, base: dict, policy: ModelShape, loa
     a, mb, length = cfg.algo, cfg.optim.per_device_batch_size, cfg.data.max_length
     uses_reference = stage == "kto" or a.loss_type != "simpo"
     reference = _reference(cfg, a.ref_model, policy, load) if uses_reference else None
-    rows = 2 * mb if stage == "dpo" else mb
-    frozen = [Forward(rows, length, length, False, True)] if uses_reference else []
+    rows, scored = 2 * mb if stage == "dpo" else mb, scored_length(cfg)
+    frozen = [Forward(rows, length, scored, False, True)] if uses_reference else []
     if stage == "kto":  # z0: the mismatched pairs through the policy and the reference, without gradient
-        frozen = frozen + [Forward(mb, length, length, False, True)] * 2
+        frozen = frozen + [Forward(mb, length, scored, False, True)] * 2
     precompute = stage == "dpo" and a.precompute_ref_logprobs
-    return Layout(**{**base, "reference": reference, "trained": Forward(rows, length, length, True),
+    return Layout(**{**base, "reference": reference, "trained": Forward(rows, length, scored, True),
                      "frozen": () if precompute else tuple(frozen), "release_reference": precompute,
                      "frozen_batches": base["micro_batches"]})
+
+
+def scored_length(cfg: Any) -> int:
+    """The positions whose logits a preference batch at the cap computes: from the last token of its shortest prompt
+    on (`models.scored_logits` keeps none before the first scored position), a prompt being no shorter than what
+    the chat template renders around an empty one (`shape.shortest_prompt`), nor than max_prompt_length where that
+    is shorter (longer prompts are cut to it). A GGUF model's tokenizer is not read: whole rows."""
+    m = cfg.model
+    floor = 0 if m.gguf_file else shortest_prompt(m.name_or_path, m.revision, m.chat_template)
+    return cfg.data.max_length - max(0, min(floor, cfg.data.max_prompt_length) - 1)
 
 
 def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader) -> Layout:

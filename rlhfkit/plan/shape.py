@@ -223,9 +223,9 @@ def tokenizer_length(directory: str) -> int | None:
 
 
 def config_dir(name: str, revision: str | None = None) -> str:
-    """The local directory holding the config.json (and tokenizer files) of model `name`: a directory as is, "tiny"
-    through `model_sources` (built once, cached), a hub name's config and tokenizer files alone from the hub cache or
-    the hub."""
+    """The local directory holding the config.json (and tokenizer files, chat template) of model `name`: a directory
+    as is, "tiny" through `model_sources` (built once, cached), a hub name's config, tokenizer and template files
+    alone from the hub cache or the hub."""
     if name == "tiny":
         from rlhfkit.config import ModelConfig
         from rlhfkit.model_sources import resolve_model_path
@@ -240,7 +240,7 @@ def config_dir(name: str, revision: str | None = None) -> str:
         from huggingface_hub import hf_hub_download
 
         path = hf_hub_download(name, "config.json", revision=revision)
-        for extra in ("tokenizer.json", "tokenizer_config.json"):
+        for extra in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             try:
                 hf_hub_download(name, extra, revision=revision)
             except Exception:  # noqa: BLE001 - a model without them is planned from config.json's vocab_size
@@ -300,6 +300,28 @@ def load_shape(name: str, where: str, gguf_file: str | None = None, revision: st
     if not os.path.isfile(path):
         raise UserError(f"{where}: '{directory}' holds no config.json")
     return shape_of(read_json(path, "config.json"), f"{where} ({path})", tokenizer_length(directory), num_layers)
+
+
+@functools.lru_cache(maxsize=8)
+def shortest_prompt(name: str, revision: str | None = None, chat_template: str | None = None) -> int:
+    """The fewest tokens a prompt renders to: an empty one through the data's own encoder (`data.render.Encoder`:
+    the chat template's turns around it and its generation prompt, SmolLM2-135M-Instruct's default system turn
+    included: 30 tokens; without a template, the tokenizer's special tokens). 0 where the tokenizer's files cannot
+    be read (a name that is no directory, a hub model without tokenizer.json): the plan then counts whole rows."""
+    from transformers import AutoTokenizer
+
+    from rlhfkit.data.formats import Canonical
+    from rlhfkit.data.render import Encoder
+    from rlhfkit.templates import apply_setting
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config_dir(name, revision))
+    except (UserError, OSError, ValueError):
+        return 0
+    apply_setting(tokenizer, chat_template)
+    if tokenizer.eos_token_id is None:  # the data refuses it (`Encoder`)
+        return 0
+    return len(Encoder(tokenizer).prompt(Canonical(prompt="", responses=[]), "the planner's shortest prompt"))
 
 
 def cut(shape: ModelShape, num_layers: int | None) -> ModelShape:

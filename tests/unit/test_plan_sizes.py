@@ -263,3 +263,55 @@ def test_prefill_of_left_padded_prompts_against_live_tensors():
     cache = 2 * shape.layers * prompts * length * shape.kv_heads * shape.head_dim * 4
     planned = prefill_bytes(shape, prompts, length, "sdpa", p) + cache
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+
+
+def test_offline_logits_start_at_the_shortest_prompt_the_template_renders():
+    """DPO and KTO score the response only: their forwards keep the logits from the first scored position
+    (`models.scored_logits`), and a chat template renders every prompt, even an empty one, to its own turn (the tiny
+    model's: 20 tokens). The planned logits (the update's and the reference's) are the ones a batch of two pairs
+    with the shortest prompt allocates, at the 64-token cap, byte for byte; the checkpointed LoRA update, where the
+    logits are most of what the step adds, planned within 10% of the tracker."""
+    from rlhfkit.config.sections import LoraConfig
+    from rlhfkit.data.formats import Canonical
+    from rlhfkit.data.render import Encoder
+    from rlhfkit.models import scored_logits
+
+    cfg = build_stage_config("dpo", {"model": {"name_or_path": "tiny", "gradient_checkpointing": True,
+                                               "lora": {"enabled": True, "r": 4}},
+                                     "data": {"train": "x", "max_length": 64, "max_prompt_length": 32},
+                                     "output_dir": "x", "optim": {"per_device_batch_size": 2}})
+    lay, shape = layout_of("dpo", cfg), load_shape("tiny", "model")
+    encoder = Encoder(load_tokenizer(cfg.model))
+    rows, labels = [], []
+    for words in (40, 2, 30, 3):  # chosen and rejected of two pairs: long beside short, as a batch pads them
+        response = " ".join(["hello"] * words)
+        prompt, ids, _ = encoder.pair(Canonical(prompt="", responses=[response]), response, "x")
+        row = (prompt + ids)[:64]
+        rows.append(row + [0] * (64 - len(row)))
+        labels.append([-100] * len(prompt) + row[len(prompt):] + [-100] * (64 - len(row)))
+    ids, labels = torch.tensor(rows), torch.tensor(labels)
+    mask = (labels != -100) | (torch.arange(64) < len(prompt))
+    model = load_causal_lm(cfg.model)
+    with torch.no_grad():
+        logits, _ = scored_logits(model, ids, mask.long(), labels)
+    assert logits.shape[1] == lay.trained.logit_len == lay.frozen[0].logit_len < 64
+    assert nbytes([logits]) + logits.shape[1] * shape.vocab * 8 == logits_bytes(shape, lay.frozen[0], Precision(4, 4, 4))
+    update = next(ph for ph in plan_for("dpo", cfg, device="cpu", suggest=False).phases if ph.name == "update")
+    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"] - update.parts["adapters"]
+    model.train()
+    measured = update_peak_scored(model, ids, mask.long(), labels)
+    assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+
+
+def update_peak_scored(model, ids, mask, labels) -> int:
+    """As `update_peak`, with `labels` (-100 on the prompt and the padding)."""
+    from rlhfkit.models import token_logprobs
+
+    tracker = LiveTensors()
+    tracker.add_module(model)
+    with tracker:
+        base = tracker.current
+        tracker.reset_peak()
+        logprobs, scored = token_logprobs(model, ids, mask, labels)
+        (-(logprobs * scored).sum()).backward()
+        return tracker.peak - base
