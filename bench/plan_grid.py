@@ -8,12 +8,13 @@ Each cell runs the real stage for a few steps (`rlhfkit.train`, plan.measure=tru
 case is the case measured. Measured: the peak of live tensor storage (`rlhfkit.plan.measure.LiveTensors`, from the
 first op of the run to the end of training), and the median step time after the first. Planned: the run's own
 plan.json. The grid: stage x full / LoRA / QLoRA x gradient checkpointing off / on x two micro-batch sizes x two
-lengths; `--design pairs` runs 6 of each stage's 24 cells, in which every mode meets checkpointing off and on and every
-pair of two factors' levels meets at least once (PAIRS): SmolLM2-135M's grid, whose cells cost seconds to a minute of
-CPU each (`--models smollm2 --design pairs --micro 1 2 --lengths 32 64`). Cells run one after another in this process (the tracker counts only what each run allocates; peak RSS is a
-per-process figure and is reported only with --subprocess). Each cell's measurement goes to CELLS (rows already there
-are kept and skipped: the grid can be run in pieces); the table is written through bench/results.py's record() to
-docs/results/plan_grid.{json,md}.
+lengths. `--design pairs` runs 6 of each stage's 24 cells (PAIRS), in which each mode meets checkpointing off and on
+and every pair of levels of two factors meets at least once: SmolLM2-135M's grid (`--models smollm2 --design pairs
+--micro 1 2 --lengths 32 64 --steps 2`; KTO `--micro 2 4`, its z0 needs two rows), whose cells cost from ten seconds
+to minutes of CPU each. Cells run one after another in this process (the tracker counts only what each run
+allocates; peak RSS is a per-process figure and is reported only with --subprocess). Each cell's measurement goes to
+CELLS (rows already there are kept and skipped: the grid can be run in pieces); the table is written through
+bench/results.py's record() to docs/results/plan_grid.{json,md}.
 """
 
 from __future__ import annotations

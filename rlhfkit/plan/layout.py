@@ -143,7 +143,8 @@ def _offline_reference(stage: str, cfg: Any, base: dict, policy: ModelShape, loa
 
 
 def scored_length(cfg: Any) -> int:
-    """The positions whose logits a preference batch at the cap computes: from the last token of its shortest prompt
+    """The positions whose logits a batch of prompts and responses at the cap computes (DPO's and KTO's pairs, RFT's
+    kept samples; not SFT's, whose text rows take the loss on every token): from the last token of its shortest prompt
     on (`models.scored_logits` keeps none before the first scored position), a prompt being no shorter than what
     the chat template renders around an empty one (`shape.shortest_prompt`), nor than max_prompt_length where that
     is shorter (longer prompts are cut to it). A GGUF model's tokenizer is not read: whole rows."""
@@ -166,7 +167,7 @@ def _rft(cfg: Any, base: dict, policy: ModelShape, rewards: tuple, load: Loader)
         cfg.num_epochs * math.ceil(per_iteration / (mb * cfg.optim.grad_accum_steps)))
     share = math.ceil(per_iteration / cfg.algo.sampling_batch_size) / max(1, sft_steps)
     return Layout(**{**base, "reference": reference, "rewards": rewards, "rewards_4bit": cfg.reward.quantization.load_in_4bit,
-                     "trained": Forward(mb, cfg.data.max_length, cfg.data.max_length, True), "generation": gen,
+                     "trained": Forward(mb, cfg.data.max_length, scored_length(cfg), True), "generation": gen,
                      "frozen": (score,) * len(rewards), "generations_per_step": share,
                      "frozen_batches": share * math.ceil(gen.rows / mb)})
 

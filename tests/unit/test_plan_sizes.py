@@ -266,12 +266,11 @@ def test_prefill_of_left_padded_prompts_against_live_tensors():
 
 
 def test_offline_logits_start_at_the_shortest_prompt_the_template_renders():
-    """DPO and KTO score the response only: their forwards keep the logits from the first scored position
-    (`models.scored_logits`), and a chat template renders every prompt, even an empty one, to its own turn (the tiny
-    model's: 20 tokens). The planned logits (the update's and the reference's) are the ones a batch of two pairs
-    with the shortest prompt allocates, at the 64-token cap, byte for byte; the checkpointed LoRA update, where the
-    logits are most of what the step adds, planned within 10% of the tracker."""
-    from rlhfkit.config.sections import LoraConfig
+    """DPO, KTO and RFT's SFT steps score the response only: their forwards keep the logits from the first scored
+    position (`models.scored_logits`), and a chat template renders every prompt, even an empty one, to its own turn
+    (the tiny model's: 19 tokens). The planned logits (the update's and the reference's) are the ones a batch of two
+    pairs with the shortest prompt allocates, at the 64-token cap, byte for byte; the checkpointed LoRA update planned
+    within 10% of the tracker."""
     from rlhfkit.data.formats import Canonical
     from rlhfkit.data.render import Encoder
     from rlhfkit.models import scored_logits
@@ -295,7 +294,12 @@ def test_offline_logits_start_at_the_shortest_prompt_the_template_renders():
     with torch.no_grad():
         logits, _ = scored_logits(model, ids, mask.long(), labels)
     assert logits.shape[1] == lay.trained.logit_len == lay.frozen[0].logit_len < 64
-    assert nbytes([logits]) + logits.shape[1] * shape.vocab * 8 == logits_bytes(shape, lay.frozen[0], Precision(4, 4, 4))
+    rft = build_stage_config("rft", {"model": {"name_or_path": "tiny"}, "output_dir": "x",
+                                     "reward": {"function": "m:f"},
+                                     "data": {"train": "x", "max_length": 64, "max_prompt_length": 32}})
+    assert layout_of("rft", rft).trained.logit_len == logits.shape[1]  # its SFT steps on prompts and kept samples
+    reference = logits_bytes(shape, lay.frozen[0], Precision(4, 4, 4))
+    assert nbytes([logits]) + logits.shape[1] * shape.vocab * 8 == reference
     update = next(ph for ph in plan_for("dpo", cfg, device="cpu", suggest=False).phases if ph.name == "update")
     planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"] - update.parts["adapters"]
     model.train()
