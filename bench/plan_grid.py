@@ -327,6 +327,7 @@ def summarise(rows: list[dict]) -> dict:
 
 
 TIMES = os.path.join(ROOT, "bench", "data", "plan_grid_times.json")
+CELLS = os.path.join(ROOT, "bench", "data", "plan_grid_cells.json")
 
 
 def cell_key(r: dict) -> tuple:
@@ -447,7 +448,7 @@ def main() -> None:
     parser.add_argument("--offline-steps", type=int, default=OFFLINE_STEPS,
                         help="steps per offline cell (a padded batch in most steps: write_data)")
     parser.add_argument("--subprocess", action="store_true", help="each cell in a fresh process (peak RSS too)")
-    parser.add_argument("--cells", default=os.path.join(ROOT, "bench", "data", "plan_grid_cells.json"),
+    parser.add_argument("--cells", default=CELLS,
                         help="where each cell's measurement is kept")
     parser.add_argument("--time", action="store_true", help="the time pass: CPU seconds per step without the tracker, "
                                                             "into --times (the memory cells file untouched)")
@@ -485,7 +486,8 @@ def main() -> None:
         done["summary"] = summarise(done["rows"])
         with open(path, "w") as f:
             json.dump(done, f, indent=1)
-        publish([r for r in done["rows"] if "error" not in r], done["meta"], args.times)
+        if os.path.abspath(path) == CELLS:  # a scratch file of cells (--cells elsewhere) leaves the table alone
+            publish([r for r in done["rows"] if "error" not in r], done["meta"], args.times)
 
 
 if __name__ == "__main__":
