@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhfkit.plan.shape import ModelShape, load_shape, shortest_prompt
+from rlhfkit.plan.shape import ModelShape, as_classifier, load_shape, shortest_prompt
 
 ONLINE = ("ppo", "rloo", "grpo", "reinforce_pp")
 STAGES_PLANNED = ("sft", "rm", "dpo", "orpo", "kto", *ONLINE, "online_dpo", "rft")
@@ -93,6 +93,8 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     num_layers)` reads a model's shape."""
     m = cfg.model
     policy = load(m.name_or_path, "model.name_or_path", m.gguf_file, m.revision, m.num_layers)
+    if stage == "rm":
+        as_classifier(policy, "model.name_or_path")
     head_only = stage == "rm" and cfg.algo.head_only
     train = "head" if head_only else "lora" if m.lora.enabled else "full"
     adapters = policy.lora_params(m.lora.r, m.lora.target_modules) if train == "lora" else 0
@@ -101,7 +103,8 @@ def layout_of(stage: str, cfg: Any, load: Loader = load_shape) -> Layout:
     no_dropout = getattr(getattr(cfg, "algo", None), "disable_dropout", False)
     if no_dropout:  # `models.disable_dropout` zeroes the attention dropout too
         policy = dataclasses.replace(policy, attn_dropout=False)
-    rewards = tuple(load(r, f"reward.model[{i}]") for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
+    rewards = tuple(as_classifier(load(r, f"reward.model[{i}]"), f"reward.model[{i}]")
+                    for i, r in enumerate(getattr(getattr(cfg, "reward", None), "model", ())))
     base = dict(stage=stage, policy=policy, head="score" if stage == "rm" else "lm", train=train,
                 quantized=m.quantization.load_in_4bit, adapters=adapters, lora_rank=m.lora.r if train == "lora" else 0,
                 lora_targets=targets, lora_dropout=train == "lora" and m.lora.dropout > 0 and not no_dropout, reference=None, reference_4bit=False,
@@ -205,7 +208,8 @@ def _online(stage: str, cfg: Any, base: dict, policy: ModelShape, rewards: tuple
     if algo.needs_value and cfg.model.lora.enabled and not a.value_model:
         adapters += adapters + policy.hidden + 1  # a second adapter and the value head on the policy's base
     elif algo.needs_value:
-        critic = load(a.value_model, "algo.value_model") if a.value_model else rewards[0] if rewards else policy
+        critic = as_classifier(load(a.value_model, "algo.value_model"), "algo.value_model") if a.value_model else \
+            rewards[0] if rewards else as_classifier(policy, "model.name_or_path (the critic starts from it)")
     logprobs = Forward(mb, length, logit_len, False)
     frozen = [logprobs] * (1 + (reference is not None or monitor))  # π_old, π_ref
     frozen += [score] * (len(rewards) + (critic is not None or algo.needs_value))

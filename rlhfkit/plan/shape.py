@@ -73,6 +73,7 @@ class ModelShape:
     logit_softcap: bool = False  # gemma2: logits capped with tanh, whose output the backward keeps (one B·T·V more)
     logit_scaled: bool = False  # granite: logits divided by logits_scaling (a second B·T·V while it divides)
     attn_dropout: bool = False  # attention_dropout > 0 (granite's 0.1): trained forwards drop the attention weights
+    classifier: bool = True  # transformers builds a sequence classifier of the family (granite: none)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear of one layer."""
@@ -174,7 +175,22 @@ def shape_of(config: dict, where: str, vocab: int | None = None, num_layers: int
         attn_softcap=bool(getattr(c, "attn_logit_softcapping", None)),
         logit_softcap=bool(getattr(c, "final_logit_softcapping", None)),
         logit_scaled=float(getattr(c, "logits_scaling", 1.0) or 1.0) != 1.0,
-        attn_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0)
+        attn_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0, classifier=_has_classifier(family))
+
+
+def _has_classifier(family: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+
+def as_classifier(shape: ModelShape, where: str) -> ModelShape:
+    """`shape` as a sequence classifier (the rm stage's model, a reward model, a critic), refused in one line for a
+    family transformers builds none of (`AutoModelForSequenceClassification` would refuse it at load)."""
+    if not shape.classifier:
+        raise UserError(f"{where}: transformers has no sequence-classification model of type {shape.family!r}, which "
+                        "a reward model, a critic and the rm stage load")
+    return shape
 
 
 def _configuration(family: str, config: dict, where: str):

@@ -89,6 +89,11 @@ def test_weights_gradients_and_optimizer_states_are_the_allocated_ones(tiny_dirs
     states = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
     assert nbytes(states) == resident(lay, Precision(4, 4, 4), Sharding())["optimizer"]
     assert len(states) == 2 * (shape.layers * shape.layer_tensors + 2 + (0 if shape.tied else 1))
+    if shape.classifier:  # as a reward model or critic: the backbone and a one-output score head
+        from rlhfkit.models import load_reward_model
+
+        scorer = load_reward_model(ModelConfig(name_or_path=tiny_dirs[family]))
+        assert nbytes(scorer.parameters()) == model_bytes(shape, "score", 4, False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -314,3 +319,24 @@ def test_attention_dropout_is_planned_where_the_run_keeps_it(tiny_dirs):
     assert attention_scores(sft.policy, f, "sdpa", p) == 2 * 4 * 64**2 * 12 + 2 * 64 * 2 * (4 - 2) * 16 * 4
     assert attention_scores(grpo.policy, f, "sdpa", p) == 0
     assert attention_scores(sft.policy, f, "sdpa", Precision(2, 2, 2, gpu=True)) == 0  # a GPU's fused kernels
+
+
+def test_a_family_without_a_sequence_classifier_is_refused_where_one_is_loaded(tiny_dirs):
+    """Granite has no sequence-classification model in transformers: the rm stage, a full PPO critic started from
+    it and a Granite reward model are refused in one line naming the key, before any model loads; GRPO with a
+    function reward and PPO with LoRA (its value head sits on the policy's base) plan and run."""
+    granite = tiny_dirs["granite"]
+    online = {"output_dir": "x", "data": {"train": "x", "max_prompt_length": 32, "max_length": 64},
+              "generation": {"num_samples": 2}}
+    with pytest.raises(UserError, match="model.name_or_path: transformers has no sequence-classification .*'granite'"):
+        layout_of("rm", build_stage_config("rm", {"model": {"name_or_path": granite}, "output_dir": "x",
+                                                  "data": {"train": "x", "max_length": 64, "max_prompt_length": 32}}))
+    with pytest.raises(UserError, match=r"model.name_or_path \(the critic starts from it\)"):
+        layout_of("ppo", build_stage_config("ppo", {"model": {"name_or_path": granite}, "reward": {"function": "m:f"},
+                                                    **online}))
+    with pytest.raises(UserError, match=r"reward.model\[0\]: transformers has no sequence-classification"):
+        layout_of("grpo", build_stage_config("grpo", {"model": {"name_or_path": tiny_dirs["gemma"]},
+                                                      "reward": {"model": [granite]}, **online}))
+    lora = build_stage_config("ppo", {"model": {"name_or_path": granite, "lora": {"enabled": True}},
+                                      "reward": {"function": "m:f"}, **online})
+    assert layout_of("ppo", lora).critic is None
