@@ -30,9 +30,13 @@ def scoring_forward(model, input_ids, inputs: dict, keep: int) -> torch.Tensor:
     the forward's end)."""
     cls = type(unwrap_model(model))
     kwargs = {"logits_to_keep": keep} if _accepts(cls, "logits_to_keep") else {}
-    if _accepts(cls, "use_cache", any_keyword=True):
-        kwargs["use_cache"] = False
-    return model(input_ids=input_ids, **inputs, **kwargs).logits
+    return model(input_ids=input_ids, **inputs, **kwargs, **no_cache(model, through_kwargs=True)).logits
+
+
+def no_cache(model, through_kwargs: bool = False) -> dict[str, bool]:
+    """{"use_cache": False} where `model`'s forward takes it (by name, or with `through_kwargs` through its **kwargs:
+    a wrapper passing them on), else {} (an encoder classifier has no cache to refuse)."""
+    return {"use_cache": False} if _accepts(type(unwrap_model(model)), "use_cache", through_kwargs) else {}
 
 
 def attention_inputs(attention_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:

@@ -29,6 +29,7 @@ import torch
 from rlhfkit.config.stages import RedTeamConfig
 from rlhfkit.data.sources import open_source
 from rlhfkit.errors import UserError, first_line
+from rlhfkit.forwards import no_cache
 from rlhfkit.evaluation.alarms import Alarm
 from rlhfkit.evaluation.judges import verdicts
 from rlhfkit.evaluation.metrics import wilson_interval
@@ -304,7 +305,7 @@ class ClassifierJudge:
             args = (prompts[start : start + self.batch_size],) if self.pair else ()
             batch = self.tokenizer(*args, texts[start : start + self.batch_size], padding=True, truncation=True,
                                    max_length=self.max_length, return_tensors="pt").to(self.model.device)
-            logits = self.model(**batch).logits  # (b, L)
+            logits = self.model(**batch, **no_cache(self.model)).logits  # (b, L); a decoder builds no cache
             out += harmful_probability(logits, self.index, self.multi_label).tolist()
         return as_scores(out)
 
