@@ -176,6 +176,19 @@ def attention_scores(shape: ModelShape, f: Forward, attention: str, p: Precision
     return scores + repeated
 
 
+def window_mask(shape: ModelShape, f: Forward, attention: str, p: Precision) -> float:
+    """What a windowed layer keeps beyond a full one under sdpa with gradient when its rows are longer than the window
+    (shorter ones need no mask: transformers then passes none, as to a full layer of a right-padded training batch):
+    sdpa's float copy of the (B, 1, T, T) mask, saved for its backward, and the key and value repeated to the query
+    heads (transformers repeats them itself when it passes a mask), except Phi-3's, whose repeated ones take the
+    place of the fused qkv output the layer otherwise keeps (measured: from a kv width less to nothing more). Read
+    from autograd's saved tensors and the live tensors of the tiny windowed models."""
+    if attention != "sdpa" or not f.grad or shape.window is None or f.length <= shape.window:
+        return 0.0
+    repeated = 0 if shape.fused else 2 * (shape.heads - shape.kv_heads) * shape.head_dim
+    return f.rows * f.length**2 * p.compute + repeated * f.rows * f.length * p.compute
+
+
 def logits_bytes(shape: ModelShape, f: Forward, p: Precision, entropy: bool = False) -> float:
     """The logits' peak, at the start of the backward: the fp32 copy the log-softmax kept (B·T·V), its gradient row
     by row, and the logits' gradient in the compute dtype (measured: 4 x B·T·V x 4 bytes in fp32); without gradient
@@ -199,14 +212,15 @@ def trained_forward(lay: Layout, p: Precision, shape: ModelShape, f: Forward) ->
     lora = lay.lora_rank if lay.train == "lora" and shape is lay.policy else 0
     layer = layer_activations(shape, tokens, p, lora, lay.lora_dropout, lay.lora_targets, lay.train == "full")
     scores = attention_scores(shape, f, lay.attention, p)
+    mask, windowed = window_mask(shape, f, lay.attention, p), sum(shape.sliding[:shape.layers])
     outside = outside_layers(lay) * tokens * shape.hidden * p.compute
     if lay.train == "head":  # a probe: the body runs without gradient
         return {"activations": layer, "attention": scores}
     if lay.checkpointing:
         inputs = shape.layers * tokens * shape.hidden * p.compute
         return {"activations": inputs + outside, "attention": 0.0,
-                "recompute": layer + scores}
-    return {"activations": shape.layers * layer + outside, "attention": shape.layers * scores}
+                "recompute": layer + scores + (mask if windowed else 0.0)}
+    return {"activations": shape.layers * layer + outside, "attention": shape.layers * scores + windowed * mask}
 
 
 def layer_backward(lay: Layout, p: Precision, shard: Sharding, f: Forward) -> dict[str, float]:

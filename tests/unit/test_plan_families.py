@@ -261,16 +261,12 @@ def test_each_family_trains_through_rlhfkit(tiny_dirs, family, tmp_path):
 
 
 def tiny_model(family: str, layers: int, lora: bool):
-    """A tiny random model of `family` with `layers` layers (its default layer types, a window longer than the rows),
-    LoRA on "all-linear"."""
+    """A tiny random model of `family` with `layers` layers (its default layer types: a windowed layer first, its
+    window of 8 shorter than the rows), LoRA on "all-linear"."""
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {k: v for k, v in FAMILIES[family].items() if k != "layer_types"}
-    if "sliding_window" in extra:
-        # a window shorter than the rows makes sdpa keep a mask-sized buffer in each windowed layer on the CPU (2 to 8
-        # bytes per B·T² element, by the shape): measured, not planned (docs/memory.md)
-        extra["sliding_window"] = 1000
     config = AutoConfig.for_model(family, **{**COMMON, "num_hidden_layers": layers}, **extra, vocab_size=103,
                                   pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
@@ -284,9 +280,10 @@ def tiny_model(family: str, layers: int, lora: bool):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_layer_keeps_what_is_planned(family):
     """What one layer of the family keeps for its backward (two layers against one), with its norms trained (full)
-    and frozen (LoRA): within 3% of `layer_activations` and the attention buffers (Gemma 2's eager, soft-capped
-    scores)."""
-    from rlhfkit.plan.memory import attention_scores, layer_activations
+    and frozen (LoRA): `layer_activations` and the attention buffers (Gemma 2's eager, soft-capped scores; a windowed
+    layer's mask and repeated key and value under sdpa, its rows longer than its window) at most 3% under and 5% over
+    (Phi-3 with its window: 4% over; every other family within 2%)."""
+    from rlhfkit.plan.memory import attention_scores, layer_activations, window_mask
     from rlhfkit.plan.shape import shape_of
     from test_plan_sizes import kept_by_forward
 
@@ -300,9 +297,12 @@ def test_a_layer_keeps_what_is_planned(family):
         measured = kept_by_forward(model, ids, mask) - one
         shape = shape_of(config.to_dict(), "tiny")
         planned = layer_activations(shape, rows * length, p, 4 if lora else 0, False, tuple(shape.linear_shapes()),
-                                    norms_trained=not lora) + attention_scores(shape, Forward(rows, length, 0, True),
-                                                                               shape.attention, p)
-        assert abs(planned - measured) <= 0.03 * measured, (lora, planned, measured)
+                                    norms_trained=not lora)
+        f = Forward(rows, length, 0, True)
+        second_windowed = sum(shape.sliding[:2]) - sum(shape.sliding[:1])
+        planned += attention_scores(shape, f, shape.attention, p) + second_windowed * window_mask(
+            shape, f, shape.attention, p)
+        assert -0.03 * measured <= planned - measured <= 0.05 * measured, (lora, planned, measured)
 
 
 def test_attention_dropout_is_planned_where_the_run_keeps_it(tiny_dirs):
