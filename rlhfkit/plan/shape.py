@@ -69,7 +69,7 @@ class ModelShape:
     window: int | None = None  # the sliding window of the layers marked in `sliding`
     sliding: tuple[bool, ...] = ()  # per layer of the uncut model: attends within the window only
     attention: str = "sdpa"  # what transformers loads without model.attn_implementation (gemma2: eager)
-    attn_softcap: bool = False  # gemma2: eager attention caps its scores with tanh (two more B·H·T² tensors)
+    attn_softcap: bool = False  # gemma2: eager attention caps its scores with tanh (its output kept: a B·H·T² more)
     logit_softcap: bool = False  # gemma2: logits capped with tanh, whose output the backward keeps (one B·T·V more)
     logit_scaled: bool = False  # granite: logits divided by logits_scaling (a second B·T·V while it divides)
     attn_dropout: bool = False  # attention_dropout > 0 (granite's 0.1): trained forwards drop the attention weights
