@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("rlhfkit: interrupted")
         return 130
+    finally:
+        from rlhfkit.launch import end_process_group
+
+        end_process_group()
     return 0
 
 

@@ -22,6 +22,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from collections.abc import Mapping
 
 from rlhfkit.errors import UserError
@@ -90,6 +91,17 @@ def distributed_state():
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     check_world_size(os.environ, state.num_processes)
     return state
+
+
+def end_process_group() -> None:
+    """Destroy the process group (gloo, NCCL), if any, while the interpreter is whole. Left to the interpreter's exit,
+    the group's C++ worker threads and pending work are torn down in no set order with the Python objects they hold,
+    which can abort a process whose run has finished: "terminate called without an active exception"
+    (pytorch/pytorch#190489; PyTorch's docs ask for `destroy_process_group` at the end of every process, as accelerate's
+    `end_training` does). The CLI calls it on its way out; the Python API leaves the group to the caller's script."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and `rlhfkit --help` pays no torch import)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def describe_launch(world_size: int, backend: str | None, distributed_type: str, mixed_precision: str,

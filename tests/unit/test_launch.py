@@ -155,3 +155,18 @@ def test_the_error_line_is_written_in_one_call(monkeypatch, tmp_path):
     lines = [c for c in spy.calls if "rlhfkit: error:" in c]
     assert len(lines) == 1 and lines[0].startswith("rlhfkit: error:") and lines[0].endswith("\n"), spy.calls
     assert lines[0].count("\n") == 1
+
+
+def test_the_cli_destroys_the_process_group_on_its_way_out(tmp_path):
+    """A process group left to the interpreter's exit is torn down in no set order with the Python objects its
+    threads hold, which once aborted a finished 2-process run's rank ("terminate called without an active
+    exception"): `rlhfkit` destroys it before it returns, on an error too. A one-process gloo group, in a process of
+    its own (as accelerate makes it under torchrun)."""
+    script = (
+        "import sys, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from rlhfkit.cli import main\n"
+        f"code = main(['sft', '--config', '{tmp_path / 'missing.yaml'}'])\n"
+        "print(code, dist.is_initialized())\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], r.stderr[-2000:]
