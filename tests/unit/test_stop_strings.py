@@ -5,12 +5,14 @@ TRL's `generation_kwargs` map to it or are refused in one line.
 On the tiny model (one character, one token): scripted turns give hand-counted lengths; seeded free runs give the
 tokens a stopped run must reproduce up to its stop."""
 
+import random
+
 import pytest
 import torch
 
 from rlhfkit.config import GenerationConfig, OnlineConfig, load_config
 from rlhfkit.errors import ConfigError, UserError
-from rlhfkit.generation import generate, prompt_seed, stop_strings
+from rlhfkit.generation import StopStrings, generate, prompt_seed, stop_strings
 from rlhfkit.models import rollout_logprobs
 from rlhfkit.rollout.single_turn import SingleTurn
 from tests.scripted import Scripted
@@ -164,3 +166,109 @@ def test_generate_needs_the_tokenizer_exactly_when_there_are_stop_strings(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="stop=stop_strings"):
         generate(model, batch_of(tok, ["a"]), GenerationConfig(stop_strings=["x"]), 2, 2)
+
+
+class Counting:
+    """A tokenizer that counts the tokens each `batch_decode` call decodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, []
+
+    def batch_decode(self, ids, **kwargs):
+        self.decoded.append(sum(map(len, ids)))
+        return self.tokenizer.batch_decode(ids, **kwargs)
+
+
+def test_a_long_turn_is_checked_on_a_bounded_tail(tiny):
+    """Two rows of up to 300 tokens under a stop string that never occurs: each step decodes a tail of a bounded length
+    (one character per token: the string's 10 characters, a margin of 6, 4 tokens at the window's start and 3
+    before the newest), not the whole turn, so a turn costs O(n) decoding, not O(n²)."""
+    model, tok = tiny
+    batch = batch_of(tok, ["hello there", "a b"])
+    params = GenerationConfig(max_new_tokens=300, stop_strings=["never-said"])
+    counting = Counting(tok)
+    ro = generate(model, batch, params, 2, tok.pad_token_id, [1, 2], stop_strings(params, counting))
+    assert ro.response_mask.sum(1).max() == 300  # a row runs to the budget
+    per_row = 15 + (4 + 15 + 3 + 1)  # a middle of 15 tokens, then the window
+    assert max(counting.decoded) <= 2 * per_row and sum(counting.decoded) <= 300 * 2 * per_row
+
+
+def byte_level():
+    """A byte-level BPE tokenizer (GPT-2's, Llama 3's, SmolLM2's kind) trained on text with multi-byte characters,
+    so that its tokens hold whole characters, parts of them, and several."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[END], show_progress=False)
+    tokenizer.train_from_iterator(["héllo wörld, a naïve café: 5 € and 😀, 日本語のテキスト. Stop it!"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def sentencepiece():
+    """Llama 2's kind: "▁" for a space, <0xNN> byte tokens for what the vocabulary lacks, the leading space stripped."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["▁", "▁the", "▁stop", "s", "t", "o", "p", "é", ".", "▁a", "ab"]
+    tokenizer = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def wordpiece():
+    """BERT's kind: "##" joins a piece to the one before, others are joined with a space, and the clean-up removes
+    the space before punctuation and in "n't", "'s"."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["[UNK]", "do", "not", "n", "'", "t", "s", ".", ",", "?", "##s", "##ing", "##'", "a", "stop", "##op"]
+    tokenizer = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+ALPHABET = "ab .,'-" + "éü€😀日本語のテ" + "stopn"
+
+
+def streams(tok, rng, n):
+    """n token streams: half random ids (stray bytes of characters, special tokens), half encoded random text of
+    multi-byte characters, which byte tokens and merged pieces split apart."""
+    rows = []
+    for i in range(n):
+        if i % 2:
+            rows.append([rng.randrange(len(tok)) for _ in range(rng.randrange(30, 200))])
+        else:
+            text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(20, 120)))
+            rows.append(tok.encode(text, add_special_tokens=False) or [0])
+    return rows
+
+
+@pytest.mark.parametrize("make", [byte_level, sentencepiece, wordpiece, None])
+def test_the_tail_check_ends_rows_where_the_whole_turn_does(make, tiny):
+    """Token streams and stop strings of 1 to 12 characters cut from the end of their text at a random token (some
+    ending in "�": a character's bytes cut apart): asked after every token, as the engine asks, the check ends each
+    row at the first token whose whole turn's text holds a stop string."""
+    tok = make() if make else tiny[1]
+    rng = random.Random(0)
+    for trial in range(24):
+        rows = streams(tok, rng, 4)
+        strings = []
+        for row in rng.sample(rows, 3):
+            text = tok.decode(row[: rng.randrange(len(row) // 2, len(row) + 1)], skip_special_tokens=False)
+            strings.append(text[-rng.randrange(1, 13):] or "x")
+        check = StopStrings(strings, tok)
+        expected = [next((t for t in range(1, len(r) + 1) if any(s in tok.decode(r[:t], skip_special_tokens=False)
+                                                                   for s in strings)), None) for r in rows]
+        ends, live = [None] * len(rows), list(range(len(rows)))
+        for t in range(1, max(map(len, rows)) + 1):
+            live = [i for i in live if t <= len(rows[i])]
+            for i, hit in zip(live, check.ended([rows[i][:t] for i in live])):
+                if hit:
+                    ends[i] = t
+            live = [i for i in live if ends[i] is None]
+        assert ends == expected, (trial, strings)
