@@ -42,6 +42,12 @@ FAMILIES = {
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "hunyuan_v1_dense": dict(tie_word_embeddings=True),
+    # the first families, at these widths: biases on every linear (attention_bias biases o_proj too), Qwen2's q/k/v
+    # biases, Qwen3's per-head q/k norms, Mistral's window on every layer
+    "llama": dict(attention_bias=True, mlp_bias=True),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(tie_word_embeddings=True),
+    "mistral": dict(sliding_window=8),
 }
 
 
@@ -135,7 +141,7 @@ def test_kv_cache_of_the_engine_is_the_allocated_one(tiny_dirs, family):
     assert kv == kv_cache_bytes(shape, Generation(rows, prompt, new, False, False), Precision(4, 4, 4))
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo3", "ministral", "exaone4"])
+@pytest.mark.parametrize("family", [f for f, extra in FAMILIES.items() if "sliding_window" in extra])
 def test_static_cache_caps_windowed_layers(tiny_dirs, family):
     """generation.compile: transformers' StaticCache of the rounded-up length (128), its windowed layers 8 long."""
     from transformers import StaticCache
@@ -307,7 +313,7 @@ def test_a_layer_keeps_what_is_planned(family):
 
 def test_attention_dropout_is_planned_where_the_run_keeps_it(tiny_dirs):
     """Granite's attention dropout: kept by SFT (its trained forward plans the dropped weights and their mask, 12
-    bytes per B·H·T² element on a CPU), zeroed by the online stages (`algo.disable_dropout`), so not planned there."""
+    bytes per B·H·T² element on a CPU), zeroed by the online stages (`algo.disable_dropout`): not planned there."""
     from rlhfkit.plan.memory import attention_scores
 
     sft = layout_of("sft", sft_config(tiny_dirs["granite"]))
