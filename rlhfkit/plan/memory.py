@@ -300,10 +300,11 @@ def prefill_bytes(s: ModelShape, prompts: int, length: int, attention: str, p: P
     beside the wider of the MLP's working set (gate, up and product beside the residual stream and its normalised
     copy) and attention's (the residual, its normalised copy and the layer input; the rotated queries, the output
     and the key and value expanded to the query heads, four query widths; SDPA's float copy of the mask, or eager's
-    scores)."""
+    scores). A model mixing windowed and full layers has two masks, one a layer type (the engine's `window_masks`)."""
     tokens, q = prompts * length, s.heads * s.head_dim
     flash = attention not in ("sdpa", "eager")
-    mask = 0.0 if flash else prompts * length**2 * (1.0 if attention == "sdpa" else p.compute)
+    masks = 2 if s.window is not None and not all(s.sliding[:s.layers]) else 1
+    mask = 0.0 if flash else masks * prompts * length**2 * (1.0 if attention == "sdpa" else p.compute)
     mlp = tokens * (3 * s.intermediate + 2 * s.hidden) * p.compute
     attend = tokens * (3 * s.hidden + (2 if flash else 4) * q) * p.compute + (
         prompts * length**2 * p.compute if attention == "sdpa" else 0.0) + attention_scores(

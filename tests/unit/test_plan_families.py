@@ -346,3 +346,31 @@ def test_a_family_without_a_sequence_classifier_is_refused_where_one_is_loaded(t
     lora = build_stage_config("ppo", {"model": {"name_or_path": granite, "lora": {"enabled": True}},
                                       "reward": {"function": "m:f"}, **online})
     assert layout_of("ppo", lora).critic is None
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_the_engine_prefill_of_a_windowed_model_is_planned(tiny_dirs, family):
+    """The engine's prefill of 4 left-padded prompts of up to 200 tokens, the window (8) shorter: it builds its own
+    masks, one a layer type (Gemma 2/3 mix windowed and full layers: two), beside the cache it fills. Planned at most
+    10% under the tracker's peak (measured: Gemma 2 7% under, its eager soft-capped scores; Phi-3 11% and Gemma 3 23%
+    over, the masks weighing most at these widths)."""
+    from rlhfkit.generation.session import Group, Session, Stream
+    from rlhfkit.plan.memory import prefill_bytes
+
+    prompts, length = 4, 200
+    shape = load_shape(tiny_dirs[family], "model")
+    model = load_causal_lm(ModelConfig(name_or_path=tiny_dirs[family]), trainable=False)
+    groups = [Group([i], [3 + j % 90 for j in range(length - 40 * (i % 3))], Stream(), 8) for i in range(prompts)]
+    session = Session(model, GenerationConfig(max_new_tokens=8), eos_token_id=-1, pad_token_id=0,
+                      device=torch.device("cpu"))
+    tracker = LiveTensors()
+    tracker.add_module(model)
+    with tracker, torch.no_grad():
+        base = tracker.current
+        tracker.reset_peak()
+        session.start(groups)
+        measured = tracker.peak - base
+    p = Precision(4, 4, 4)
+    planned = prefill_bytes(shape, prompts, length, shape.attention, p) + kv_cache_bytes(
+        shape, Generation(prompts, length, 0, False, False), p)
+    assert -0.10 * measured <= planned - measured <= 0.25 * measured, (planned, measured)
