@@ -41,6 +41,11 @@ FROZEN_NORM = 2.0
 # product the down projection saved is already released (net two). Read from the live tensors of the tiny model's
 # checkpointed backward (tests/unit/test_plan_sizes.py).
 BACKWARD = {"hidden": 1.0, "intermediate": 2.0}
+# Eager attention's backward (softmax's, and under Gemma 2's soft-capping tanh's) holds fp32 B·H·T² gradients beside
+# the scores the layer saved: 1.05 to 1.75 of them over the MLP's moment on the tiny Llama, Gemma 2 and Gemma 3 at 128
+# and 256 tokens, with and without checkpointing (tests/unit/test_plan_families.py); the layer's widest moment when
+# they outweigh the MLP's gradients.
+EAGER_BACKWARD = 1.5
 # Beyond Llama's layer, per token, read from the live tensors of tiny random models of each family at two sets of
 # widths (tests/unit/test_plan_families.py): each norm beyond two (Gemma 2/3) and the q/k norms (over q and kv widths,
 # per head or whole) keep their input and normalised output, one of them with the weight frozen; Phi-3's fused
@@ -225,7 +230,7 @@ def trained_forward(lay: Layout, p: Precision, shape: ModelShape, f: Forward) ->
 
 def layer_backward(lay: Layout, p: Precision, shard: Sharding, f: Forward) -> dict[str, float]:
     """The policy's backward inside a layer, at the top or the bottom layer, whichever holds more: the gradients in
-    flight (`BACKWARD`); what the layers not yet done saved (with checkpointing their inputs, and the one layer
+    flight (`BACKWARD`, or eager attention's `EAGER_BACKWARD`); what the layers not yet done saved (with checkpointing their inputs, and the one layer
     recomputed) and the mask; the parameters' gradients of the head and of the layers done (all of them with
     accumulation: earlier micro-batches left them). Without checkpointing this stays below the backward's start."""
     s = lay.policy
@@ -249,6 +254,8 @@ def layer_backward(lay: Layout, p: Precision, shard: Sharding, f: Forward) -> di
     if lay.accum > 1:
         done = trainable_params(lay) * grad
     flight = tokens * (BACKWARD["hidden"] * s.hidden + BACKWARD["intermediate"] * s.intermediate) * p.compute
+    if lay.attention == "eager":
+        flight = max(flight, EAGER_BACKWARD * f.rows * s.heads * f.length**2 * 4)
     return {"activations": saved, "recompute": fwd.get("recompute", 0.0), "backward": flight, "gradients": done}
 
 
