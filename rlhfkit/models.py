@@ -97,8 +97,10 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False  # the cache is useless while training and conflicts with checkpointing
-        if cfg.lora.enabled:
-            model.enable_input_require_grads()  # peft's recipe; only the reentrant variant strictly needs it
+        # transformers (and peft's wrapper) make the embedding's output require grad under checkpointing, which only
+        # the reentrant variant needs: with the embedding frozen (LoRA, QLoRA) that output becomes a leaf whose own
+        # (B, T, H) gradient is computed and kept with it as long as the loss is referenced (test_shared_critic.py).
+        model.disable_input_require_grads()
     if cfg.lora.enabled:
         lora = PeftLoraConfig(
             task_type=task_type,
@@ -113,6 +115,7 @@ def _prepare(model: PreTrainedModel, cfg: ModelConfig, tokenizer, trainable: boo
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             try:
                 model = get_peft_model(model, lora)
+                model.get_base_model().disable_input_require_grads()  # peft turns it on again (see above)
                 # peft ignores a list entry that matches nothing once another one matches: each must name a module
                 # (peft's rule for lists: the module's full name or its last dotted parts).
                 unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in model.targeted_module_names)] \

@@ -124,3 +124,29 @@ def trained(t) -> dict[str, torch.Tensor]:
     policy, critic = t.run.unwrap(t.model), t.run.unwrap(t.value)
     out = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
     return out | {f"head.{n}": p.detach().clone() for n, p in critic.head.named_parameters()}
+
+
+def test_a_checkpointed_lora_backward_leaves_only_the_adapters_gradients_alive():
+    """LoRA with gradient checkpointing (torch's non-reentrant variant): once the policy's backward is done, with its
+    loss still referenced (the PPO update holds it through the critic's forward and backward), what the step added is
+    the adapters' gradients alone. peft's `enable_input_require_grads` recipe, which only the reentrant variant needs,
+    made the embedding's output a leaf that requires grad: it and its own B·T·H gradient stayed alive beside them,
+    what left the tiny PPO LoRA and QLoRA cells with checkpointing planned 5-6% under."""
+    from rlhfkit.models import rollout_logprobs
+    from rlhfkit.plan.measure import LiveTensors
+    from tests.unit.test_response_logits import rollout
+
+    cfg = ModelConfig(name_or_path="tiny", gradient_checkpointing=True, lora=LoraConfig(enabled=True, r=8, dropout=0.0))
+    policy = load_causal_lm(cfg)
+    policy.train()
+    ro = rollout([64, 3, 64, 10], [64, 64, 40, 64], p=64, r=64)
+    tracker = LiveTensors()
+    tracker.add_module(policy)
+    with tracker:
+        base = tracker.current
+        loss = rollout_logprobs(policy, ro).sum()
+        loss.backward()
+        left = tracker.current - base
+    grads = sum(p.grad.numel() * 4 for p in policy.parameters() if p.grad is not None)
+    assert grads == 2 * 8 * (4 * 64 + 3 * 128 + 2 * 96 + 192) * 4  # r x (in + out) per adapted linear, 2 layers, fp32
+    assert left == grads + loss.untyped_storage().nbytes(), (left, grads)
