@@ -125,18 +125,23 @@ def tokens(rows: int, length: int, vocab: int, device: str) -> torch.Tensor:
 
 
 def train_pass(model, ids):
+    """A training forward and backward as the stages run theirs (`forwards.scoring_forward`: no KV cache), the model
+    put in training mode once, as the loops do (a switch walks every module)."""
+    model.train()
+
     def run():
-        model.train()
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         model.zero_grad(set_to_none=True)
     return run
 
 
 def forward_pass(model, ids):
+    """A no-grad forward as the stages' scoring forwards run (no KV cache), in eval mode set once."""
+    model.eval()
+
     def run():
         with torch.no_grad():
-            model.eval()
-            model(input_ids=ids)
+            model(input_ids=ids, use_cache=False)
     return run
 
 
