@@ -58,10 +58,10 @@ class Clock:
     the start: `reference`) over the probe's seconds after it: the figures of a run that other jobs slowed by half
     come out as those of the machine in the reference's state, which the grid's time pass scales its cells to."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, reference: float | None = None):
         self.device = device
         self.probe = None if device == "cuda" else __import__("plan_grid").Probe()
-        self.reference = self.probe.reference() if self.probe else None
+        self.reference = reference or (self.probe.reference() if self.probe else None)
 
     def now(self) -> float:
         if self.device == "cuda":
@@ -158,64 +158,79 @@ def decode_run(model, rows: int, prompt: int, new: int, device: str):
 
 
 LAYERS, LENGTHS = (1, 3, 5), (32, 96, 192)  # the narrow model's depths and lengths the fixed costs are fitted on
+# A second width, at 1 and 3 layers: a layer's cost per token is fitted as a part per token and a part per element of
+# its widths, which one width cannot tell apart (a tiny model's per-token work is mostly dispatch, not its widths).
+BROADER = dict(hidden=96, intermediate=256, heads=4, kv_heads=2, vocab=160)
+BROADER_LAYERS = (1, 3)
 
 
-def split_costs(t: dict) -> tuple[float, float, float, float]:
-    """(per layer, per call, per layer-token, per call-token) seconds, least squares over t[layers, tokens] (FLOPs
-    already taken off): t = layers·(a + c·tokens) + b + d·tokens."""
+def split_costs(t: dict) -> tuple[float, float, float, float, float]:
+    """(per layer, per call, per layer-token, per layer-token and width element, per call-token) seconds, least
+    squares over t[width, layers, tokens] (FLOPs already taken off): t = layers·(a + (c + e·width)·tokens) + b +
+    d·tokens."""
     import numpy as np
 
-    keys = [k for k in t if isinstance(k[1], int)]
-    x = np.array([[n, 1.0, n * tok, tok] for n, tok in keys])
-    a, b, c, d = np.linalg.lstsq(x, np.array([t[k] for k in keys]), rcond=None)[0]
-    return float(a), float(b), float(c), float(d)
+    keys = [k for k in t if isinstance(k[2], int)]
+    x = np.array([[n, 1.0, n * tok, n * tok * w, tok] for w, n, tok in keys])
+    y = np.array([t[k] for k in keys])
+    a, b, c, e, d = np.linalg.lstsq(x, y, rcond=None)[0]
+    if e < 0:  # no part per width element at these widths (a cost cannot fall with the width): the fit without it
+        a, b, c, d = np.linalg.lstsq(x[:, [0, 1, 2, 4]], y, rcond=None)[0]
+        e = 0.0
+    return float(a), float(b), float(c), float(e), float(d)
 
 
 def layer_costs(clock: Clock, work: str, device: str, rates: dict) -> dict:
     """Per mode: one layer's fixed cost and its cost per token in a training forward+backward (with and without
     checkpointing) and a no-grad forward, its fixed cost in a decode step; one call's fixed cost and cost per token;
-    from the narrow model at 1, 3 and 5 layers and three lengths (the FLOPs' share taken off at the rates measured on
-    the wide model). Per-token costs are stored per element of the widths they run over: a layer's hidden +
-    intermediate (its norms, activations, rotary, residuals; small matmuls' shortfall), a call's vocabulary (the
-    log-softmax and the loss over the logits)."""
+    from the narrow model at 1, 3 and 5 layers and a broader one at 1 and 3, each at three lengths (the FLOPs' share
+    taken off at the rates measured on the wide model). A layer's cost per token is a part per token (`layer_token_*`:
+    the dispatch of its norms, activations, rotary, residuals) and a part per element of its widths, hidden +
+    intermediate (`token_*`: their memory traffic; small matmuls' shortfall); a call's per token is stored per
+    vocabulary entry (the log-softmax and the loss over the logits). The decode step's from the narrow model."""
     from rlhfkit.plan.layout import Forward
     from rlhfkit.plan.timing import forward_flops
 
-    dirs = {n: build(os.path.join(work, f"narrow{n}"), layers=n, **NARROW) for n in LAYERS}
-    shapes = {n: shape_of(d) for n, d in dirs.items()}
+    models = [(NARROW, n) for n in LAYERS] + [(BROADER, n) for n in BROADER_LAYERS]
+    dirs = {(s["hidden"] + s["intermediate"], n): build(os.path.join(work, f"narrow{s['hidden']}-{n}"), layers=n, **s)
+            for s, n in models}
+    shapes = {k: shape_of(d) for k, d in dirs.items()}
     rows, lengths, dec_rows, prompt, new = 3, LENGTHS, 6, 12, 24
     width, vocab = NARROW["hidden"] + NARROW["intermediate"], NARROW["vocab"]
-    out = {k: {} for k in ("layer_train", "token_train", "layer_forward", "token_forward", "layer_decode", "calls")}
+    out = {k: {} for k in ("layer_train", "layer_token_train", "token_train", "layer_forward", "layer_token_forward",
+                           "token_forward", "layer_decode", "calls")}
     for mode in MODES:
         for ckpt in (False, True):
             t, f = {}, {}
-            for n, d in dirs.items():
+            for (w, n), d in dirs.items():
                 model = load(d, mode, ckpt, device)
                 backward = 2 if mode == "full" else 1
                 for length in lengths:
                     ids, tok = tokens(rows, length, vocab, device), rows * length
-                    flops = forward_flops(shapes[n], "lm", Forward(rows, length, length, True)) * (1 + backward + ckpt)
-                    t[n, tok] = clock.median(train_pass(model, ids)) - flops / rates["train_flops"]
+                    flops = forward_flops(shapes[w, n], "lm", Forward(rows, length, length, True)) * (1 + backward + ckpt)
+                    t[w, n, tok] = clock.median(train_pass(model, ids)) - flops / rates["train_flops"]
                     if not ckpt:
-                        flops = forward_flops(shapes[n], "lm", Forward(rows, length, length, False))
-                        f[n, tok] = clock.median(forward_pass(model, ids)) - flops / rates["forward_flops"]
-                if not ckpt:
-                    f[n, "dec"] = clock.median(decode_run(model, dec_rows, prompt, new, device), 3)
+                        flops = forward_flops(shapes[w, n], "lm", Forward(rows, length, length, False))
+                        f[w, n, tok] = clock.median(forward_pass(model, ids)) - flops / rates["forward_flops"]
+                if not ckpt and w == width:
+                    f[w, n, "dec"] = clock.median(decode_run(model, dec_rows, prompt, new, device), 3)
             key = mode + ("+ckpt" if ckpt else "")
-            a, b, c, d = split_costs(t)
-            out["layer_train"][key], out["token_train"][key] = a, c / width
+            a, b, c, e, d = split_costs(t)
+            out["layer_train"][key], out["layer_token_train"][key], out["token_train"][key] = a, c, e
             out["calls"][f"train {key}"], out["calls"][f"train token {key}"] = b, d / vocab
             if not ckpt:
-                a, b, c, d = split_costs(f)
-                out["layer_forward"][mode], out["token_forward"][mode] = a, c / width
+                a, b, c, e, d = split_costs(f)
+                out["layer_forward"][mode], out["layer_token_forward"][mode], out["token_forward"][mode] = a, c, e
                 out["calls"][f"forward {mode}"], out["calls"][f"forward token {mode}"] = b, d / vocab
                 # a decode run: the prefill (a no-grad forward of dec_rows x prompt tokens) and `new` steps
-                per_step = {n: (f[n, "dec"] - (n * (a + c * dec_rows * prompt) + b + d * dec_rows * prompt)) / new
-                            for n in dirs}
+                per_token = c + e * width
+                per_step = {n: (f[width, n, "dec"] - (n * (a + per_token * dec_rows * prompt) + b + d * dec_rows * prompt))
+                            / new for n in LAYERS}
                 slope = (per_step[LAYERS[-1]] - per_step[LAYERS[0]]) / (LAYERS[-1] - LAYERS[0])
                 out["layer_decode"][mode] = slope
-                out["calls"][f"decode {mode}"] = statistics.mean(per_step[n] - slope * n for n in dirs)
-            print(json.dumps({"mode": key, **{str(k): round(v, 6) for k, v in {**t, **f}.items()}}), flush=True)
+                out["calls"][f"decode {mode}"] = statistics.mean(per_step[n] - slope * n for n in LAYERS)
+            print(json.dumps({"mode": key, "train": {str(k): round(v, 6) for k, v in t.items()},
+                              "forward": {str(k): round(v, 6) for k, v in f.items()}}), flush=True)
     return out
 
 
@@ -233,9 +248,11 @@ def compute_rates(clock: Clock, work: str, device: str, overhead: dict) -> dict:
     ids = tokens(rows, length, wide_shape["vocab"], device)
     model = load(wide, "full", False, device)
     n, width = rows * length, s.hidden + s.intermediate
-    fixed_train = s.layers * (overhead.get("layer_train", 0) + overhead.get("token_train", 0) * width * n) + \
+    per_token = {kind: overhead.get(f"layer_token_{kind}", 0) + overhead.get(f"token_{kind}", 0) * width
+                 for kind in ("train", "forward")}
+    fixed_train = s.layers * (overhead.get("layer_train", 0) + per_token["train"] * n) + \
         overhead.get("call_train", 0) + overhead.get("logit_train", 0) * s.vocab * n
-    fixed_fwd = s.layers * (overhead.get("layer_forward", 0) + overhead.get("token_forward", 0) * width * n) + \
+    fixed_fwd = s.layers * (overhead.get("layer_forward", 0) + per_token["forward"] * n) + \
         overhead.get("call_forward", 0) + overhead.get("logit_forward", 0) * s.vocab * n
     t_train = clock.median(train_pass(model, ids), 3)
     t_fwd = clock.median(forward_pass(model, ids), 3)
@@ -326,7 +343,7 @@ def averaged(entry: dict, paths: list[str], name: str) -> dict:
 STAGE_SHAPES = ((3, 80), (2, 48))  # (micro-batch, length) of the stage runs: none a grid cell's
 
 
-def stage_costs(work: str, clock: Clock) -> tuple[dict, list]:
+def stage_costs(work: str, clock: Clock, stages: list[str] = STAGE_CELLS) -> tuple[dict, list]:
     """Each stage's own work per step, by mode (full, LoRA, QLoRA: the adapters' own bookkeeping, the reference as
     the base with its adapters off): real `rlhfkit.train` runs on the calibration model (3 narrow layers, micro-batch
     and length each of STAGE_SHAPES, rollouts of 3 prompts x 2 samples: none a grid cell's shape), CPU seconds per
@@ -340,7 +357,7 @@ def stage_costs(work: str, clock: Clock) -> tuple[dict, list]:
     model = build(os.path.join(work, "calib"), layers=3, **NARROW)
     data = write_data(work)
     costs, rows = {}, []
-    for stage, mode in ((s, m) for s in STAGE_CELLS for m in MODES):
+    for stage, mode in ((s, m) for s in stages for m in MODES):
         key = stage if mode == "full" else f"{stage}+{mode}"
         remainders = []
         for mb, length in STAGE_SHAPES:
@@ -371,7 +388,12 @@ def main() -> None:
     parser.add_argument("--average", nargs="*", default=[], help="rates files of earlier runs on this device: "
                                                                  "the rates are the mean of all the runs")
     parser.add_argument("--results", default=None, help="where plan_rates.{json,md} go (default: docs/results)")
+    parser.add_argument("--only-stages", nargs="+", choices=STAGE_CELLS,
+                        help="measure again only these stages' remainders (after a change to their loop or to what "
+                             "the planner counts of them), at the rates and probe reference already in --out")
     args = parser.parse_args()
+    if args.only_stages:
+        return restage(args.out, args.name or "cpu", args.only_stages, args.results)
     device, name = args.device, args.name or "cpu"
     if device == "cuda" and not args.name:
         from rlhfkit.plan.devices import device_matching
@@ -389,6 +411,8 @@ def main() -> None:
                 "layer_decode": fixed["layer_decode"]["full"], "call_train": calls["train full"],
                 "call_forward": calls["forward full"], "decode_token": calls["decode full"],
                 "token_train": fixed["token_train"]["full"], "token_forward": fixed["token_forward"]["full"],
+                "layer_token_train": fixed["layer_token_train"]["full"],
+                "layer_token_forward": fixed["layer_token_forward"]["full"],
                 "logit_train": calls["train token full"], "logit_forward": calls["forward token full"]}
     rates = compute_rates(clock, work, device, overhead)  # again, its fixed costs now known
     from results import commit
@@ -415,6 +439,25 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def restage(path: str, name: str, stages: list[str], results: str | None) -> None:
+    """`--only-stages`: the remainders of `stages` measured again on the CPU, scaled to the probe reference the rates
+    in `path` were measured at; the other rates and remainders kept."""
+    from results import commit
+
+    table = json.load(open(path))
+    entry = table[name]
+    clock = Clock("cpu", entry["probe_s"])
+    work = tempfile.mkdtemp(prefix="plan-calibrate-")
+    costs, rows = stage_costs(work, clock, stages)
+    entry["stage_step"].update(costs)
+    entry["source"] = entry["source"].split("; the remainders of")[0] + (
+        f"; the remainders of {', '.join(stages)} measured again {time.strftime('%Y-%m-%d')} at rlhfkit {commit()} "
+        f"(load {os.getloadavg()[0]:.1f})")
+    write(path, table)
+    publish(name, entry, rows, results)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def write(path: str, table: dict) -> None:
     with open(path, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
@@ -431,12 +474,21 @@ def publish(name: str, e: dict, stage_rows: list, directory: str | None = None) 
             ["decode step reads", f"{e['decode_bytes'] / 1e9:.2f} GB/s"]]
     for kind in ("layer_train", "layer_forward", "layer_decode"):
         rows += [[f"{kind.replace('_', ' ')} ({mode})", ms(v)] for mode, v in e[kind].items()]
+    us = lambda v: f"{v * 1e6:.4f} µs"  # noqa: E731
+    for kind in ("train", "forward"):
+        rows += [[f"layer {kind} per token ({mode})", f"{us(v)} + {us(e[f'token_{kind}'][mode])} per width element"]
+                 for mode, v in e.get(f"layer_token_{kind}", {}).items()]
     rows += [["model call with gradient", ms(e["call_train"])], ["model call without gradient", ms(e["call_forward"])],
              ["decode step beyond its layers", ms(e["decode_token"])],
              ["optimizer per million parameters", ms(e["optimizer_param"] * 1e6)],
              ["optimizer per tensor", ms(e["optimizer_tensor"])]]
-    rows += [[f"stage step remainder: {s}", f"{float(r) * 1e3:+.2f} ms (measured {float(m) * 1e3:.2f}, counted "
-              f"{float(c) * 1e3:.2f})"] for s, m, c, r in stage_rows]
+    rows += [[f"tool loop: {what}", ms(e[key])] for what, key in (("a prompt rendered", "tool_render"),
+                                                                   ("a turn parsed", "tool_parse")) if key in e]
+    rows += [["probe reference (bench/plan_grid.py's Probe)", ms(e["probe_s"])]] if "probe_s" in e else []
+    for key, value in e["stage_step"].items():  # this run's shapes beside the remainders it measured
+        shapes = "; ".join(f"{s.split('(')[1][:-1]}: measured {float(m) * 1e3:.2f}, counted {float(c) * 1e3:.2f}"
+                           for s, m, c, _ in stage_rows if s.split(" (")[0] == key)
+        rows.append([f"stage step remainder: {key}", f"{value * 1e3:+.2f} ms" + (f" ({shapes})" if shapes else "")])
     record("plan_rates", f"rlhfkit plan's measured rates for `{name}`", ["quantity", "value"], rows,
            command="nice -n 19 env OMP_NUM_THREADS=1 python bench/plan_calibrate.py",
            notes=[f"{e['source']}. CPU seconds of the process (time.process_time; on a GPU wall seconds after a "

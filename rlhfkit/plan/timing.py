@@ -8,7 +8,8 @@ A step's seconds are the sum of
   no-grad forwards; a decode step reads the weights and the KV cache once (bytes over the achieved bytes/s), or is
   bound by its FLOPs, whichever is slower;
 - fixed costs, the operators' own dispatch, which dominate small models: per decoder layer of each forward+backward,
-  forward and decode step (by mode: full, LoRA, QLoRA; with gradient checkpointing), per model call (embedding,
+  forward and decode step (by mode: full, LoRA, QLoRA; with gradient checkpointing), per layer and token (a part of
+  its own and a part per element of the layer's widths), per model call (embedding,
   final norm, head, loss), per decode step (sampling, the cache's bookkeeping);
 - the optimizer: AdamW with clipping and zeroing, per trained parameter and per trained tensor;
 - the stage's own work per step (batching, rewards, advantages, logging), measured as what remains of a real step.
@@ -40,8 +41,11 @@ class Rates:
     layer_train: dict[str, float] = field(default_factory=dict)  # one layer's forward+backward, by mode ("lora+ckpt")
     layer_forward: dict[str, float] = field(default_factory=dict)  # one layer's no-grad forward, by mode
     layer_decode: dict[str, float] = field(default_factory=dict)  # one layer's part of a decode step, by mode
-    # one layer's cost per token and per element of its widths (hidden + intermediate): norms, activations, rotary,
-    # residuals, and what small matmuls fall short of the FLOP rate; by mode
+    # one layer's cost per token: a part per token whatever its widths (`layer_token_*`: the dispatch of its norms,
+    # activations, rotary, residuals) and a part per element of its widths, hidden + intermediate (`token_*`: their
+    # memory traffic, and what small matmuls fall short of the FLOP rate); by mode
+    layer_token_train: dict[str, float] = field(default_factory=dict)
+    layer_token_forward: dict[str, float] = field(default_factory=dict)
     token_train: dict[str, float] = field(default_factory=dict)
     token_forward: dict[str, float] = field(default_factory=dict)
     call_train: float = 0.0  # one model call with gradient beyond its layers: embedding, final norm, head, loss
@@ -139,17 +143,15 @@ def trained_seconds(lay: Layout, r: Rates) -> float:
 
 def fixed_train(s: ModelShape, f: Forward, key: str, r: Rates) -> float:
     """A training call's costs beyond its FLOPs: per layer, per layer-token, per call, per logit."""
-    tokens = f.rows * f.length
-    width = s.hidden + s.intermediate
-    per_layer = layer_cost(r.layer_train, key) + layer_cost(r.token_train, key) * width * tokens
+    per_token = layer_cost(r.layer_token_train, key) + layer_cost(r.token_train, key) * (s.hidden + s.intermediate)
+    per_layer = layer_cost(r.layer_train, key) + per_token * f.rows * f.length
     return s.layers * per_layer + r.call_train + r.logit_train * s.vocab * f.rows * f.logit_len
 
 
 def fixed_forward(s: ModelShape, f: Forward, mode: str, r: Rates) -> float:
     """The same for a no-grad call."""
-    tokens = f.rows * f.length
-    width = s.hidden + s.intermediate
-    per_layer = layer_cost(r.layer_forward, mode) + layer_cost(r.token_forward, mode) * width * tokens
+    per_token = layer_cost(r.layer_token_forward, mode) + layer_cost(r.token_forward, mode) * (s.hidden + s.intermediate)
+    per_layer = layer_cost(r.layer_forward, mode) + per_token * f.rows * f.length
     return s.layers * per_layer + r.call_forward + r.logit_forward * s.vocab * f.rows * f.logit_len
 
 

@@ -169,3 +169,22 @@ def test_a_timed_cell_is_scaled_step_by_step_by_the_probe_run_after_it():
     assert normalised({**row, "stage": "rft"}, 1.5) == pytest.approx((3 + 4.5) / 2)
     # without a reference or probes, the raw figure
     assert measured_s(row, None) == 4.0 and measured_s({**row, "probe_cpu_s": []}, 1.5) == 4.0
+
+
+def test_a_layers_cost_per_token_has_a_part_of_its_own_beside_the_part_per_width():
+    """bench/plan_calibrate.py fits a layer's per-token cost at two widths: a part per token (the dispatch of its
+    elementwise ops, whatever the width) and a part per element of hidden + intermediate."""
+    lay = layout("sft", data=SFT_DATA, optim={"per_device_batch_size": 2})
+    rates = {**RATES, "layer_token_train": {"full": 0.004}}
+    # as test_sft_step_by_hand, each layer's 6 tokens costing 0.004 more
+    t = step_time(lay, DEVICE, 0, 4, {"test-device": rates})
+    assert t.seconds == pytest.approx(13.824 + 1.4 + 0.63 + 2.0 + 2 * 0.004 * 6)
+    # and a no-grad forward's: π_old of test_pi_old_forward_is_counted_only_where_the_run_recomputes_it, 8 tokens
+    from rlhfkit.plan.timing import frozen_seconds
+
+    grpo = layout("grpo", data={"train": "x", "max_prompt_length": 2}, reward={"function": "m:f"},
+                  generation={"max_new_tokens": 2, "num_samples": 2}, optim={"per_device_batch_size": 2},
+                  algo={"rollout_batch_size": 1, "ppo_epochs": 2})
+    with_token = rates_for(DEVICE, {"test-device": {**RATES, "layer_token_forward": {"full": 0.005}}})
+    r = rates_for(DEVICE, TABLE)
+    assert frozen_seconds(grpo, with_token, 2) - frozen_seconds(grpo, r, 2) == pytest.approx(2 * 2 * 0.005 * 8)
