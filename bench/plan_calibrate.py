@@ -235,29 +235,36 @@ def layer_costs(clock: Clock, work: str, device: str, rates: dict) -> dict:
 
 
 def compute_rates(clock: Clock, work: str, device: str, overhead: dict) -> dict:
-    """Achieved FLOP/s of training and no-grad forwards on the wide model, and decode bytes/s on the big one, each
-    after its fixed costs (`overhead`: per layer and per call, zero on the first pass)."""
+    """Achieved FLOP/s of training and no-grad forwards on the wide model and the cost per weight of one call (what a
+    call spends on its weights whatever its tokens: reading them, and in training writing their gradients), from two
+    sizes of batch, and decode bytes/s on the big one, each after its fixed costs (`overhead`: per layer and per call,
+    zero on the first pass). At few tokens a large model's call is mostly its weights' traffic: SmolLM2-135M's
+    backward over 32 tokens took three times its forward."""
     from rlhfkit.plan.layout import Forward
-    from rlhfkit.plan.timing import forward_flops
+    from rlhfkit.plan.timing import forward_flops, matmul_params
 
     wide_shape, big_shape = (GPU_WIDE, GPU_BIG) if device == "cuda" else (WIDE, BIG)
     wide = build(os.path.join(work, "wide"), **wide_shape) if not os.path.isdir(os.path.join(work, "wide")) else \
         os.path.join(work, "wide")
     s = shape_of(wide)
-    rows, length = (8, 512) if device == "cuda" else (2, 160)
-    ids = tokens(rows, length, wide_shape["vocab"], device)
     model = load(wide, "full", False, device)
-    n, width = rows * length, s.hidden + s.intermediate
+    width, weights_n = s.hidden + s.intermediate, matmul_params(s, "lm")
     per_token = {kind: overhead.get(f"layer_token_{kind}", 0) + overhead.get(f"token_{kind}", 0) * width
                  for kind in ("train", "forward")}
-    fixed_train = s.layers * (overhead.get("layer_train", 0) + per_token["train"] * n) + \
-        overhead.get("call_train", 0) + overhead.get("logit_train", 0) * s.vocab * n
-    fixed_fwd = s.layers * (overhead.get("layer_forward", 0) + per_token["forward"] * n) + \
-        overhead.get("call_forward", 0) + overhead.get("logit_forward", 0) * s.vocab * n
-    t_train = clock.median(train_pass(model, ids), 3)
-    t_fwd = clock.median(forward_pass(model, ids), 3)
-    train_flops = 3 * forward_flops(s, "lm", Forward(rows, length, length, True)) / (t_train - fixed_train)
-    forward = forward_flops(s, "lm", Forward(rows, length, length, False)) / (t_fwd - fixed_fwd)
+    net = {}  # (kind, tokens) -> (FLOPs, seconds beyond the fixed costs)
+    for rows, length in ((8, 512), (1, 64)) if device == "cuda" else ((2, 160), (1, 32)):
+        ids, n = tokens(rows, length, wide_shape["vocab"], device), rows * length
+        for kind, run, times in (("train", train_pass, 3), ("forward", forward_pass, 1)):
+            fixed = s.layers * (overhead.get(f"layer_{kind}", 0) + per_token[kind] * n) + \
+                overhead.get(f"call_{kind}", 0) + overhead.get(f"logit_{kind}", 0) * s.vocab * n
+            flops = times * forward_flops(s, "lm", Forward(rows, length, length, kind == "train"))
+            net[kind, n] = flops, clock.median(run(model, ids), 3) - fixed
+    out = {}
+    for kind in ("train", "forward"):  # seconds = FLOPs / rate + weights x per-weight cost, at both sizes
+        (f1, t1), (f2, t2) = net[kind, max(n for k, n in net if k == kind)], net[kind, min(n for k, n in net if k == kind)]
+        rate = (f1 - f2) / (t1 - t2)
+        out[f"{kind}_flops"], out[f"param_{kind}"] = rate, max(0.0, (t2 - f2 / rate) / weights_n)
+    train_flops, forward = out["train_flops"], out["forward_flops"]
     big = build(os.path.join(work, "big"), **big_shape) if not os.path.isdir(os.path.join(work, "big")) else \
         os.path.join(work, "big")
     b = shape_of(big)
@@ -266,12 +273,12 @@ def compute_rates(clock: Clock, work: str, device: str, overhead: dict) -> dict:
     dec_rows, prompt, new = 4, 8, 12
     t_dec = clock.median(decode_run(model, dec_rows, prompt, new, device), 3)
     prefill = forward_flops(b, "lm", Forward(dec_rows, prompt, 1, False)) / forward + b.layers * overhead.get(
-        "layer_forward", 0) + overhead.get("call_forward", 0)
+        "layer_forward", 0) + overhead.get("call_forward", 0) + matmul_params(b, "lm") * out["param_forward"]
     per_step = (t_dec - prefill) / new - b.layers * overhead.get("layer_decode", 0) - overhead.get("decode_token", 0)
     each = 2 if device == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
     weights = each * b.params("lm")
     kv = 2 * b.layers * dec_rows * b.kv_heads * b.head_dim * each * (prompt + new / 2)
-    return {"train_flops": train_flops, "forward_flops": forward, "decode_bytes": (weights + kv) / per_step}
+    return {**out, "decode_bytes": (weights + kv) / per_step}
 
 
 def optimizer_costs(clock: Clock, work: str, device: str) -> dict:
@@ -391,7 +398,12 @@ def main() -> None:
     parser.add_argument("--only-stages", nargs="+", choices=STAGE_CELLS,
                         help="measure again only these stages' remainders (after a change to their loop or to what "
                              "the planner counts of them), at the rates and probe reference already in --out")
+    parser.add_argument("--only-rates", action="store_true",
+                        help="measure again only the FLOP rates, the per-weight costs and the decode bandwidth, at "
+                             "the fixed costs and probe reference already in --out")
     args = parser.parse_args()
+    if args.only_rates:
+        return rerate(args.out, args.name or "cpu", args.results)
     if args.only_stages:
         return restage(args.out, args.name or "cpu", args.only_stages, args.results)
     device, name = args.device, args.name or "cpu"
@@ -458,6 +470,26 @@ def restage(path: str, name: str, stages: list[str], results: str | None) -> Non
     shutil.rmtree(work, ignore_errors=True)
 
 
+def rerate(path: str, name: str, results: str | None) -> None:
+    """`--only-rates`: `compute_rates` again on the CPU at the fixed costs in `path`, scaled to its probe reference."""
+    from results import commit
+
+    table = json.load(open(path))
+    entry = table[name]
+    keys = ("layer_train", "layer_forward", "layer_decode", "token_train", "token_forward", "layer_token_train",
+            "layer_token_forward")
+    overhead = {k: entry[k]["full"] for k in keys if k in entry}
+    overhead.update({k: entry[k] for k in ("call_train", "call_forward", "decode_token", "logit_train", "logit_forward")})
+    work = tempfile.mkdtemp(prefix="plan-calibrate-")
+    entry.update(compute_rates(Clock("cpu", entry["probe_s"]), work, "cpu", overhead))
+    entry["source"] = entry["source"].split("; the FLOP rates")[0] + (
+        f"; the FLOP rates and per-weight costs measured again {time.strftime('%Y-%m-%d')} at rlhfkit {commit()} "
+        f"(load {os.getloadavg()[0]:.1f})")
+    write(path, table)
+    publish(name, entry, [], results)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def write(path: str, table: dict) -> None:
     with open(path, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
@@ -471,6 +503,8 @@ def publish(name: str, e: dict, stage_rows: list, directory: str | None = None) 
     ms = lambda v: f"{v * 1e3:.3f} ms"  # noqa: E731
     rows = [["training forward+backward", f"{e['train_flops'] / 1e9:.1f} GFLOP/s"],
             ["no-grad forward (prefill, scoring)", f"{e['forward_flops'] / 1e9:.1f} GFLOP/s"],
+            *[[f"{what} call per million weights", ms(e[key] * 1e6)] for what, key in (
+                ("training", "param_train"), ("no-grad", "param_forward")) if key in e],
             ["decode step reads", f"{e['decode_bytes'] / 1e9:.2f} GB/s"]]
     for kind in ("layer_train", "layer_forward", "layer_decode"):
         rows += [[f"{kind.replace('_', ' ')} ({mode})", ms(v)] for mode, v in e[kind].items()]

@@ -5,7 +5,8 @@ marked unmeasured, where nothing was measured yet.
 A step's seconds are the sum of
 - compute: FLOPs (2N per token forward, 4N more backward for full fine-tuning, 2N for LoRA and a frozen body; a
   second forward under gradient checkpointing; attention's QKᵀ and AV) over the achieved FLOP/s of training or of
-  no-grad forwards; a decode step reads the weights and the KV cache once (bytes over the achieved bytes/s), or is
+  no-grad forwards, and per call the weights' own traffic (read, and in full fine-tuning their gradients written),
+  which a call of few tokens is mostly made of; a decode step reads the weights and the KV cache once (bytes over the achieved bytes/s), or is
   bound by its FLOPs, whichever is slower;
 - fixed costs, the operators' own dispatch, which dominate small models: per decoder layer of each forward+backward,
   forward and decode step (by mode: full, LoRA, QLoRA; with gradient checkpointing), per layer and token (a part of
@@ -38,6 +39,10 @@ class Rates:
     train_flops: float  # FLOP/s of training forwards and backwards
     forward_flops: float  # FLOP/s of no-grad forwards (prefill, reference, scoring)
     decode_bytes: float  # bytes/s a decode step reads (the weights, the KV cache)
+    # one call's cost per weight its tokens multiply through, whatever the tokens: a training call's (the weights read
+    # in its forward and backward, their gradients written), a no-grad call's (the weights read once)
+    param_train: float = 0.0
+    param_forward: float = 0.0
     layer_train: dict[str, float] = field(default_factory=dict)  # one layer's forward+backward, by mode ("lora+ckpt")
     layer_forward: dict[str, float] = field(default_factory=dict)  # one layer's no-grad forward, by mode
     layer_decode: dict[str, float] = field(default_factory=dict)  # one layer's part of a decode step, by mode
@@ -131,13 +136,20 @@ def trained_seconds(lay: Layout, r: Rates) -> float:
     backward = {"full": 2.0, "lora": 1.0, "head": 0.0}[lay.train]
     recompute = 1.0 if lay.checkpointing and lay.train != "head" else 0.0
     seconds = fwd * (1 + backward + recompute) / r.train_flops + fixed_train(lay.policy, f, mode_of(lay) + ckpt, r)
+    # the weights' traffic: full fine-tuning's as measured; frozen weights are read in the forward and the backward
+    # (LoRA) or in the forward only (a head-only RM's body), with no gradient written; once more when recomputed
+    again = recompute * r.param_forward
+    per_weight = {"full": r.param_train, "lora": 2 * r.param_forward, "head": r.param_forward}[lay.train] + again
+    seconds += matmul_params(lay.policy, lay.head) * per_weight
     scores = dataclasses.replace(f, logit_len=0)
     if lay.critic is not None:
         seconds += forward_flops(lay.critic, "score", f) * (3 + recompute) / r.train_flops
-        seconds += fixed_train(lay.critic, scores, "full" + ckpt, r)
+        seconds += fixed_train(lay.critic, scores, "full" + ckpt, r) + matmul_params(lay.critic, "score") * (
+            r.param_train + again)
     if lay.value_adapter:  # the critic's adapter on the policy's base: a LoRA pass of its own over the same rows
         seconds += forward_flops(lay.policy, "score", f) * (2 + recompute) / r.train_flops
-        seconds += fixed_train(lay.policy, scores, mode_of(lay) + ckpt, r)
+        seconds += fixed_train(lay.policy, scores, mode_of(lay) + ckpt, r) + matmul_params(lay.policy, "score") * (
+            2 * r.param_forward + again)
     return seconds
 
 
@@ -167,8 +179,9 @@ def frozen_seconds(lay: Layout, r: Rates, compute_bytes: float) -> float:
         else:  # a reward model, the separate critic, or the critic's adapter on the policy's base
             model = lay.rewards[0] if lay.rewards else lay.critic or lay.policy
             mode = mode_of(lay) if lay.value_adapter and not lay.rewards else "full"
-        flops = forward_flops(model, "lm" if g.logit_len else "score", g)
-        seconds += flops / r.forward_flops + fixed_forward(model, g, mode, r)
+        head = "lm" if g.logit_len else "score"
+        seconds += forward_flops(model, head, g) / r.forward_flops + fixed_forward(model, g, mode, r)
+        seconds += matmul_params(model, head) * r.param_forward
     return seconds
 
 
@@ -202,7 +215,8 @@ def decode_seconds(lay: Layout, r: Rates, weight_bytes: float, compute_bytes: fl
     or bound by its FLOPs where those take longer."""
     g, s, mode = lay.generation, lay.policy, mode_of(lay)
     f = Forward(g.rows, g.prompt_len, 1, False)
-    prefill = forward_flops(s, "lm", f) / r.forward_flops + fixed_forward(s, f, mode, r)
+    prefill = forward_flops(s, "lm", f) / r.forward_flops + fixed_forward(s, f, mode, r) + matmul_params(s, "lm") * \
+        r.param_forward
     kv_per_token = 2 * s.layers * g.rows * s.kv_heads * s.head_dim * compute_bytes
     read = weight_bytes + kv_per_token * (g.prompt_len + g.new_tokens / 2)
     flops = forward_flops(s, "lm", Forward(g.rows, 1, 1, False))
@@ -220,7 +234,8 @@ def tool_rounds_seconds(g: Generation, s: ModelShape, mode: str, r: Rates) -> fl
     f = Forward(g.rows, g.result_len, 1, False)
     context = g.prompt_len + g.new_tokens / 2
     cache = 4 * s.layers * g.rows * g.result_len * context * s.heads * s.head_dim  # QKᵀ and AV over the cache
-    extend = (forward_flops(s, "lm", f) + cache) / r.forward_flops + fixed_forward(s, f, mode, r)
+    extend = (forward_flops(s, "lm", f) + cache) / r.forward_flops + fixed_forward(s, f, mode, r) + \
+        matmul_params(s, "lm") * r.param_forward
     return g.rounds * extend + g.rows * (r.tool_render + (g.rounds + 1) * r.tool_parse)
 
 

@@ -188,3 +188,23 @@ def test_a_layers_cost_per_token_has_a_part_of_its_own_beside_the_part_per_width
     with_token = rates_for(DEVICE, {"test-device": {**RATES, "layer_token_forward": {"full": 0.005}}})
     r = rates_for(DEVICE, TABLE)
     assert frozen_seconds(grpo, with_token, 2) - frozen_seconds(grpo, r, 2) == pytest.approx(2 * 2 * 0.005 * 8)
+
+
+def test_a_calls_weight_traffic_by_hand():
+    """Each call spends per weight it multiplies through (360 here: the linears and the head) what bench/
+    plan_calibrate.py measured at two batch sizes: a training call `param_train` (full fine-tuning: the weights read
+    and their gradients written), frozen weights `param_forward` each time they are read."""
+    traffic = {"test-device": {**RATES, "param_train": 0.01, "param_forward": 0.001}}
+    sft = layout("sft", data=SFT_DATA, optim={"per_device_batch_size": 2})
+    t = step_time(sft, DEVICE, 0, 4, traffic)
+    assert t.seconds == pytest.approx(13.824 + 1.4 + 0.63 + 2.0 + 360 * 0.01)
+    lora = layout("sft", data=SFT_DATA, optim={"per_device_batch_size": 2},
+                  model={"name_or_path": "hand-made", "gradient_checkpointing": True, "lora": {"enabled": True, "r": 1}})
+    # frozen weights read in the forward, the backward and the recomputed forward
+    assert step_time(lora, DEVICE, 0, 4, traffic).seconds - step_time(lora, DEVICE, 0, 4, TABLE).seconds == \
+        pytest.approx(360 * 3 * 0.001)
+    r, plain = rates_for(DEVICE, traffic), rates_for(DEVICE, TABLE)
+    grpo = layout("grpo", data={"train": "x", "max_prompt_length": 2}, reward={"function": "m:f"},
+                  generation={"max_new_tokens": 2, "num_samples": 2}, algo={"rollout_batch_size": 1},
+                  optim={"per_device_batch_size": 2})
+    assert decode_seconds(grpo, r, 1000, 4) - decode_seconds(grpo, plain, 1000, 4) == pytest.approx(360 * 0.001)
