@@ -263,7 +263,7 @@ def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     """The update's peak over the resident state, at whichever moment is highest: the backward's start (activations
     and the logits' buffers alive; with accumulation the gradients of earlier micro-batches too), a layer's backward
     (`layer_backward`), the backward's end (every gradient, and for tied embeddings the head's and the embedding's
-    gradients summed: two more V·H copies), or the optimizer step (on a GPU a gradient-sized temporary)."""
+    gradients summed: two more V·H copies, three with accumulation), or the optimizer step (on a GPU a gradient-sized temporary)."""
     parts = resident(lay, p, shard)
     per_param = 4.0 if lay.train != "full" else p.weights
     grads = trainable_params(lay) * per_param / shard.states()
@@ -282,7 +282,10 @@ def update_phase(lay: Layout, p: Precision, shard: Sharding) -> Phase:
     top = max(transient, key=transient.get)
     fwd[top] = transient[top]
     tied_head = lay.train == "full" and lay.policy.tied and lay.head == "lm"
-    tied = 2 * lay.policy.vocab * lay.policy.hidden * per_param if tied_head else 0.0
+    # The head's and the embedding's gradients and their sum; with accumulation, the gradient the earlier
+    # micro-batches left is alive beside them until the sum is added to it (tests/unit/test_plan_sizes.py).
+    copies = 3 if lay.accum > 1 else 2
+    tied = copies * lay.policy.vocab * lay.policy.hidden * per_param if tied_head else 0.0
     end = {"gradients": grads, "tied gradient sum": tied, "optimizer step": grads if p.gpu else 0.0}
     start = {"gradients": grads if lay.accum > 1 else 0.0, **fwd}
     middle = layer_backward(lay, p, shard, f) if lay.train != "head" else {}

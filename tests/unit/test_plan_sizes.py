@@ -319,3 +319,48 @@ def update_peak_scored(model, ids, mask, labels) -> int:
         logprobs, scored = token_logprobs(model, ids, mask, labels)
         (-(logprobs * scored).sum()).backward()
         return tracker.peak - base
+
+
+def test_tied_embeddings_gradient_accumulated_over_micro_batches(tmp_path):
+    """A tied embedding's gradient is the head's plus the embedding's, summed at the backward's end (two V·H copies
+    beside the parameters' gradients); from the second micro-batch on that sum is then added to the gradient the
+    earlier ones left, a third copy while the old one is alive (SmolLM2-135M's GRPO and online DPO with full
+    fine-tuning measured 3.7% over their plan by that copy). Measured on the tiny model with its head tied and a
+    2,048-token vocabulary (a GRPO update of two micro-batches, rows short enough that the backward's end is the
+    peak): the planned update within 2% of the tracker."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from rlhfkit.plan.shape import config_dir
+
+    tiny = config_dir("tiny")
+    config = AutoConfig.from_pretrained(tiny)
+    config.tie_word_embeddings, config.vocab_size = True, 2048  # the V·H copies above the layers' gradients
+    tied = tmp_path / "tied"
+    LlamaForCausalLM(config).save_pretrained(tied)
+    for name in os.listdir(tiny):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(tiny, name), tied / name)
+    cfg = build_stage_config("grpo", {"model": {"name_or_path": str(tied)}, "output_dir": "x",
+                                      "data": {"train": "x", "max_prompt_length": 2, "max_length": 64},
+                                      "reward": {"function": "m:f"}, "algo": {"rollout_batch_size": 1},
+                                      "generation": {"max_new_tokens": 2, "num_samples": 2},
+                                      "optim": {"per_device_batch_size": 1}})
+    lay = layout_of("grpo", cfg)
+    assert lay.policy.tied and lay.accum == 2
+    update = next(ph for ph in plan_for("grpo", cfg, device="cpu", suggest=False).phases if ph.name == "update")
+    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
+    planned -= update.parts.get("weights/reference", 0.0)
+    model = load_causal_lm(cfg.model)
+    model.train()
+    ids = torch.randint(0, 50, (1, 4))
+    tracker = LiveTensors()
+    tracker.add_module(model)
+    with tracker:
+        base = tracker.current
+        tracker.reset_peak()
+        for _ in range(lay.accum):
+            model(input_ids=ids, labels=ids).loss.backward()
+        measured = tracker.peak - base
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured, update.parts)
