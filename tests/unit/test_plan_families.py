@@ -382,18 +382,7 @@ def test_the_update_peak_is_planned(tiny_dirs, family, checkpointing):
     """An SFT update of 4 rows of 256 tokens (one right-padded), the family's own attention (Gemma 2: eager, whose
     backward holds fp32 B·H·T² gradients; the others sdpa, the windowed layers with their masks): the planned peak
     over the weights and optimizer states at most 10% under and 15% over the live-tensor tracker."""
-    from test_plan_sizes import update_peak
+    from test_plan_sizes import sft_update
 
-    model = {"name_or_path": tiny_dirs[family], "gradient_checkpointing": checkpointing}
-    cfg = build_stage_config("sft", {"model": model,
-                                     "data": {"train": "x", "max_length": 256, "max_prompt_length": 64},
-                                     "output_dir": "x", "optim": {"per_device_batch_size": 4}})
-    update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
-    model = load_causal_lm(cfg.model)
-    model.train()
-    ids = torch.randint(3, 50, (4, 256))
-    mask = torch.ones_like(ids)
-    mask[1, 200:] = 0
-    planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
-    measured = update_peak(model, ids, mask)
+    _, planned, measured = sft_update(checkpointing, tiny_dirs[family], length=256, pad_from=200, vocab=(3, 50))
     assert -0.10 * measured <= planned - measured <= 0.15 * measured, (planned, measured)

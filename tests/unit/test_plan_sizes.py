@@ -31,19 +31,20 @@ def grpo_config(lora: bool, rows: int = 4, prompt: int = 24, new: int = 8):
                                        "algo": {"rollout_batch_size": rows // 2}, "optim": {"per_device_batch_size": 2}})
 
 
-def sft_update(checkpointing: bool):
-    """The tiny model's SFT update, planned and measured on 4 rows at the 128-token cap, one right-padded as an
-    offline batch is: (the planned update phase, its peak over the weights and optimizer states, the live tensor
-    bytes the forward and backward add at their peak)."""
-    cfg = build_stage_config("sft", {"model": {"name_or_path": "tiny", "gradient_checkpointing": checkpointing},
-                                     "data": {"train": "x", "max_length": 128, "max_prompt_length": 64},
+def sft_update(checkpointing: bool, model: str = "tiny", length: int = 128, pad_from: int = 100,
+               vocab: tuple[int, int] = (0, 50)):
+    """A model's SFT update (the tiny model's by default), planned and measured on 4 rows at the `length`-token cap,
+    one right-padded from `pad_from` as an offline batch is: (the planned update phase, its peak over the weights and optimizer
+    states, the live tensor bytes the forward and backward add at their peak)."""
+    cfg = build_stage_config("sft", {"model": {"name_or_path": model, "gradient_checkpointing": checkpointing},
+                                     "data": {"train": "x", "max_length": length, "max_prompt_length": 64},
                                      "output_dir": "x", "optim": {"per_device_batch_size": 4}})
     update = next(ph for ph in plan_for("sft", cfg, device="cpu", suggest=False).phases if ph.name == "update")
     model = load_causal_lm(cfg.model)
     model.train()
-    ids = torch.randint(0, 50, (4, 128))
+    ids = torch.randint(*vocab, (4, length))
     mask = torch.ones_like(ids)
-    mask[1, 100:] = 0
+    mask[1, pad_from:] = 0
     planned = update.total - update.parts["weights/policy"] - update.parts["optimizer"]
     return update, planned, update_peak(model, ids, mask)
 
