@@ -4,7 +4,8 @@ one turn, the tool loop for multi-turn episodes); it is the only place a model i
 
 The cache is transformers' `DynamicCache` (with `generation.compile`, a `StaticCache` and a compiled one-token step),
 used through its public API only: the model's forward fills it, `batch_select_indices` keeps or copies rows, and a
-cache is rebuilt from its tensors (`DynamicCache(ddp_cache_data=...)`) when rows join it.
+cache is rebuilt from its tensors into new `DynamicLayer`s when rows join it (`rebuilt_cache`: a tensor at a time,
+each old one released as its new one is filled, so one cache and one layer are live at the peak).
 
 What the rows share (the efficiencies of the tool loop's session, now every caller's):
 - a prompt several rows share (a group's) is prefilled once, its cache row then copied to each;
@@ -32,6 +33,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +165,39 @@ def window_masks(mask: torch.Tensor, positions: torch.Tensor, window: int, layer
     return {"full_attention": finished(seen), "sliding_attention": finished(near)}
 
 
+def rebuilt_cache(rows: int, width: int, parts: list[list], places: list[tuple[torch.Tensor, int]]):
+    """A new dynamic cache of `rows` rows and `width` columns from the `parts` (each a list of (keys, values) per
+    layer, spent: an entry is dropped as it is copied). `places`: one per part, the rows (k,) its rows go to and the
+    column its first column goes to (negative: that many of its first columns are cut off); the columns no part fills
+    are zeros, which the session's mask hides.
+
+    A tensor at a time, each old one released as its new one is filled, so rows that park and rejoin (`unpark`) or
+    join (`join`) leave one cache plus one layer's keys live at the peak, the one cache the planner counts; a
+    `DynamicCache(ddp_cache_data=...)` of stacked tensors copied every layer while the old cache and the parts lived.
+    The caller holds no other reference to the parts' tensors (`Session` drops its old cache first)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()
+    for i in range(len(parts[0])):
+        new = []
+        for slot in (0, 1):
+            sources = [part[i][slot] for part in parts]
+            for part in parts:
+                part[i] = (None, part[i][1]) if slot == 0 else None
+            out = sources[0].new_zeros(rows, sources[0].shape[1], width, sources[0].shape[-1])
+            for source, (to, at) in zip(sources, places):
+                source = source[..., max(0, -at):, :]
+                out[to, :, max(0, at): max(0, at) + source.shape[-2]] = source
+            del sources, source
+            new.append(out)
+        layer = DynamicLayer()
+        layer.lazy_initialization(*new)
+        layer.keys, layer.values = new
+        cache.layers.append(layer)
+    return cache
+
+
 class Session:
     """One KV cache over a batch of rows, across their turns (module docstring).
 
@@ -277,18 +312,20 @@ class Session:
 
     def unpark(self, parked: list[Parked], order: list[Row]) -> None:
         """The parked rows back into the cache, the rows then in `order`: their columns padded on the right with
-        masked ones to the width the others reached (both share the columns from before the parking)."""
-        from transformers import DynamicCache
-
+        masked ones to the width the others reached (both share the columns from before the parking). The cache is
+        rebuilt a tensor at a time, each old one (the session's and the parked ones) released as its new one
+        is filled (`rebuilt_cache`): one cache plus one layer live at the peak, as the planner counts; `parked` is
+        spent."""
         width = self.mask.shape[1]
-        parts = [Parked(self.rows, [(k, v) for k, v, *_ in self.cache], self.mask, self.next_position), *parked]
+        parts = [Parked(self.rows, [], self.mask, self.next_position), *parked]
         where = {id(row): i for i, row in enumerate(row for part in parts for row in part.rows)}
         index = torch.tensor([where[id(row)] for row in order], dtype=torch.long, device=self.device)
-        right = lambda x: torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))  # noqa: E731 (masked columns)
-        stacked = lambda tensors: torch.cat([right(t) for t in tensors])[index]  # noqa: E731
-        self.cache = DynamicCache(ddp_cache_data=[(stacked([p.kv[layer][0] for p in parts]),
-                                                   stacked([p.kv[layer][1] for p in parts]))
-                                                  for layer in range(len(parts[0].kv))])
+        goes = torch.empty_like(index)
+        goes[index] = torch.arange(len(order), device=self.device)  # each part's rows' places in `order`
+        bounds = [0, *itertools.accumulate(len(p.rows) for p in parts)]
+        places = [(goes[a:b], 0) for a, b in zip(bounds, bounds[1:])]
+        own, self.cache = [(k, v) for k, v, *_ in self.cache], None
+        self.cache = rebuilt_cache(len(order), width, [own, *(p.kv for p in parked)], places)
         self.mask = torch.cat([torch.nn.functional.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts])[index]
         self.next_position = torch.cat([p.next_position for p in parts])[index]
         self.rows, self.logits = list(order), None  # the next logits come from `extend`
@@ -296,20 +333,20 @@ class Session:
     def join(self, groups: list[Group]) -> None:
         """The groups' rows join the cache after its rows (continuous refill): prefilled on their own, then both
         caches left-padded with masked columns to one width and stacked, columns no row reads cut off the left."""
-        from transformers import DynamicCache
-
         if not self.rebuildable:
             raise UserError("generation.max_batch_rows: continuous refill needs the dynamic KV cache (generation.compile "
                             "false) and a model whose every layer is attention")
         rows, cache, mask, positions, logits = self.prefill(groups)
         self.give_slots(rows)
-        width = max(mask.shape[1], self.mask.shape[1])
-        left = lambda x: torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))  # noqa: E731 (masked columns)
-        merged = [(torch.cat([left(k0), left(k1)]), torch.cat([left(v0), left(v1)]))
-                  for (k0, v0, *_), (k1, v1, *_) in zip(self.cache, cache)]
+        old, widths = self.mask.shape[0], (self.mask.shape[1], mask.shape[1])
+        width = max(widths)
         mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in (self.mask, mask)])
         first = int(mask.any(0).long().argmax())  # columns before this one hold no row's token
-        self.cache = DynamicCache(ddp_cache_data=[(k[..., first:, :], v[..., first:, :]) for k, v in merged])
+        places = [(torch.arange(a, b, device=self.device), width - w - first)
+                  for a, b, w in ((0, old, widths[0]), (old, mask.shape[0], widths[1]))]
+        joining = [(layer.keys, layer.values) for layer in cache.layers]
+        own, self.cache, cache = [(k, v) for k, v, *_ in self.cache], None, None
+        self.cache = rebuilt_cache(mask.shape[0], width - first, [own, joining], places)
         self.mask, self.next_position = mask[:, first:], torch.cat([self.next_position, positions])
         self.logits = torch.cat([self.logits[: len(self.rows) - len(rows)], logits])
 

@@ -365,3 +365,35 @@ def test_tied_embeddings_gradient_accumulated_over_micro_batches(tmp_path):
             model(input_ids=ids, labels=ids).loss.backward()
         measured = tracker.peak - base
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured, update.parts)
+
+
+def test_unparking_rows_rebuilds_the_kv_cache_a_layer_at_a_time():
+    """A multi-turn episode's rows park while the others go on, then rejoin (`Session.unpark`): the cache is rebuilt a
+    layer at a time, each old layer's keys and values released as its new ones are filled, so the live tensors peak
+    at about one cache plus one layer (the planner counts one cache), not the two or three caches of a rebuild through
+    a new `DynamicCache`. Tiny model: 2 layers, 2 KV heads of 16, fp32; 4 rows, 24 prompt tokens, 6 steps after the
+    parking -> the rebuilt cache 2 layers x (K, V) x 4 x 2 x 30 x 16 x 4 B = 61,440 B, a layer 30,720 B."""
+    from rlhfkit.config import GenerationConfig
+    from rlhfkit.generation.session import Group, Session, Stream
+
+    model = load_causal_lm(ModelConfig(name_or_path="tiny"), trainable=False)
+    model.eval()
+    session = Session(model, GenerationConfig(max_new_tokens=8), eos_token_id=0, pad_token_id=0,
+                      device=torch.device("cpu"))
+    with torch.no_grad():
+        session.start([Group([0, 1, 2, 3], list(range(5, 29)), Stream(), 8)])
+        order = list(session.rows)
+        parked = session.park([1, 3])
+        for _ in range(6):
+            session.step(torch.tensor([7, 9]), torch.tensor([True, True]))
+    assert session.mask.shape[1] == 30 and parked.kv[0][0].shape == (2, 2, 24, 16)
+    tracker = LiveTensors()
+    tracker.add(*(t for k, v, *_ in session.cache for t in (k, v)), *(t for k, v in parked.kv for t in (k, v)))
+    before = tracker.current
+    with tracker, torch.no_grad():
+        session.unpark([parked], order)
+    del parked
+    cache, layer = 61_440, 30_720
+    assert before == 2 * 2 * 2 * 30 * 16 * 4 * 2 + 2 * 2 * 2 * 24 * 16 * 4 * 2  # the 2 rows left and the 2 parked
+    assert session.cache.layers[0].keys.shape == (4, 2, 30, 16)
+    assert tracker.peak <= cache + layer + 4096, (tracker.peak, cache + layer)  # + the mask, positions, row index
