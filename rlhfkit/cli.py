@@ -220,12 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("rlhfkit: interrupted")
         return 130
-    finally:
-        from rlhfkit.launch import end_process_group
-
-        end_process_group()
     return 0
 
 
+def entry() -> int:
+    """The `rlhfkit` command (and `python -m rlhfkit.cli`): `main` on the command line's arguments, then the process
+    group, if any, destroyed on the way out, on an error too (`launch.end_process_group`). `main` itself leaves the
+    group alone: a Python caller owns it, and may run several stages in one group."""
+    from rlhfkit.launch import end_process_group
+
+    try:
+        return main()
+    finally:
+        end_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

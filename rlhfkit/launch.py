@@ -98,7 +98,8 @@ def end_process_group() -> None:
     the group's C++ worker threads and pending work are torn down in no set order with the Python objects they hold,
     which can abort a process whose run has finished: "terminate called without an active exception"
     (pytorch/pytorch#190489; PyTorch's docs ask for `destroy_process_group` at the end of every process, as accelerate's
-    `end_training` does). The CLI calls it on its way out; the Python API leaves the group to the caller's script."""
+    `end_training` does). The command (`cli.entry`) calls it on its way out; `cli.main` and the Python API leave the group to the
+    caller's script, which may run several stages in it."""
     dist = sys.modules.get("torch.distributed")  # not imported: no group (and `rlhfkit --help` pays no torch import)
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -157,16 +157,22 @@ def test_the_error_line_is_written_in_one_call(monkeypatch, tmp_path):
     assert lines[0].count("\n") == 1
 
 
-def test_the_cli_destroys_the_process_group_on_its_way_out(tmp_path):
+def test_the_command_destroys_the_process_group_on_its_way_out_and_main_leaves_it_to_its_caller(tmp_path):
     """A process group left to the interpreter's exit is torn down in no set order with the Python objects its
     threads hold, which once aborted a finished 2-process run's rank ("terminate called without an active
-    exception"): `rlhfkit` destroys it before it returns, on an error too. A one-process gloo group, in a process of
-    its own (as accelerate makes it under torchrun)."""
+    exception"): the `rlhfkit` command (`cli.entry`) destroys it before it returns, on an error too. `cli.main` called
+    from Python leaves it to its caller, who may run several stages in the same group (the multiprocess tests' driver
+    does; destroying it under accelerate's state failed every stage after the first). A one-process gloo group, in a
+    process of its own (as accelerate makes it under torchrun)."""
     script = (
         "import sys, torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
-        "from rlhfkit.cli import main\n"
-        f"code = main(['sft', '--config', '{tmp_path / 'missing.yaml'}'])\n"
-        "print(code, dist.is_initialized())\n")
+        "from rlhfkit.cli import entry, main\n"
+        f"argv = ['sft', '--config', '{tmp_path / 'missing.yaml'}']\n"
+        "first = main(argv)\n"
+        "print(first, dist.is_initialized())\n"
+        "sys.argv = ['rlhfkit', *argv]\n"
+        "second = entry()\n"
+        "print(second, dist.is_initialized())\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.stdout.split() == ["2", "False"], r.stderr[-2000:]
+    assert r.stdout.split() == ["2", "True", "2", "False"], r.stderr[-2000:]
